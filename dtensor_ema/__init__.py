@@ -1,0 +1,19 @@
+"""dtensor_ema: an exponential moving average of model weights, sharded across ranks.
+
+Each EMA tensor is a DTensor (``Shard(0)`` over a 1-D mesh; FSDP2 parameters keep their own
+mesh and placements), updated locally with no communication, materialized only on request,
+and checkpointed with ``torch.distributed.checkpoint`` at any world size.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from dtensor_ema.decay import RampDecay
+from dtensor_ema.layout import chunk_range
+from dtensor_ema.model_ema import ModelEMA
+
+try:
+    __version__ = version("dtensor_ema")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["ModelEMA", "RampDecay", "__version__", "chunk_range"]

@@ -1,0 +1,442 @@
+"""ModelEMA: an exponential moving average of a model's weights, sharded across ranks.
+
+Every popular EMA keeps a full replica of the model on every rank and updates all of it
+every step. Here each rank keeps only its ``Shard(0)`` piece of every tensor (a DTensor on a
+1-D mesh; FSDP2 parameters keep their own mesh and placements), so memory and update work
+are about ``1/W`` of a replicated EMA, and ``update()`` never communicates: it is one fused
+``lerp`` per (device, dtype) group over cached local views. Full weights are materialized
+only on request (evaluation, export), with one flat all-gather per bucket.
+
+The math (yolov5/ultralytics):
+
+    updates += 1
+    d = decay * (1 - exp(-updates / tau))        # tau=None or 0: d = decay
+    ema = ema.lerp(model.to(ema.dtype), 1 - d)   # i.e. ema = d * ema + (1 - d) * model
+
+for every floating-point entry of the model's state dict (parameters and float buffers
+such as BatchNorm running stats). Integer buffers (``num_batches_tracked``) follow the
+model. Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit for
+bit at every world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.decay import RampDecay
+from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
+from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
+from dtensor_ema.plan import EmaPlan, PlanEntry, build_plan, model_tensors, unwrap_model
+from dtensor_ema.watch import registration_epoch
+
+__all__ = ["ModelEMA"]
+
+StateDict = dict[str, Any]
+
+
+class ModelEMA:
+    """Sharded exponential moving average of ``model``'s parameters and float buffers.
+
+    Args:
+        model: a plain ``nn.Module``, a DDP-wrapped one, or an FSDP2 (``fully_shard``) one.
+            The EMA tracks the unwrapped module; keys never carry a ``module.`` prefix.
+        mesh: 1-D ``DeviceMesh`` over which replicated tensors are sharded (``Shard(0)``,
+            uneven and empty shards included; 0-dim tensors are ``Replicate()``). ``None``
+            means the whole default process group when one is initialized, and no sharding
+            at all otherwise (single process, no process group needed). FSDP2/DTensor
+            parameters ignore ``mesh``: their EMA uses the parameter's own mesh and
+            placements, so the update stays local.
+        decay: asymptotic decay in ``[0, 1]``.
+        tau: ramp time constant in updates (``>= 0``); ``None`` or ``0`` for constant decay.
+        updates: initial value of the update counter (``>= 0``).
+        ema_dtype: dtype of the EMA tensors. Default: float32 for fp16/bf16 tensors, the
+            model's dtype otherwise. A bf16 EMA with decay 0.9999 silently stops moving.
+
+    Construction is local (no collective) but must happen on every rank of the mesh, on
+    models whose tensors are identical across ranks where they are replicated (DDP
+    guarantees this).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
+        ValueError: ``decay``, ``tau`` or ``updates`` out of range; a mesh that is not 1-D
+            or whose device type differs from the model's; a model with no float state.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh | None = None,
+        decay: float = 0.9999,
+        tau: float | None = 2000,
+        updates: int = 0,
+        *,
+        ema_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.schedule = RampDecay(decay=decay, tau=tau)
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+            raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+        if ema_dtype is not None and not (
+            isinstance(ema_dtype, torch.dtype) and ema_dtype.is_floating_point
+        ):
+            raise ValueError(f"ema_dtype must be a floating-point torch.dtype, got {ema_dtype!r}")
+        self.module = unwrap_model(model)
+        _reshard_fsdp(self.module)
+        self.mesh = resolve_mesh(mesh, _model_device(self.module))
+        self.updates = updates
+        self.ema_dtype = ema_dtype
+        self._plan: EmaPlan = build_plan(self.module, self.mesh, ema_dtype=ema_dtype)
+        self._keys = list(model_tensors(self.module))
+        self._groups = _lerp_groups(self._plan)
+        self._source_ptrs = _source_ptrs(self._plan)
+        self._epoch = registration_epoch()
+        self.last_decay: float | None = None
+        """Decay used by the most recent ``update()``; ``None`` before the first."""
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def decay(self) -> float:
+        """Asymptotic decay of the schedule."""
+        return self.schedule.decay
+
+    @property
+    def tau(self) -> float | None:
+        """Ramp time constant in updates (``None`` or ``0``: constant decay)."""
+        return self.schedule.tau
+
+    def get_decay(self, updates: int | None = None) -> float:
+        """Decay that update number ``updates`` uses (default: the next ``update()``'s)."""
+        return self.schedule(self.updates + 1 if updates is None else updates)
+
+    def ema_tensors(self) -> dict[str, torch.Tensor]:
+        """``fqn -> EMA tensor`` (DTensor, or plain without a mesh). Live tensors: no copy."""
+        return {e.fqn: e.ema for e in self._plan}
+
+    def local_numel(self) -> int:
+        """Number of EMA elements this rank stores (its shards, plus replicated 0-dim ones)."""
+        return sum(e.ema_local.numel() for e in self._plan)
+
+    def local_nbytes(self) -> int:
+        """Bytes of EMA storage held by this rank."""
+        return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self._plan)
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def update(self, model: nn.Module | None = None) -> None:
+        """Advance the average by one step. Local: **no communication**.
+
+        Call after ``optimizer.step()`` on every rank. Reads only this rank's piece of each
+        tracked tensor and runs one ``torch._foreach_lerp_`` per (device, dtype) group.
+
+        Args:
+            model: optional, for timm-style ``ema.update(model)`` calls; must be the model
+                (or a wrapper of it) the EMA was created from.
+
+        Raises:
+            ValueError: ``model`` is not the tracked model, or the tracked model's tensor
+                names, shapes or dtypes changed since construction.
+        """
+        if model is not None and unwrap_model(model) is not self.module:
+            raise ValueError(
+                f"update() got a {type(model).__name__} that is not the model this EMA "
+                f"tracks ({type(self.module).__name__} at {id(self.module):#x}); create a "
+                "new ModelEMA for a different model"
+            )
+        self._sync_sources()
+        self.updates += 1
+        decay = self.schedule(self.updates)
+        weight = 1.0 - decay
+        for ema_locals, source_locals in self._groups:
+            if source_locals[0].dtype != ema_locals[0].dtype:
+                source_locals = [s.to(ema_locals[0].dtype) for s in source_locals]
+            torch._foreach_lerp_(ema_locals, source_locals, weight)
+        self.last_decay = decay
+
+    # ------------------------------------------------------------------ materialize
+    def get_model_state_dict(
+        self,
+        *,
+        rank0_only: bool = False,
+        cpu_offload: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> tuple[StateDict, StateDict]:
+        """Full EMA weights and a copy of the model's current weights. **Collective.**
+
+        Every rank of the mesh (and of every FSDP2 mesh) must call this. EMA shards travel in
+        flat buckets: one all-gather per (mesh, dtype) bucket, not one per tensor.
+
+        Args:
+            rank0_only: only global rank 0 gets the tensors; other ranks get two empty dicts.
+            cpu_offload: return CPU tensors (for export); device memory stays at ~one bucket.
+            bucket_bytes: bound on the bytes one all-gather moves.
+
+        Returns:
+            ``(ema_state_dict, original_state_dict)``: full, contiguous tensors keyed like
+            the unwrapped model's ``state_dict()``, in the model's dtypes, ready for
+            ``load_state_dict(strict=True)``. Integer buffers carry the model's value in
+            both. Neither shares memory with the model or the EMA.
+        """
+        self._sync_sources()
+        kwargs = {"rank0_only": rank0_only, "cpu_offload": cpu_offload, "bucket_bytes": bucket_bytes}
+        ema_full = gather_full_tensors([_ema_piece(e) for e in self._plan], **kwargs)
+        model_full = gather_full_tensors([_source_piece(e) for e in self._plan], **kwargs)
+        if not ema_full and not model_full and rank0_only:
+            return {}, {}
+        device = torch.device("cpu") if cpu_offload else None
+        followed = {
+            k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
+        }
+        return self._ordered(ema_full, followed), self._ordered(model_full, followed)
+
+    @contextlib.contextmanager
+    def average_parameters(self) -> Iterator[nn.Module]:
+        """Swap the EMA weights into the model for evaluation; restore them on exit.
+
+        Yields the unwrapped model. Tensors of FSDP2 (DTensor) parameters are swapped shard
+        by shard with **no collective** (FSDP's own all-gather in forward serves the
+        evaluation). Replicated tensors (plain/DDP models, and plain buffers under FSDP2)
+        need the full EMA on every rank: **collective**, one flat all-gather per bucket.
+        Every rank of the mesh must enter the context.
+
+        Peak extra memory: one full copy of the swapped replicated tensors (the backup) plus
+        the gathered EMA, or the local shards for FSDP2 parameters.
+        """
+        self._sync_sources()
+        sharded = [e for e in self._plan if e.is_dtensor_source]
+        replicated = [e for e in self._plan if not e.is_dtensor_source]
+        _reshard_fsdp(self.module)
+        with torch.no_grad():
+            ema_full = gather_full_tensors([_ema_piece(e) for e in replicated])
+            backups = [e.source_local.clone() for e in sharded]
+            backups += [e.source.detach().clone() for e in replicated]
+            for e in sharded:
+                e.source_local.copy_(e.ema_local)
+            for e in replicated:
+                e.source.detach().copy_(ema_full.pop(e.fqn))
+            del ema_full
+        try:
+            yield self.module
+        finally:
+            _reshard_fsdp(self.module)
+            with torch.no_grad():
+                targets = [e.source_local for e in sharded]
+                targets += [e.source.detach() for e in replicated]
+                for target, backup in zip(targets, backups):
+                    target.copy_(backup)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> StateDict:
+        """The EMA's own state for DCP: live sharded tensors plus the counter and config.
+
+        Local (no collective). ``{"updates": int, "schedule": {...}, "ema": {fqn: DTensor}}``.
+        The EMA tensors are the live ones, so ``dcp.load`` fills them in place; they must not
+        be updated while an ``async_save`` of them is pending.
+        """
+        return {
+            "updates": self.updates,
+            "schedule": self.schedule.config(),
+            "ema": {e.fqn: e.ema for e in self._plan},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: StateDict) -> None:
+        """Restore from :meth:`state_dict` output, a DCP load, or full (plain) tensors.
+
+        Local (no collective). DTensor values with our placements are copied shard by shard;
+        plain full tensors are sliced to this rank's shard.
+
+        Raises:
+            KeyError: ``state_dict`` lacks ``"ema"`` or ``"updates"``.
+            ValueError: missing/unexpected fqns, shape or dtype mismatches, or a decay
+                schedule different from this EMA's.
+        """
+        for key in ("ema", "updates"):
+            if key not in state_dict:
+                raise KeyError(f"EMA state dict has no {key!r} entry (keys: {list(state_dict)})")
+        values = state_dict["ema"]
+        entries = self._plan.by_fqn()
+        missing = [k for k in entries if k not in values]
+        unexpected = [k for k in values if k not in entries]
+        if missing or unexpected:
+            raise ValueError(
+                f"EMA state dict does not match the model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}"
+            )
+        schedule = state_dict.get("schedule")
+        if schedule is not None and schedule != self.schedule.config():
+            raise ValueError(
+                f"checkpoint decay schedule {schedule} differs from this EMA's "
+                f"{self.schedule.config()}; construct ModelEMA with the checkpoint's values"
+            )
+        updates = state_dict["updates"]
+        if isinstance(updates, torch.Tensor):
+            updates = int(updates.item())
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+            raise ValueError(f"checkpoint 'updates' must be an int >= 0, got {updates!r}")
+        locals_ = [(e, _local_of(e, values[e.fqn])) for e in entries.values()]
+        for entry, local in locals_:
+            if local is not entry.ema_local:
+                entry.ema_local.copy_(local)
+        self.updates = updates
+
+    def __repr__(self) -> str:
+        mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
+        return (
+            f"{type(self).__name__}({type(self.module).__name__}, {mesh}, "
+            f"decay={self.decay}, tau={self.tau}, updates={self.updates}, "
+            f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:
+        out: StateDict = {}
+        for key in self._keys:
+            if key in tensors:
+                out[key] = tensors[key]
+            elif key in followed:
+                out[key] = followed[key]
+            elif key in self._plan.aliases:
+                out[key] = tensors[self._plan.aliases[key]]
+        return out
+
+    def _sync_sources(self) -> None:
+        """Re-bind the cached views if the model re-registered or re-allocated tensors.
+
+        Cost when nothing changed: one integer compare and one ``data_ptr`` per plain
+        tensor. Raises ``ValueError`` if names, shapes or dtypes changed.
+        """
+        if self._epoch == registration_epoch() and _source_ptrs(self._plan) == self._source_ptrs:
+            return
+        current = model_tensors(self.module)
+        problems = []
+        for entry in self._plan:
+            tensor = current.get(entry.fqn)
+            if tensor is None:
+                problems.append(f"{entry.fqn}: missing from the model")
+            elif tensor.shape != entry.source.shape or tensor.dtype != entry.source.dtype:
+                problems.append(
+                    f"{entry.fqn}: was {tuple(entry.source.shape)} {entry.source.dtype}, "
+                    f"now {tuple(tensor.shape)} {tensor.dtype}"
+                )
+            elif tensor.device != entry.source.device:
+                problems.append(f"{entry.fqn}: moved from {entry.source.device} to {tensor.device}")
+        known = set(self._keys)
+        problems += [f"{k}: new in the model" for k in current if k not in known]
+        if problems:
+            raise ValueError(
+                "the model's tensors changed since the EMA was created (create a new ModelEMA "
+                f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
+            )
+        fresh = build_plan(self.module, self.mesh, ema_dtype=self.ema_dtype)
+        for entry, new in zip(self._plan.entries, fresh.entries):
+            assert entry.fqn == new.fqn
+            entry.source, entry.source_local = new.source, new.source_local
+        self._plan.followed = fresh.followed
+        self._groups = _lerp_groups(self._plan)
+        self._source_ptrs = _source_ptrs(self._plan)
+        self._epoch = registration_epoch()
+
+
+def _model_device(module: nn.Module) -> torch.device:
+    for tensor in model_tensors(module).values():
+        return tensor.device
+    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
+
+
+def _reshard_fsdp(module: nn.Module) -> None:
+    """Register FSDP2's sharded parameters again (a forward without backward leaves the
+    root, and modules with ``reshard_after_forward=False``, unsharded)."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def _lerp_groups(plan: EmaPlan) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """(EMA locals, source locals) per (device, EMA dtype, source dtype); empties dropped."""
+    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for e in plan:
+        if e.ema_local.numel() == 0:
+            continue
+        key = (e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
+        emas, sources = groups.setdefault(key, ([], []))
+        emas.append(e.ema_local)
+        sources.append(e.source_local)
+    return list(groups.values())
+
+
+def _source_ptrs(plan: EmaPlan) -> list[int]:
+    # DTensor wrappers have no storage of their own; FSDP2 keeps their local tensors in
+    # place for the life of the module, so only plain tensors are checked.
+    return [e.source.data_ptr() for e in plan if not isinstance(e.source, DTensor)]
+
+
+def _ema_piece(entry: PlanEntry) -> LocalPiece:
+    return LocalPiece(
+        fqn=entry.fqn,
+        local=entry.ema_local,
+        shape=entry.ema.shape,
+        mesh=entry.mesh,
+        placements=entry.placements,
+        out_dtype=entry.source.dtype,
+    )
+
+
+def _source_piece(entry: PlanEntry) -> LocalPiece:
+    source = entry.source
+    if isinstance(source, DTensor):
+        return LocalPiece(
+            fqn=entry.fqn,
+            local=entry.source_local,
+            shape=source.shape,
+            mesh=source.device_mesh,
+            placements=tuple(source.placements),
+            out_dtype=source.dtype,
+        )
+    return LocalPiece(
+        fqn=entry.fqn,
+        local=source.detach(),
+        shape=source.shape,
+        mesh=None,
+        placements=(),
+        out_dtype=source.dtype,
+    )
+
+
+def _local_of(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a checkpoint value for ``entry``, validated."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{entry.fqn}: expected a tensor, got {type(value).__name__}")
+    if value.shape != entry.ema.shape:
+        raise ValueError(
+            f"{entry.fqn}: checkpoint shape {tuple(value.shape)} != EMA shape "
+            f"{tuple(entry.ema.shape)}"
+        )
+    if value.dtype != entry.ema_local.dtype:
+        raise ValueError(
+            f"{entry.fqn}: checkpoint dtype {value.dtype} != EMA dtype {entry.ema_local.dtype}"
+        )
+    if value is entry.ema:
+        return entry.ema_local
+    if isinstance(value, DTensor):
+        if (value.device_mesh, tuple(value.placements)) == (entry.mesh, entry.placements):
+            return value.to_local()
+        value = value.full_tensor()  # a different layout: collective on value's mesh
+    mesh, placements = entry.mesh, entry.placements
+    if mesh is None or all(p.is_replicate() for p in placements):
+        return value
+    mesh_dim = shard_mesh_dim(placements)
+    if mesh_dim is None:
+        raise ValueError(
+            f"{entry.fqn}: cannot slice a full tensor into placements {placements}; load it "
+            "through torch.distributed.checkpoint instead"
+        )
+    offset, length = chunk_range(value.shape[0], mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+    return value.narrow(0, offset, length)

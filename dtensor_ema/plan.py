@@ -1,0 +1,215 @@
+"""The sharding plan: which model tensors the EMA tracks, and each rank's piece of them.
+
+Built once per :class:`~dtensor_ema.ModelEMA`. For every floating-point entry of the
+unwrapped model's state dict it records
+
+* ``source``: the model's own tensor object (a ``Parameter``, a buffer, or for FSDP2 the
+  sharded ``DTensor`` parameter),
+* ``source_local``: the piece of it this rank averages, read as a **view** (no copy): the
+  dim-0 slice of a replicated tensor, or ``to_local()`` of a DTensor parameter,
+* ``ema``: the EMA tensor, a ``DTensor`` (``Shard(0)`` over the EMA mesh for replicated
+  tensors, ``Replicate()`` for 0-dim ones, the parameter's own mesh and placements for
+  DTensor parameters), or a plain tensor when there is no mesh,
+* ``ema_local``: ``ema.to_local()``, cached so the update touches no DTensor machinery.
+
+Non-floating-point buffers (``num_batches_tracked``) are not averaged; they are listed in
+``followed`` and always read from the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from dtensor_ema.layout import chunk_range, contiguous_stride
+
+__all__ = ["EmaPlan", "PlanEntry", "build_plan", "default_ema_dtype", "unwrap_model"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class PlanEntry:
+    """One averaged tensor: the model's tensor, this rank's view of it, and its EMA."""
+
+    fqn: str
+    source: torch.Tensor
+    source_local: torch.Tensor
+    ema: torch.Tensor
+    ema_local: torch.Tensor
+    is_parameter: bool
+
+    @property
+    def is_dtensor_source(self) -> bool:
+        return isinstance(self.source, DTensor)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self.ema.device_mesh if isinstance(self.ema, DTensor) else None
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return tuple(self.ema.placements) if isinstance(self.ema, DTensor) else ()
+
+
+@dataclass(slots=True)
+class EmaPlan:
+    """All averaged entries in state-dict order, plus the buffers that follow the model."""
+
+    entries: list[PlanEntry]
+    followed: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tied weights: extra fqn -> the fqn of the entry that holds the shared tensor."""
+
+    def __iter__(self) -> Iterator[PlanEntry]:
+        return iter(self.entries)
+
+    def by_fqn(self) -> dict[str, PlanEntry]:
+        return {e.fqn: e for e in self.entries}
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP/DataParallel and ``torch.compile`` wrappers so keys carry no prefix."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+            continue
+        # torch.compile's OptimizedModule keeps the user's module here; there is no public
+        # accessor, and without unwrapping every key would carry an "_orig_mod." prefix.
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        return model
+
+
+def default_ema_dtype(dtype: torch.dtype) -> torch.dtype:
+    """EMA dtype for a tensor of ``dtype``: float32 for fp16/bf16, unchanged otherwise.
+
+    A bf16 EMA with decay 0.9999 stops moving: ``(1 - d) * (p - ema)`` rounds to zero
+    against ``ema`` for any update smaller than ~1/256 of it.
+    """
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state-dict tensors (``keep_vars``), FSDP2 parameters in sharded form.
+
+    FSDP2's state-dict hooks register the sharded DTensor parameters before the walk, so a
+    module left unsharded by a forward without backward still reports its sharded objects.
+    """
+    return dict(module.state_dict(keep_vars=True))
+
+
+def build_plan(
+    module: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    ema_dtype: torch.dtype | None = None,
+) -> EmaPlan:
+    """Create the EMA tensors for ``module`` (already unwrapped). Local only: no collective.
+
+    Args:
+        module: the unwrapped model; FSDP2 modules must be resharded by the caller.
+        mesh: 1-D mesh that replicated tensors are sharded over, or ``None`` for plain
+            (unsharded) EMA tensors. DTensor parameters ignore it and keep their own mesh.
+        ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
+
+    Raises:
+        ValueError: the model has no floating-point state, or a DTensor uses a placement
+            the EMA cannot mirror.
+    """
+    entries: list[PlanEntry] = []
+    followed: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    parameter_ids = {id(p) for p in module.parameters()}
+    for fqn, tensor in model_tensors(module).items():
+        if not torch.is_floating_point(tensor):
+            followed[fqn] = tensor
+            continue
+        if id(tensor) in seen:
+            aliases[fqn] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = fqn
+        dtype = ema_dtype or default_ema_dtype(tensor.dtype)
+        if isinstance(tensor, DTensor):
+            source_local, ema = _ema_for_dtensor(fqn, tensor, dtype)
+        else:
+            source_local, ema = _ema_for_replicated(tensor, mesh, dtype)
+        ema_local = ema.to_local() if isinstance(ema, DTensor) else ema
+        entries.append(
+            PlanEntry(
+                fqn=fqn,
+                source=tensor,
+                source_local=source_local,
+                ema=ema,
+                ema_local=ema_local,
+                is_parameter=id(tensor) in parameter_ids,
+            )
+        )
+    if not entries:
+        raise ValueError(
+            f"{type(module).__name__} has no floating-point parameters or buffers to average "
+            f"(state dict keys: {list(followed)[:5]})"
+        )
+    return EmaPlan(entries=entries, followed=followed, aliases=aliases)
+
+
+def _ema_for_dtensor(
+    fqn: str, param: DTensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mirror an FSDP2/TP parameter: same mesh, placements, global shape and stride."""
+    for placement in param.placements:
+        if isinstance(placement, Partial) or not isinstance(placement, (Shard, Replicate)):
+            raise ValueError(
+                f"cannot average {fqn!r}: placement {placement} is not Shard or Replicate"
+            )
+    source_local = param.to_local().detach()
+    ema = DTensor.from_local(
+        _fresh_copy(source_local, dtype),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+    return source_local, ema
+
+
+def _ema_for_replicated(
+    tensor: torch.Tensor, mesh: DeviceMesh | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard a tensor every rank holds in full: this rank keeps its dim-0 chunk."""
+    full = tensor.detach()
+    if mesh is None:
+        return full, _fresh_copy(full, dtype)
+    placements: list[Placement]
+    if full.dim() == 0:
+        source_local = full
+        placements = [Replicate()]
+    else:
+        offset, length = chunk_range(full.shape[0], mesh.size(), mesh.get_local_rank())
+        source_local = full.narrow(0, offset, length)
+        placements = [Shard(0)]
+    ema = DTensor.from_local(
+        _fresh_copy(source_local, dtype),
+        mesh,
+        placements,
+        run_check=False,
+        shape=full.shape,
+        stride=contiguous_stride(full.shape),
+    )
+    return source_local, ema
+
+
+def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy in ``dtype`` that shares no memory with the model."""
+    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
