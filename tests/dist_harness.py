@@ -1,0 +1,136 @@
+"""Run a function on W gloo ranks (CPU processes) and hand the results back to pytest.
+
+One spawn costs ~5-15 s (every rank imports torch), so a test module runs one *scenario
+body* per world size, which performs many checks and returns plain values; the test
+functions then assert on those values in the pytest process. Ranks never assert on their
+own, so no rank can leave the others hanging in a collective: a rank that raises reports
+its traceback, and the harness terminates the rest.
+
+Guarantees: spawn start method; a fresh ``FileStore`` under ``tmp_path`` (no ports, so
+parallel runs cannot collide); ``destroy_process_group`` in ``finally``; an overall
+deadline after which every rank is terminated and the test fails naming the stuck ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_DEADLINE_S = 300.0
+_GRACE_AFTER_FAILURE_S = 10.0
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_path: Path,
+    *args: Any,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results.
+
+    ``fn`` must be a module-level function (it is pickled by reference) and return a
+    picklable value. With ``init_process_group`` each rank joins a gloo group first.
+    A failing or stuck rank fails the calling test with its rank and traceback.
+    """
+    run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
+    run_dir.mkdir(parents=True)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(fn, rank, world_size, str(run_dir), init_process_group, env or {}, args),
+            name=f"rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    _wait(procs, run_dir, deadline_s)
+    results, failures = [], []
+    for rank in range(world_size):
+        path = run_dir / f"result{rank}.pkl"
+        if not path.exists():
+            failures.append(f"rank {rank}: exited with code {procs[rank].exitcode} and no result")
+            continue
+        with path.open("rb") as f:
+            ok, value = pickle.load(f)
+        if ok:
+            results.append(value)
+        else:
+            failures.append(f"rank {rank} raised:\n{value}")
+    if failures:
+        pytest.fail(f"{fn.__name__} at W={world_size} failed:\n" + "\n".join(failures))
+    return results
+
+
+def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> None:
+    start = time.monotonic()
+    first_failure: float | None = None
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if first_failure is None and any(
+            (run_dir / f"failed{r}").exists() for r in range(len(procs))
+        ):
+            first_failure = now
+        late = now - start > deadline_s
+        abandoned = first_failure is not None and now - first_failure > _GRACE_AFTER_FAILURE_S
+        if late or abandoned:
+            stuck = [p.name for p in procs if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(5)
+            if late:
+                pytest.fail(f"ranks {stuck} still running after the {deadline_s:.0f} s deadline")
+            return
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+
+
+def _rank_entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    run_dir: str,
+    init_process_group: bool,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    result: tuple[bool, Any]
+    try:
+        if init_process_group:
+            store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=120),
+            )
+        result = (True, fn(rank, world_size, *args))
+    except BaseException:
+        result = (False, traceback.format_exc())
+        Path(run_dir, f"failed{rank}").touch()
+    with open(os.path.join(run_dir, f"result{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,147 @@
+"""Small models for the tests, and the unsharded reference EMA the library must match.
+
+The reference is written here, simply, and never imported from the library: plain
+``lerp_`` on full tensors, with the decay formula spelled out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class EdgeModel(nn.Module):
+    """Every shape that stresses Shard(0): a 0-dim parameter, dim 0 smaller than W (empty
+    shards), odd sizes, a zero-size tensor, a frozen parameter, float and integer buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scalar = nn.Parameter(torch.tensor(0.5))
+        self.tiny = nn.Parameter(torch.randn(1, 4))
+        self.pair = nn.Parameter(torch.randn(2, 3))
+        self.odd = nn.Parameter(torch.randn(13, 7))
+        self.vec = nn.Parameter(torch.randn(5))
+        self.empty = nn.Parameter(torch.randn(0, 3))
+        self.frozen = nn.Parameter(torch.randn(6, 2), requires_grad=False)
+        self.conv = nn.Conv2d(3, 5, 3)
+        self.register_buffer("float_buf", torch.randn(7))
+        self.register_buffer("int_buf", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: (B, 3, 8, 8) -> scalar loss touching every trainable parameter."""
+        with torch.no_grad():
+            self.float_buf.mul_(0.9).add_(x.mean().to(self.float_buf.dtype))
+            self.int_buf.add_(1)
+        y = self.conv(x).mean() * self.scalar
+        y = y + (self.odd**2).mean() + self.tiny.sum() + self.pair.pow(2).sum()
+        return y + self.vec.sum() + self.empty.sum() + (self.frozen * 0).sum()
+
+
+class TinyTransformer(nn.Module):
+    """A 2-layer pre-norm transformer LM with tied input/output embeddings."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, heads: int = 2, seq: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens``: (B, seq) int64 -> logits (B, seq, vocab)."""
+        h = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.norm(self.blocks(h)))
+
+
+def make_model(name: str, seed: int = 0) -> nn.Module:
+    """The same weights on every rank for a given seed."""
+    torch.manual_seed(seed)
+    if name == "edge":
+        return EdgeModel()
+    if name == "transformer":
+        return TinyTransformer()
+    if name == "resnet18":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10)
+    raise ValueError(f"unknown test model {name!r}")
+
+
+def make_batch(
+    name: str, step: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Identical data on every rank (seeded by step) so replicated tensors stay identical."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "edge":
+        return torch.randn(2, 3, 8, 8, generator=g).to(dtype), None
+    if name == "transformer":
+        tokens = torch.randint(0, 50, (2, 8), generator=g)
+        return tokens, torch.randint(0, 50, (2, 8), generator=g)
+    x = torch.randn(2, 3, 32, 32, generator=g).to(dtype)
+    return x, torch.randint(0, 10, (2,), generator=g)
+
+
+def train_step(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> None:
+    x, y = make_batch(name, step, dtype=next(model.parameters()).dtype)
+    out = model(x)
+    if name == "edge":
+        loss = out
+    elif name == "transformer":
+        assert y is not None
+        loss = nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+    else:
+        assert y is not None
+        loss = nn.functional.cross_entropy(out.float(), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+class ReferenceEMA:
+    """Unsharded EMA: ``ema.lerp_(p.to(ema.dtype), 1 - d)`` on full tensors.
+
+    ``d = decay * (1 - exp(-updates / tau))`` (``tau`` falsy: ``d = decay``). Float32 for
+    fp16/bf16 model tensors. Tied tensors are averaged once per key, like the library.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], decay: float, tau: float | None) -> None:
+        self.decay, self.tau, self.updates = decay, tau, 0
+        self.ema = {
+            k: v.detach().to(_ema_dtype(v.dtype)).clone()
+            for k, v in state.items()
+            if v.is_floating_point()
+        }
+
+    def update(self, state: dict[str, torch.Tensor]) -> None:
+        self.updates += 1
+        d = self.decay * (1 - math.exp(-self.updates / self.tau)) if self.tau else self.decay
+        for k, v in state.items():
+            if k in self.ema:
+                self.ema[k].lerp_(v.detach().to(self.ema[k].dtype), 1 - d)
+
+
+def _ema_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def mismatches(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> list[str]:
+    """Keys whose tensors differ in any bit, dtype or shape (missing keys included)."""
+    bad = [k for k in expected if k not in actual]
+    bad += [k for k in actual if k not in expected]
+    for k in expected:
+        if k in actual:
+            a, e = actual[k], expected[k]
+            if a.dtype != e.dtype or a.shape != e.shape or not torch.equal(a.cpu(), e.cpu()):
+                bad.append(k)
+    return bad
