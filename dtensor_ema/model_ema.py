@@ -22,8 +22,11 @@ bit at every world size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import functools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,9 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.decay import RampDecay
+from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
+from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
 from dtensor_ema.plan import EmaPlan, PlanEntry, build_plan, model_tensors, unwrap_model
 from dtensor_ema.watch import registration_epoch
 
@@ -54,9 +58,22 @@ class ModelEMA:
             at all otherwise (single process, no process group needed). FSDP2/DTensor
             parameters ignore ``mesh``: their EMA uses the parameter's own mesh and
             placements, so the update stays local.
-        decay: asymptotic decay in ``[0, 1]``.
-        tau: ramp time constant in updates (``>= 0``); ``None`` or ``0`` for constant decay.
+        decay: asymptotic decay in ``[0, 1]`` of the default ramp (default ``0.9999``).
+        tau: ramp time constant in steps (``>= 0``, default ``2000``); ``None`` or ``0``
+            for a constant decay.
         updates: initial value of the update counter (``>= 0``).
+        schedule: instead of ``decay``/``tau``: a :mod:`dtensor_ema.decay` schedule
+            (``RampDecay``, ``ConstantDecay``, ``WarmupDecay``, ``HalfLifeDecay``) or a
+            callable ``step -> decay``.
+        half_life: instead of ``decay``/``tau``: constant decay ``0.5 ** (update_every /
+            half_life)``, i.e. a past value's weight halves every ``half_life`` steps.
+        update_every: average only on every ``update_every``-th ``update()`` call; the
+            decay is raised to this power so the EMA's memory in steps does not change.
+        update_after_step: the first ``update_after_step`` calls copy the model.
+        buffers: ``"average"`` float buffers (default, like yolov5) or ``"copy"`` them
+            (timm ``exclude_buffers``). Integer buffers always follow the model.
+        exclude: fqns, or a predicate ``(fqn, tensor) -> bool``, of tensors that are copied
+            from the model instead of averaged.
         ema_dtype: dtype of the EMA tensors. Default: float32 for fp16/bf16 tensors, the
             model's dtype otherwise. A bf16 EMA with decay 0.9999 silently stops moving.
 
@@ -66,54 +83,83 @@ class ModelEMA:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
-        ValueError: ``decay``, ``tau`` or ``updates`` out of range; a mesh that is not 1-D
-            or whose device type differs from the model's; a model with no float state.
+        ValueError: an option out of range or conflicting with another (``tau`` with
+            ``half_life``), unknown ``exclude`` names, a mesh that is not 1-D or whose
+            device type differs from the model's, a model with no float state.
     """
 
     def __init__(
         self,
         model: nn.Module,
         mesh: DeviceMesh | None = None,
-        decay: float = 0.9999,
-        tau: float | None = 2000,
+        decay: float = UNSET,
+        tau: float | None = UNSET,
         updates: int = 0,
         *,
+        schedule: DecaySchedule | Callable[[int], float] | None = None,
+        half_life: float | None = None,
+        update_every: int = 1,
+        update_after_step: int = 0,
+        buffers: Literal["average", "copy"] = "average",
+        exclude: ExcludeSpec = None,
         ema_dtype: torch.dtype | None = None,
     ) -> None:
-        self.schedule = RampDecay(decay=decay, tau=tau)
+        self.options = EmaOptions(
+            schedule=resolve_schedule(decay, tau, half_life, schedule),
+            update_every=update_every,
+            update_after_step=update_after_step,
+            buffers=buffers,
+            exclude=exclude,
+            ema_dtype=ema_dtype,
+        )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-        if ema_dtype is not None and not (
-            isinstance(ema_dtype, torch.dtype) and ema_dtype.is_floating_point
-        ):
-            raise ValueError(f"ema_dtype must be a floating-point torch.dtype, got {ema_dtype!r}")
         self.module = unwrap_model(model)
         _reshard_fsdp(self.module)
         self.mesh = resolve_mesh(mesh, _model_device(self.module))
         self.updates = updates
-        self.ema_dtype = ema_dtype
         self._plan: EmaPlan = build_plan(self.module, self.mesh, ema_dtype=ema_dtype)
+        self._copied = self.options.copied_fqns(
+            {e.fqn: e.source for e in self._plan},
+            {e.fqn for e in self._plan if e.is_parameter},
+        )
+        for entry in self._plan:
+            entry.averaged = entry.fqn not in self._copied
         self._keys = list(model_tensors(self.module))
-        self._groups = _lerp_groups(self._plan)
+        self._groups = _update_groups(self._plan)
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
         self.last_decay: float | None = None
-        """Decay used by the most recent ``update()``; ``None`` before the first."""
+        """Decay used by the most recent averaging ``update()`` (``0.0`` for a copy);
+        ``None`` before the first."""
 
     # ------------------------------------------------------------------ properties
     @property
-    def decay(self) -> float:
-        """Asymptotic decay of the schedule."""
-        return self.schedule.decay
+    def schedule(self) -> DecaySchedule:
+        """The decay schedule (see :mod:`dtensor_ema.decay`)."""
+        return self.options.schedule
+
+    @property
+    def decay(self) -> float | None:
+        """Asymptotic decay of the schedule, where it has one."""
+        return getattr(self.schedule, "decay", None)
 
     @property
     def tau(self) -> float | None:
-        """Ramp time constant in updates (``None`` or ``0``: constant decay)."""
-        return self.schedule.tau
+        """Ramp time constant in steps, where the schedule has one."""
+        return getattr(self.schedule, "tau", None)
 
     def get_decay(self, updates: int | None = None) -> float:
-        """Decay that update number ``updates`` uses (default: the next ``update()``'s)."""
-        return self.schedule(self.updates + 1 if updates is None else updates)
+        """Decay an averaging update applies when the counter reaches ``updates``.
+
+        Default: the next ``update()`` call's (``self.updates + 1``). ``0.0`` means a copy
+        (within ``update_after_step``). Calls skipped by ``update_every`` apply nothing.
+        """
+        updates = self.updates + 1 if updates is None else updates
+        step = updates - self.options.update_after_step
+        if step <= 0:
+            return 0.0
+        return self.schedule.decay_for(step, self.options.update_every)
 
     def ema_tensors(self) -> dict[str, torch.Tensor]:
         """``fqn -> EMA tensor`` (DTensor, or plain without a mesh). Live tensors: no copy."""
@@ -132,8 +178,10 @@ class ModelEMA:
     def update(self, model: nn.Module | None = None) -> None:
         """Advance the average by one step. Local: **no communication**.
 
-        Call after ``optimizer.step()`` on every rank. Reads only this rank's piece of each
-        tracked tensor and runs one ``torch._foreach_lerp_`` per (device, dtype) group.
+        Call after ``optimizer.step()`` on every rank. Increments ``updates``; on averaging
+        calls (every ``update_every``-th) reads only this rank's piece of each tracked
+        tensor and runs one fused ``torch._foreach_lerp_`` per (device, dtype) group
+        (``torch._foreach_copy_`` for copied tensors and within ``update_after_step``).
 
         Args:
             model: optional, for timm-style ``ema.update(model)`` calls; must be the model
@@ -150,14 +198,32 @@ class ModelEMA:
                 "new ModelEMA for a different model"
             )
         self._sync_sources()
+        decay = self._advance()
+        if decay is not None:
+            for group in self._groups:
+                group.apply_(decay)
+
+    @torch.no_grad()
+    def set(self, model: nn.Module | None = None) -> None:
+        """Re-initialize the EMA from the model's current weights. Local: no communication.
+
+        ``updates`` is unchanged (timm ``ModelEmaV3.set``); use ``load_state_dict`` or
+        assign ``ema.updates`` to restart the decay schedule too.
+        """
+        if model is not None and unwrap_model(model) is not self.module:
+            raise ValueError(f"set() got a {type(model).__name__} that is not the tracked model")
+        self._sync_sources()
+        for group in self._groups:
+            group.apply_(0.0)
+
+    def _advance(self) -> float | None:
+        """Count one call; return the decay to apply, ``0.0`` to copy, ``None`` to skip."""
         self.updates += 1
-        decay = self.schedule(self.updates)
-        weight = 1.0 - decay
-        for ema_locals, source_locals in self._groups:
-            if source_locals[0].dtype != ema_locals[0].dtype:
-                source_locals = [s.to(ema_locals[0].dtype) for s in source_locals]
-            torch._foreach_lerp_(ema_locals, source_locals, weight)
+        if self.updates % self.options.update_every:
+            return None
+        decay = self.get_decay(self.updates)
         self.last_decay = decay
+        return decay
 
     # ------------------------------------------------------------------ materialize
     def get_model_state_dict(
@@ -184,9 +250,14 @@ class ModelEMA:
             both. Neither shares memory with the model or the EMA.
         """
         self._sync_sources()
-        kwargs = {"rank0_only": rank0_only, "cpu_offload": cpu_offload, "bucket_bytes": bucket_bytes}
-        ema_full = gather_full_tensors([_ema_piece(e) for e in self._plan], **kwargs)
-        model_full = gather_full_tensors([_source_piece(e) for e in self._plan], **kwargs)
+        gather = functools.partial(
+            gather_full_tensors,
+            rank0_only=rank0_only,
+            cpu_offload=cpu_offload,
+            bucket_bytes=bucket_bytes,
+        )
+        ema_full = gather([_ema_piece(e) for e in self._plan])
+        model_full = gather([_source_piece(e) for e in self._plan])
         if not ema_full and not model_full and rank0_only:
             return {}, {}
         device = torch.device("cpu") if cpu_offload else None
@@ -228,20 +299,22 @@ class ModelEMA:
             with torch.no_grad():
                 targets = [e.source_local for e in sharded]
                 targets += [e.source.detach() for e in replicated]
-                for target, backup in zip(targets, backups):
+                for target, backup in zip(targets, backups, strict=True):
                     target.copy_(backup)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> StateDict:
         """The EMA's own state for DCP: live sharded tensors plus the counter and config.
 
-        Local (no collective). ``{"updates": int, "schedule": {...}, "ema": {fqn: DTensor}}``.
-        The EMA tensors are the live ones, so ``dcp.load`` fills them in place; they must not
-        be updated while an ``async_save`` of them is pending.
+        Local (no collective). ``{"updates": int, "config": str, "ema": {fqn: DTensor}}``;
+        ``config`` is a JSON string of the options that shape the next update (schedule,
+        ``update_every``, ``update_after_step``, copied fqns, EMA dtype), one leaf so DCP
+        stores it as is. The EMA tensors are the live ones, so ``dcp.load`` fills them in
+        place; they must not be updated while an ``async_save`` of them is pending.
         """
         return {
             "updates": self.updates,
-            "schedule": self.schedule.config(),
+            "config": json.dumps(self.options.config(self._copied), sort_keys=True),
             "ema": {e.fqn: e.ema for e in self._plan},
         }
 
@@ -254,8 +327,9 @@ class ModelEMA:
 
         Raises:
             KeyError: ``state_dict`` lacks ``"ema"`` or ``"updates"``.
-            ValueError: missing/unexpected fqns, shape or dtype mismatches, or a decay
-                schedule different from this EMA's.
+            ValueError: missing/unexpected fqns, shape or dtype mismatches, or options
+                (schedule, ``update_every``, ...) different from this EMA's: resuming with
+                other options would not continue the saved trajectory.
         """
         for key in ("ema", "updates"):
             if key not in state_dict:
@@ -270,12 +344,8 @@ class ModelEMA:
                 f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                 f"{' ...' if len(unexpected) > 5 else ''}"
             )
-        schedule = state_dict.get("schedule")
-        if schedule is not None and schedule != self.schedule.config():
-            raise ValueError(
-                f"checkpoint decay schedule {schedule} differs from this EMA's "
-                f"{self.schedule.config()}; construct ModelEMA with the checkpoint's values"
-            )
+        if "config" in state_dict:
+            self._check_config(state_dict["config"])
         updates = state_dict["updates"]
         if isinstance(updates, torch.Tensor):
             updates = int(updates.item())
@@ -296,6 +366,20 @@ class ModelEMA:
         )
 
     # ------------------------------------------------------------------ internals
+    def _check_config(self, saved: str | dict[str, Any]) -> None:
+        theirs = json.loads(saved) if isinstance(saved, str) else saved
+        ours = self.options.config(self._copied)
+        diffs = [
+            f"{k}: checkpoint {theirs.get(k)!r}, this EMA {ours.get(k)!r}"
+            for k in sorted(set(theirs) | set(ours))
+            if theirs.get(k) != ours.get(k)
+        ]
+        if diffs:
+            raise ValueError(
+                "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
+                f"checkpoint's options to resume): {'; '.join(diffs)}"
+            )
+
     def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:
         out: StateDict = {}
         for key in self._keys:
@@ -335,12 +419,12 @@ class ModelEMA:
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
-        fresh = build_plan(self.module, self.mesh, ema_dtype=self.ema_dtype)
-        for entry, new in zip(self._plan.entries, fresh.entries):
+        fresh = build_plan(self.module, self.mesh, ema_dtype=self.options.ema_dtype)
+        for entry, new in zip(self._plan.entries, fresh.entries, strict=True):
             assert entry.fqn == new.fqn
             entry.source, entry.source_local = new.source, new.source_local
         self._plan.followed = fresh.followed
-        self._groups = _lerp_groups(self._plan)
+        self._groups = _update_groups(self._plan)
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
 
@@ -359,16 +443,43 @@ def _reshard_fsdp(module: nn.Module) -> None:
             sub.reshard()
 
 
-def _lerp_groups(plan: EmaPlan) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """(EMA locals, source locals) per (device, EMA dtype, source dtype); empties dropped."""
-    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+@dataclass(slots=True)
+class _UpdateGroup:
+    """Local tensors that one fused call updates: same device, EMA dtype, source dtype."""
+
+    ema_locals: list[torch.Tensor]
+    source_locals: list[torch.Tensor]
+    averaged: bool
+
+    def sources_in_ema_dtype(self) -> list[torch.Tensor]:
+        """The source locals, upcast (a temporary copy) when their dtype is not the EMA's."""
+        dtype = self.ema_locals[0].dtype
+        if self.source_locals[0].dtype == dtype:
+            return self.source_locals
+        return [s.to(dtype) for s in self.source_locals]
+
+    def apply_(self, decay: float, upcast: list[torch.Tensor] | None = None) -> None:
+        """``ema.lerp_(source, 1 - decay)``; a copy for copied tensors or ``decay == 0``.
+
+        ``upcast``: :meth:`sources_in_ema_dtype`, when the caller already made it.
+        """
+        if self.averaged and decay != 0.0:
+            sources = upcast if upcast is not None else self.sources_in_ema_dtype()
+            torch._foreach_lerp_(self.ema_locals, sources, 1.0 - decay)
+        else:
+            torch._foreach_copy_(self.ema_locals, self.source_locals)
+
+
+def _update_groups(plan: EmaPlan) -> list[_UpdateGroup]:
+    """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped."""
+    groups: dict[tuple[Any, ...], _UpdateGroup] = {}
     for e in plan:
         if e.ema_local.numel() == 0:
             continue
-        key = (e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
-        emas, sources = groups.setdefault(key, ([], []))
-        emas.append(e.ema_local)
-        sources.append(e.source_local)
+        key = (e.averaged, e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
+        group = groups.setdefault(key, _UpdateGroup([], [], e.averaged))
+        group.ema_locals.append(e.ema_local)
+        group.source_locals.append(e.source_local)
     return list(groups.values())
 
 

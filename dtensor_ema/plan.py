@@ -43,6 +43,8 @@ class PlanEntry:
     ema: torch.Tensor
     ema_local: torch.Tensor
     is_parameter: bool
+    averaged: bool = True
+    """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
 
     @property
     def is_dtensor_source(self) -> bool:
