@@ -48,6 +48,11 @@ def resolve_schedule(
                 f"schedule={schedule!r} conflicts with {', '.join(clash)}: put every decay "
                 "setting into the schedule object"
             )
+        if isinstance(schedule, type):
+            raise TypeError(
+                f"schedule must be a schedule instance or a function, got the class "
+                f"{schedule.__name__}; instantiate it, e.g. {schedule.__name__}(decay=0.9999)"
+            )
         if isinstance(schedule, DecaySchedule):
             return schedule
         return CallableDecay(schedule)
