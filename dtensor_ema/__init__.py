@@ -17,6 +17,7 @@ from dtensor_ema.decay import (
 )
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.multi import MultiModelEMA
 
 try:
     __version__ = version("dtensor_ema")
@@ -29,6 +30,7 @@ __all__ = [
     "DecaySchedule",
     "HalfLifeDecay",
     "ModelEMA",
+    "MultiModelEMA",
     "RampDecay",
     "WarmupDecay",
     "__version__",

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 __all__ = [
     "CallableDecay",
     "ConstantDecay",
@@ -44,6 +46,10 @@ class DecaySchedule(Protocol):
         """Plain values identifying the schedule in a checkpoint."""
         ...
 
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        """:meth:`decay_for` on a float64 tensor ``step``, with no host synchronization."""
+        ...
+
 
 def _check_number(name: str, value: object, low: float, high: float = math.inf) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -59,6 +65,13 @@ class _PowerForEvery:
     def decay_for(self, step: int, update_every: int) -> float:
         decay = self(step)  # type: ignore[operator]
         return decay if update_every == 1 else decay**update_every
+
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        decay = self._decay_tensor(step)
+        return decay if update_every == 1 else decay**update_every
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +98,11 @@ class RampDecay(_PowerForEvery):
             return float(self.decay)
         return self.decay * (1.0 - math.exp(-step / self.tau))
 
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        if not self.tau:
+            return torch.full_like(step, float(self.decay))
+        return self.decay * (1.0 - torch.exp(-step / self.tau))
+
     def config(self) -> dict[str, Any]:
         return {"schedule": "ramp", "decay": float(self.decay), "tau": self.tau}
 
@@ -101,6 +119,9 @@ class ConstantDecay(_PowerForEvery):
 
     def __call__(self, step: int) -> float:
         return float(self.decay)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(step, float(self.decay))
 
     def config(self) -> dict[str, Any]:
         return {"schedule": "constant", "decay": float(self.decay)}
@@ -141,6 +162,12 @@ class WarmupDecay(_PowerForEvery):
         value = 1.0 - (1.0 + s / self.gamma) ** -self.power
         return max(min(value, self.decay), self.min_decay)
 
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        s = (step - 1).clamp(min=0)
+        value = 1.0 - (1.0 + s / self.gamma) ** -self.power
+        value = value.clamp(max=self.decay).clamp(min=self.min_decay)
+        return torch.where(s <= 0, torch.zeros_like(value), value)
+
     def config(self) -> dict[str, Any]:
         return {
             "schedule": "warmup",
@@ -170,6 +197,9 @@ class HalfLifeDecay:
     def decay_for(self, step: int, update_every: int) -> float:
         return 0.5 ** (update_every / self.half_life)
 
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        return torch.full_like(step, 0.5 ** (update_every / self.half_life))
+
     def config(self) -> dict[str, Any]:
         return {"schedule": "half_life", "half_life": float(self.half_life)}
 
@@ -192,6 +222,12 @@ class CallableDecay(_PowerForEvery):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"decay function returned {value} for step {step}; expected [0, 1]")
         return float(value)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        """The function is called with a tensor ``step``: for ``capturable`` updates it must
+        use torch ops only (a Python float result would need a host sync)."""
+        value = self.fn(step)  # type: ignore[arg-type]
+        return torch.as_tensor(value, dtype=step.dtype, device=step.device)
 
     def config(self) -> dict[str, Any]:
         name = getattr(self.fn, "__qualname__", type(self.fn).__qualname__)

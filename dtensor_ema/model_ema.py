@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.decay import DecaySchedule
+from dtensor_ema.fused_update import update_groups
 from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
@@ -103,6 +104,7 @@ class ModelEMA:
         buffers: Literal["average", "copy"] = "average",
         exclude: ExcludeSpec = None,
         ema_dtype: torch.dtype | None = None,
+        capturable: bool = False,
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -111,13 +113,19 @@ class ModelEMA:
             buffers=buffers,
             exclude=exclude,
             ema_dtype=ema_dtype,
+            capturable=capturable,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
         self.module = unwrap_model(model)
         _reshard_fsdp(self.module)
-        self.mesh = resolve_mesh(mesh, _model_device(self.module))
-        self.updates = updates
+        device = _model_device(self.module)
+        self.mesh = resolve_mesh(mesh, device)
+        # Capturable updates keep the counter on the device (float64 counts exactly up to
+        # 2**53) so that nothing in update() reads a tensor back to the host.
+        self._updates = updates
+        self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
+        self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
         self._plan: EmaPlan = build_plan(self.module, self.mesh, ema_dtype=ema_dtype)
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
@@ -126,14 +134,38 @@ class ModelEMA:
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._keys = list(model_tensors(self.module))
-        self._groups = _update_groups(self._plan)
+        self._groups = update_groups(self._plan)
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
-        self.last_decay: float | None = None
-        """Decay used by the most recent averaging ``update()`` (``0.0`` for a copy);
-        ``None`` before the first."""
+        self._last_decay: float | None = None
 
     # ------------------------------------------------------------------ properties
+    @property
+    def updates(self) -> int:
+        """Number of ``update()`` calls so far (plus the initial ``updates``).
+
+        With ``capturable=True`` the counter lives on the device and reading it synchronizes.
+        """
+        if self.options.capturable:
+            return int(self._step_t.item())
+        return self._updates
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"updates must be an int >= 0, got {value!r}")
+        self._updates = value
+        self._step_t.fill_(float(value))
+
+    @property
+    def last_decay(self) -> float | None:
+        """Decay used by the most recent averaging ``update()`` (``0.0`` for a copy);
+        ``None`` before the first. Reading it synchronizes when ``capturable=True``."""
+        if self.options.capturable:
+            value = float(self._last_decay_t.item())
+            return None if math.isnan(value) else value
+        return self._last_decay
+
     @property
     def schedule(self) -> DecaySchedule:
         """The decay schedule (see :mod:`dtensor_ema.decay`)."""
@@ -191,17 +223,35 @@ class ModelEMA:
             ValueError: ``model`` is not the tracked model, or the tracked model's tensor
                 names, shapes or dtypes changed since construction.
         """
-        if model is not None and unwrap_model(model) is not self.module:
-            raise ValueError(
-                f"update() got a {type(model).__name__} that is not the model this EMA "
-                f"tracks ({type(self.module).__name__} at {id(self.module):#x}); create a "
-                "new ModelEMA for a different model"
-            )
+        self._check_model_argument(model)
+        if self.options.capturable:
+            self._update_capturable()
+            return
         self._sync_sources()
         decay = self._advance()
         if decay is not None:
             for group in self._groups:
                 group.apply_(decay)
+
+    def _update_capturable(self) -> None:
+        """The same update computed on the device: no ``.item()``, no branch on a tensor.
+
+        Skipped calls (``update_every``) lerp with weight 0 and copies with weight 1, both
+        exact. The decay is computed in float64 and rounded to the EMA dtype, which matches
+        the host path's Python float bit for bit for float32 EMAs (a float64 EMA may differ
+        in the last bit, as torch's and libm's ``exp`` may). The model must not re-allocate
+        its tensors while updates are captured (the host path re-binds; this one cannot).
+        """
+        self._step_t += 1
+        step = self._step_t - self.options.update_after_step
+        decay = self.schedule.decay_tensor_for(step, self.options.update_every)
+        decay = torch.where(step <= 0, torch.zeros_like(decay), decay)
+        active = torch.remainder(self._step_t, self.options.update_every) == 0
+        self._last_decay_t.copy_(torch.where(active, decay, self._last_decay_t))
+        zero = torch.zeros_like(decay)
+        for group in self._groups:
+            weight = 1.0 - decay if group.averaged else torch.ones_like(decay)
+            group.apply_weight_(torch.where(active, weight, zero))
 
     @torch.no_grad()
     def set(self, model: nn.Module | None = None) -> None:
@@ -210,19 +260,18 @@ class ModelEMA:
         ``updates`` is unchanged (timm ``ModelEmaV3.set``); use ``load_state_dict`` or
         assign ``ema.updates`` to restart the decay schedule too.
         """
-        if model is not None and unwrap_model(model) is not self.module:
-            raise ValueError(f"set() got a {type(model).__name__} that is not the tracked model")
+        self._check_model_argument(model)
         self._sync_sources()
         for group in self._groups:
             group.apply_(0.0)
 
     def _advance(self) -> float | None:
         """Count one call; return the decay to apply, ``0.0`` to copy, ``None`` to skip."""
-        self.updates += 1
-        if self.updates % self.options.update_every:
+        self._updates += 1
+        if self._updates % self.options.update_every:
             return None
-        decay = self.get_decay(self.updates)
-        self.last_decay = decay
+        decay = self.get_decay(self._updates)
+        self._last_decay = decay
         return decay
 
     # ------------------------------------------------------------------ materialize
@@ -366,6 +415,14 @@ class ModelEMA:
         )
 
     # ------------------------------------------------------------------ internals
+    def _check_model_argument(self, model: nn.Module | None) -> None:
+        if model is not None and unwrap_model(model) is not self.module:
+            raise ValueError(
+                f"got a {type(model).__name__} that is not the model this EMA tracks "
+                f"({type(self.module).__name__} at {id(self.module):#x}); create a new "
+                "ModelEMA for a different model"
+            )
+
     def _check_config(self, saved: str | dict[str, Any]) -> None:
         theirs = json.loads(saved) if isinstance(saved, str) else saved
         ours = self.options.config(self._copied)
@@ -424,7 +481,7 @@ class ModelEMA:
             assert entry.fqn == new.fqn
             entry.source, entry.source_local = new.source, new.source_local
         self._plan.followed = fresh.followed
-        self._groups = _update_groups(self._plan)
+        self._groups = update_groups(self._plan)
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
 
@@ -441,46 +498,6 @@ def _reshard_fsdp(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
-
-
-@dataclass(slots=True)
-class _UpdateGroup:
-    """Local tensors that one fused call updates: same device, EMA dtype, source dtype."""
-
-    ema_locals: list[torch.Tensor]
-    source_locals: list[torch.Tensor]
-    averaged: bool
-
-    def sources_in_ema_dtype(self) -> list[torch.Tensor]:
-        """The source locals, upcast (a temporary copy) when their dtype is not the EMA's."""
-        dtype = self.ema_locals[0].dtype
-        if self.source_locals[0].dtype == dtype:
-            return self.source_locals
-        return [s.to(dtype) for s in self.source_locals]
-
-    def apply_(self, decay: float, upcast: list[torch.Tensor] | None = None) -> None:
-        """``ema.lerp_(source, 1 - decay)``; a copy for copied tensors or ``decay == 0``.
-
-        ``upcast``: :meth:`sources_in_ema_dtype`, when the caller already made it.
-        """
-        if self.averaged and decay != 0.0:
-            sources = upcast if upcast is not None else self.sources_in_ema_dtype()
-            torch._foreach_lerp_(self.ema_locals, sources, 1.0 - decay)
-        else:
-            torch._foreach_copy_(self.ema_locals, self.source_locals)
-
-
-def _update_groups(plan: EmaPlan) -> list[_UpdateGroup]:
-    """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped."""
-    groups: dict[tuple[Any, ...], _UpdateGroup] = {}
-    for e in plan:
-        if e.ema_local.numel() == 0:
-            continue
-        key = (e.averaged, e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
-        group = groups.setdefault(key, _UpdateGroup([], [], e.averaged))
-        group.ema_locals.append(e.ema_local)
-        group.source_locals.append(e.source_local)
-    return list(groups.values())
 
 
 def _source_ptrs(plan: EmaPlan) -> list[int]:

@@ -85,6 +85,9 @@ class EmaOptions:
     """Tensors copied from the model instead of averaged: fqns, or ``(fqn, tensor) -> bool``."""
     ema_dtype: torch.dtype | None = None
     """EMA dtype; ``None``: float32 for fp16/bf16 tensors, the model's dtype otherwise."""
+    capturable: bool = False
+    """Keep the counter and decay on the device so ``update()`` never synchronizes the host
+    (for ``torch.compile``/CUDA graphs). Not part of the checkpoint config."""
 
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):

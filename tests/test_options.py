@@ -22,6 +22,7 @@ from dtensor_ema import (
     ConstantDecay,
     HalfLifeDecay,
     ModelEMA,
+    MultiModelEMA,
     RampDecay,
     WarmupDecay,
 )
@@ -98,7 +99,12 @@ def reference_ema(
     copied: set[str],
 ) -> dict[str, torch.Tensor]:
     """EMA after ``len(states) - 1`` calls, ``states[0]`` being the initial model."""
-    ema = {k: v.clone() for k, v in states[0].items() if v.is_floating_point()}
+    low = (torch.float16, torch.bfloat16)
+    ema = {
+        k: v.to(torch.float32 if v.dtype in low else v.dtype, copy=True)
+        for k, v in states[0].items()
+        if v.is_floating_point()
+    }
     for call, state in enumerate(states[1:], start=1):
         if call % every:
             continue
@@ -107,13 +113,13 @@ def reference_ema(
             if k in copied:
                 ema[k].copy_(state[k])
             else:
-                ema[k].lerp_(state[k], 1 - d)
+                ema[k].lerp_(state[k].to(ema[k].dtype), 1 - d)
     return ema
 
 
-def trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
+def trajectory(steps: int, dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
     """Model states of the edge model after 0..steps optimizer steps (deterministic)."""
-    model = make_model("edge")
+    model = make_model("edge").to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
     for step in range(steps):
@@ -219,6 +225,90 @@ def test_checkpoint_with_other_options_is_refused() -> None:
         excluded.load_state_dict(ema.state_dict())
 
 
+@pytest.mark.parametrize("name", ["ramp", "warmup_after", "half_life_every3", "exclude_predicate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capturable_update_equals_host_update(name: str, dtype: torch.dtype) -> None:
+    kwargs = CASES[name][0]
+    model = make_model("edge").to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    host = ModelEMA(model, **kwargs)
+    device = ModelEMA(model, capturable=True, **kwargs)
+    for step in range(STEPS):
+        train_step("edge", model, optimizer, step)
+        host.update()
+        device.update()
+    assert mismatches(full(device), full(host)) == []
+    assert device.updates == host.updates == STEPS
+    assert device.last_decay == host.last_decay
+
+
+@pytest.mark.slow
+def test_capturable_update_compiles_without_graph_breaks() -> None:
+    """``fullgraph=True`` fails on any graph break (a host sync, a branch on a tensor)."""
+    model = make_model("edge")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    kwargs = {"decay": 0.8, "tau": 3, "update_every": 2, "update_after_step": 1}
+    host = ModelEMA(model, **kwargs)
+    compiled_ema = ModelEMA(model, capturable=True, **kwargs)
+    compiled_update = torch.compile(compiled_ema.update, fullgraph=True)
+    for step in range(5):
+        train_step("edge", model, optimizer, step)
+        host.update()
+        compiled_update()
+    assert mismatches(full(compiled_ema), full(host)) == []
+    assert compiled_ema.updates == 5
+
+
+MULTI = {
+    "fast": {"decay": 0.5, "tau": None},
+    "slow": {"half_life": 4.0, "update_every": 2, "update_after_step": 1},
+}
+MULTI_REFERENCE = {
+    "fast": (lambda s, n: 0.5, 1, 0),
+    "slow": (lambda s, n: 0.5 ** (n / 4.0), 2, 1),
+}
+
+
+def run_multi(steps: int, dtype: torch.dtype, mesh: Any = None) -> MultiModelEMA:
+    model = make_model("edge").to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    multi = MultiModelEMA(model, MULTI, mesh=mesh, exclude=["odd"])
+    for step in range(steps):
+        train_step("edge", model, optimizer, step)
+        multi.update()
+    return multi
+
+
+def multi_mismatches(multi: MultiModelEMA, steps: int, dtype: torch.dtype) -> dict[str, list[str]]:
+    states = trajectory(steps, dtype)
+    return {
+        name: mismatches(full(multi[name]), reference_ema(states, *MULTI_REFERENCE[name], {"odd"}))
+        for name in MULTI
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_ema_matches_reference_per_decay(dtype: torch.dtype) -> None:
+    multi = run_multi(STEPS, dtype)
+    assert multi_mismatches(multi, STEPS, dtype) == {"fast": [], "slow": []}
+    assert sorted(multi) == ["fast", "slow"] and multi["slow"].updates == STEPS
+    state = multi.state_dict()
+    assert set(state) == {"fast", "slow"} and state["fast"]["updates"] == STEPS
+
+
+def test_multi_ema_bad_input() -> None:
+    model = make_model("edge")
+    with pytest.raises(ValueError, match="at least one EMA"):
+        MultiModelEMA(model, {})
+    with pytest.raises(ValueError, match=r"EMA 'slow' sets \['exclude'\], which all EMAs share"):
+        MultiModelEMA(model, {"slow": {"exclude": ["odd"]}})
+    with pytest.raises(ValueError, match="capturable updates are not supported"):
+        MultiModelEMA(model, {"slow": {"capturable": True}})
+    multi = MultiModelEMA(model, {"a": {}, "b": {"decay": 0.9}})
+    with pytest.raises(ValueError, match=r"checkpoint EMAs \['a'\] != .*\['a', 'b'\]"):
+        multi.load_state_dict({"a": multi["a"].state_dict()})
+
+
 # ---------------------------------------------------------------- W=3 save, W=2 resume
 RESUME_STEPS = 4  # saved after these many steps at W=3, then STEPS - RESUME_STEPS more at W=2
 
@@ -233,6 +323,9 @@ def save_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         expected = reference_ema(trajectory(RESUME_STEPS), decay_of, every, after, copied)
         out[name] = mismatches(full_now, expected)
         dcp.save({"ema": ema}, checkpoint_id=str(Path(tmp) / name))
+    multi = run_multi(RESUME_STEPS, torch.bfloat16, mesh)
+    out["multi"] = multi_mismatches(multi, RESUME_STEPS, torch.bfloat16)
+    dcp.save({"emas": multi}, checkpoint_id=str(Path(tmp) / "multi"))
     return out
 
 
@@ -260,7 +353,23 @@ def resume_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             ema.update()
         expected = reference_ema(states, decay_of, every, after, copied)
         out[name] = {"updates": loaded_updates, "mismatch": mismatches(full(ema), expected)}
+    out["multi"] = _resume_multi(mesh, str(Path(tmp) / "multi"))
     return out
+
+
+def _resume_multi(mesh: Any, path: str) -> dict[str, Any]:
+    """Load the W=3 MultiModelEMA at this W, continue, compare with the reference."""
+    model = make_model("edge").to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(RESUME_STEPS):
+        train_step("edge", model, optimizer, step)
+    multi = MultiModelEMA(model, MULTI, mesh=mesh, exclude=["odd"])
+    dcp.load({"emas": multi}, checkpoint_id=path)
+    loaded = {name: multi[name].updates for name in multi}
+    for step in range(RESUME_STEPS, STEPS):
+        train_step("edge", model, optimizer, step)
+        multi.update()
+    return {"updates": loaded, "mismatch": multi_mismatches(multi, STEPS, torch.bfloat16)}
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +393,12 @@ def test_option_survives_dcp_resume_at_other_world_size(resumed: Any, name: str)
     for r in loaded:
         assert r[name]["updates"] == RESUME_STEPS
         assert r[name]["mismatch"] == []
+
+
+@pytest.mark.distributed
+def test_multi_ema_at_w3_and_resumed_at_w2(resumed: Any) -> None:
+    saved, loaded = resumed
+    assert all(r["multi"] == {"fast": [], "slow": []} for r in saved)
+    for r in loaded:
+        assert r["multi"]["updates"] == {"fast": RESUME_STEPS, "slow": RESUME_STEPS}
+        assert r["multi"]["mismatch"] == {"fast": [], "slow": []}
