@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.decay import DecaySchedule
-from dtensor_ema.fused_update import update_groups
+from dtensor_ema.fused_update import OffloadPipeline, update_groups
 from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
@@ -105,6 +105,7 @@ class ModelEMA:
         exclude: ExcludeSpec = None,
         ema_dtype: torch.dtype | None = None,
         capturable: bool = False,
+        offload: bool = False,
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -114,6 +115,7 @@ class ModelEMA:
             exclude=exclude,
             ema_dtype=ema_dtype,
             capturable=capturable,
+            offload=offload,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
@@ -126,7 +128,9 @@ class ModelEMA:
         self._updates = updates
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
-        self._plan: EmaPlan = build_plan(self.module, self.mesh, ema_dtype=ema_dtype)
+        self._plan: EmaPlan = build_plan(
+            self.module, self.mesh, ema_dtype=ema_dtype, offload=offload
+        )
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
             {e.fqn for e in self._plan if e.is_parameter},
@@ -135,6 +139,7 @@ class ModelEMA:
             entry.averaged = entry.fqn not in self._copied
         self._keys = list(model_tensors(self.module))
         self._groups = update_groups(self._plan)
+        self._offload = OffloadPipeline(self._groups) if offload else None
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
         self._last_decay: float | None = None
@@ -195,6 +200,7 @@ class ModelEMA:
 
     def ema_tensors(self) -> dict[str, torch.Tensor]:
         """``fqn -> EMA tensor`` (DTensor, or plain without a mesh). Live tensors: no copy."""
+        self.flush()
         return {e.fqn: e.ema for e in self._plan}
 
     def local_numel(self) -> int:
@@ -229,9 +235,19 @@ class ModelEMA:
             return
         self._sync_sources()
         decay = self._advance()
-        if decay is not None:
-            for group in self._groups:
-                group.apply_(decay)
+        if decay is None:
+            return
+        if self._offload is not None:
+            self._offload.submit(decay)
+            return
+        for group in self._groups:
+            group.apply_(decay)
+
+    def flush(self) -> None:
+        """Wait until every submitted ``update()`` has been applied (``offload=True`` runs
+        them in a worker thread). Every method that reads the EMA calls it. Local."""
+        if self._offload is not None:
+            self._offload.wait()
 
     def _update_capturable(self) -> None:
         """The same update computed on the device: no ``.item()``, no branch on a tensor.
@@ -261,6 +277,7 @@ class ModelEMA:
         assign ``ema.updates`` to restart the decay schedule too.
         """
         self._check_model_argument(model)
+        self.flush()
         self._sync_sources()
         for group in self._groups:
             group.apply_(0.0)
@@ -298,6 +315,7 @@ class ModelEMA:
             ``load_state_dict(strict=True)``. Integer buffers carry the model's value in
             both. Neither shares memory with the model or the EMA.
         """
+        self.flush()
         self._sync_sources()
         gather = functools.partial(
             gather_full_tensors,
@@ -328,6 +346,7 @@ class ModelEMA:
         Peak extra memory: one full copy of the swapped replicated tensors (the backup) plus
         the gathered EMA, or the local shards for FSDP2 parameters.
         """
+        self.flush()
         self._sync_sources()
         sharded = [e for e in self._plan if e.is_dtensor_source]
         replicated = [e for e in self._plan if not e.is_dtensor_source]
@@ -361,6 +380,7 @@ class ModelEMA:
         stores it as is. The EMA tensors are the live ones, so ``dcp.load`` fills them in
         place; they must not be updated while an ``async_save`` of them is pending.
         """
+        self.flush()
         return {
             "updates": self.updates,
             "config": json.dumps(self.options.config(self._copied), sort_keys=True),
@@ -380,6 +400,7 @@ class ModelEMA:
                 (schedule, ``update_every``, ...) different from this EMA's: resuming with
                 other options would not continue the saved trajectory.
         """
+        self.flush()
         for key in ("ema", "updates"):
             if key not in state_dict:
                 raise KeyError(f"EMA state dict has no {key!r} entry (keys: {list(state_dict)})")
@@ -481,7 +502,10 @@ class ModelEMA:
             assert entry.fqn == new.fqn
             entry.source, entry.source_local = new.source, new.source_local
         self._plan.followed = fresh.followed
+        self.flush()
         self._groups = update_groups(self._plan)
+        if self._offload is not None:
+            self._offload = OffloadPipeline(self._groups)
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
 

@@ -56,10 +56,11 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         if not emas:
             raise ValueError("emas must name at least one EMA, e.g. {'slow': {'decay': 0.9999}}")
         for name, options in emas.items():
-            if "capturable" in options:
+            unsupported = [k for k in ("capturable", "offload") if k in options]
+            if unsupported:
                 raise ValueError(
-                    f"EMA {name!r}: capturable updates are not supported by MultiModelEMA; "
-                    "use one ModelEMA(..., capturable=True) per decay"
+                    f"EMA {name!r}: {unsupported} not supported by MultiModelEMA; use one "
+                    "ModelEMA per decay for capturable or offloaded updates"
                 )
             shared = [k for k in options if k in _SHARED]
             if shared:
@@ -104,7 +105,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
                     continue
                 if group.averaged and decay != 0.0 and upcast is None:
                     upcast = group.sources_in_ema_dtype()
-                group.apply_(decay, upcast)
+                group.apply_(decay, upcast if group.averaged and decay != 0.0 else None)
 
     def state_dict(self) -> dict[str, Any]:
         """``{name: ModelEMA.state_dict()}``. Local; DCP ``Stateful``."""

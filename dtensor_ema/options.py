@@ -88,6 +88,9 @@ class EmaOptions:
     capturable: bool = False
     """Keep the counter and decay on the device so ``update()`` never synchronizes the host
     (for ``torch.compile``/CUDA graphs). Not part of the checkpoint config."""
+    offload: bool = False
+    """Keep the EMA shards in host memory, updated by a worker thread behind the training
+    step. Not part of the checkpoint config."""
 
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):
@@ -102,6 +105,11 @@ class EmaOptions:
         ):
             raise ValueError(
                 f"ema_dtype must be a floating-point torch.dtype, got {self.ema_dtype!r}"
+            )
+        if self.capturable and self.offload:
+            raise ValueError(
+                "capturable=True and offload=True cannot be combined: a captured update "
+                "cannot hand work to a host thread"
             )
         if isinstance(self.exclude, str):
             raise TypeError(

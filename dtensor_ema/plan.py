@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from dtensor_ema.layout import chunk_range, contiguous_stride
+from dtensor_ema.layout import chunk_range, contiguous_stride, cpu_mesh_like
 
 __all__ = ["EmaPlan", "PlanEntry", "build_plan", "default_ema_dtype", "unwrap_model"]
 
@@ -115,6 +115,7 @@ def build_plan(
     mesh: DeviceMesh | None,
     *,
     ema_dtype: torch.dtype | None = None,
+    offload: bool = False,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped). Local only: no collective.
 
@@ -123,6 +124,8 @@ def build_plan(
         mesh: 1-D mesh that replicated tensors are sharded over, or ``None`` for plain
             (unsharded) EMA tensors. DTensor parameters ignore it and keep their own mesh.
         ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
+        offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
+            a CPU twin of each mesh.
 
     Raises:
         ValueError: the model has no floating-point state, or a DTensor uses a placement
@@ -143,9 +146,9 @@ def build_plan(
         seen[id(tensor)] = fqn
         dtype = ema_dtype or default_ema_dtype(tensor.dtype)
         if isinstance(tensor, DTensor):
-            source_local, ema = _ema_for_dtensor(fqn, tensor, dtype)
+            source_local, ema = _ema_for_dtensor(fqn, tensor, dtype, offload)
         else:
-            source_local, ema = _ema_for_replicated(tensor, mesh, dtype)
+            source_local, ema = _ema_for_replicated(tensor, mesh, dtype, offload)
         ema_local = ema.to_local() if isinstance(ema, DTensor) else ema
         entries.append(
             PlanEntry(
@@ -166,7 +169,7 @@ def build_plan(
 
 
 def _ema_for_dtensor(
-    fqn: str, param: DTensor, dtype: torch.dtype
+    fqn: str, param: DTensor, dtype: torch.dtype, offload: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mirror an FSDP2/TP parameter: same mesh, placements, global shape and stride."""
     for placement in param.placements:
@@ -175,9 +178,10 @@ def _ema_for_dtensor(
                 f"cannot average {fqn!r}: placement {placement} is not Shard or Replicate"
             )
     source_local = param.to_local().detach()
+    mesh = cpu_mesh_like(param.device_mesh) if offload else param.device_mesh
     ema = DTensor.from_local(
-        _fresh_copy(source_local, dtype),
-        param.device_mesh,
+        _fresh_copy(source_local, dtype, offload),
+        mesh,
         param.placements,
         run_check=False,
         shape=param.shape,
@@ -187,12 +191,12 @@ def _ema_for_dtensor(
 
 
 def _ema_for_replicated(
-    tensor: torch.Tensor, mesh: DeviceMesh | None, dtype: torch.dtype
+    tensor: torch.Tensor, mesh: DeviceMesh | None, dtype: torch.dtype, offload: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shard a tensor every rank holds in full: this rank keeps its dim-0 chunk."""
     full = tensor.detach()
     if mesh is None:
-        return full, _fresh_copy(full, dtype)
+        return full, _fresh_copy(full, dtype, offload)
     placements: list[Placement]
     if full.dim() == 0:
         source_local = full
@@ -202,8 +206,8 @@ def _ema_for_replicated(
         source_local = full.narrow(0, offset, length)
         placements = [Shard(0)]
     ema = DTensor.from_local(
-        _fresh_copy(source_local, dtype),
-        mesh,
+        _fresh_copy(source_local, dtype, offload),
+        cpu_mesh_like(mesh) if offload else mesh,
         placements,
         run_check=False,
         shape=full.shape,
@@ -212,6 +216,12 @@ def _ema_for_replicated(
     return source_local, ema
 
 
-def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous copy in ``dtype`` that shares no memory with the model."""
-    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
+    """A contiguous copy in ``dtype`` that shares no memory with the model; in (pinned, for
+    CUDA sources) host memory with ``offload``."""
+    if not offload:
+        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    out = torch.empty(
+        tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
+    )
+    return out.copy_(tensor)

@@ -73,6 +73,13 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[int, int], float], int, int, se
         set(),
     ),
     "callable": ({"schedule": _user_decay}, lambda s, n: _user_decay(s), 1, 0, set()),
+    "offload_every2": (
+        {"decay": 0.8, "tau": 3, "update_every": 2, "offload": True, "exclude": ["vec"]},
+        lambda s, n: _ramp(s) ** n,
+        2,
+        0,
+        {"vec"},
+    ),
     "copy_buffers_exclude": (
         {"decay": 0.6, "tau": None, "buffers": "copy", "exclude": ["odd", "conv.bias"]},
         lambda s, n: 0.6,
@@ -171,6 +178,25 @@ def test_half_life_means_the_same_in_steps_for_any_update_every() -> None:
     four = ModelEMA(torch.nn.Linear(2, 2), half_life=10.0, update_every=4)
     assert math.isclose(one.get_decay(1) ** 4, four.get_decay(4), rel_tol=1e-12)
     assert math.isclose(four.get_decay(4) ** (10 / 4), 0.5, rel_tol=1e-12)
+
+
+def test_offload_keeps_shards_on_host_and_applies_updates_in_order() -> None:
+    model = make_model("edge")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    offloaded = ModelEMA(model, decay=0.8, tau=3, offload=True)
+    host = ModelEMA(model, decay=0.8, tau=3)
+    assert offloaded._offload is not None  # the worker-thread pipeline is in use
+    for step in range(STEPS):
+        train_step("edge", model, optimizer, step)
+        offloaded.update()
+        host.update()
+        if step == 2:  # a read in between joins the pending update
+            assert mismatches(full(offloaded), full(host)) == []
+    assert all(t.device.type == "cpu" for t in offloaded.ema_tensors().values())
+    assert mismatches(full(offloaded), full(host)) == []
+    assert mismatches(offloaded.get_model_state_dict()[0], host.get_model_state_dict()[0]) == []
+    with pytest.raises(ValueError, match="capturable=True and offload=True cannot be combined"):
+        ModelEMA(model, capturable=True, offload=True)
 
 
 def test_set_reinitializes_from_the_model() -> None:
@@ -302,7 +328,7 @@ def test_multi_ema_bad_input() -> None:
         MultiModelEMA(model, {})
     with pytest.raises(ValueError, match=r"EMA 'slow' sets \['exclude'\], which all EMAs share"):
         MultiModelEMA(model, {"slow": {"exclude": ["odd"]}})
-    with pytest.raises(ValueError, match="capturable updates are not supported"):
+    with pytest.raises(ValueError, match=r"\['capturable'\] not supported by MultiModelEMA"):
         MultiModelEMA(model, {"slow": {"capturable": True}})
     multi = MultiModelEMA(model, {"a": {}, "b": {"decay": 0.9}})
     with pytest.raises(ValueError, match=r"checkpoint EMAs \['a'\] != .*\['a', 'b'\]"):
