@@ -39,7 +39,14 @@ from dtensor_ema.fused_update import OffloadPipeline, update_groups
 from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
-from dtensor_ema.plan import EmaPlan, PlanEntry, build_plan, model_tensors, unwrap_model
+from dtensor_ema.plan import (
+    EmaPlan,
+    PlanEntry,
+    build_plan,
+    model_tensors,
+    source_local_view,
+    unwrap_model,
+)
 from dtensor_ema.watch import registration_epoch
 
 __all__ = ["ModelEMA"]
@@ -497,11 +504,10 @@ class ModelEMA:
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
-        fresh = build_plan(self.module, self.mesh, ema_dtype=self.options.ema_dtype)
-        for entry, new in zip(self._plan.entries, fresh.entries, strict=True):
-            assert entry.fqn == new.fqn
-            entry.source, entry.source_local = new.source, new.source_local
-        self._plan.followed = fresh.followed
+        for entry in self._plan:
+            entry.source = current[entry.fqn]
+            entry.source_local = source_local_view(entry.source, self.mesh)
+        self._plan.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
         self.flush()
         self._groups = update_groups(self._plan)
         if self._offload is not None:

@@ -28,7 +28,14 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from dtensor_ema.layout import chunk_range, contiguous_stride, cpu_mesh_like
 
-__all__ = ["EmaPlan", "PlanEntry", "build_plan", "default_ema_dtype", "unwrap_model"]
+__all__ = [
+    "EmaPlan",
+    "PlanEntry",
+    "build_plan",
+    "default_ema_dtype",
+    "source_local_view",
+    "unwrap_model",
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -177,7 +184,7 @@ def _ema_for_dtensor(
             raise ValueError(
                 f"cannot average {fqn!r}: placement {placement} is not Shard or Replicate"
             )
-    source_local = param.to_local().detach()
+    source_local = source_local_view(param, None)
     mesh = cpu_mesh_like(param.device_mesh) if offload else param.device_mesh
     ema = DTensor.from_local(
         _fresh_copy(source_local, dtype, offload),
@@ -195,16 +202,10 @@ def _ema_for_replicated(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shard a tensor every rank holds in full: this rank keeps its dim-0 chunk."""
     full = tensor.detach()
+    source_local = source_local_view(full, mesh)
     if mesh is None:
-        return full, _fresh_copy(full, dtype, offload)
-    placements: list[Placement]
-    if full.dim() == 0:
-        source_local = full
-        placements = [Replicate()]
-    else:
-        offset, length = chunk_range(full.shape[0], mesh.size(), mesh.get_local_rank())
-        source_local = full.narrow(0, offset, length)
-        placements = [Shard(0)]
+        return source_local, _fresh_copy(full, dtype, offload)
+    placements: list[Placement] = [Replicate()] if full.dim() == 0 else [Shard(0)]
     ema = DTensor.from_local(
         _fresh_copy(source_local, dtype, offload),
         cpu_mesh_like(mesh) if offload else mesh,
@@ -214,6 +215,22 @@ def _ema_for_replicated(
         stride=contiguous_stride(full.shape),
     )
     return source_local, ema
+
+
+def source_local_view(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """This rank's piece of a model tensor, as a view (never a copy).
+
+    DTensor (FSDP2/TP) parameters: ``to_local()``. Replicated tensors: the dim-0 chunk of
+    this rank on ``mesh`` (``Shard(0)`` semantics), or the whole tensor for 0-dim tensors
+    and without a mesh.
+    """
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().detach()
+    full = tensor.detach()
+    if mesh is None or full.dim() == 0:
+        return full
+    offset, length = chunk_range(full.shape[0], mesh.size(), mesh.get_local_rank())
+    return full.narrow(0, offset, length)
 
 
 def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
