@@ -184,7 +184,11 @@ class ModelEMA:
             both. Neither shares memory with the model or the EMA.
         """
         self._sync_sources()
-        kwargs = {"rank0_only": rank0_only, "cpu_offload": cpu_offload, "bucket_bytes": bucket_bytes}
+        kwargs: dict[str, Any] = {
+            "rank0_only": rank0_only,
+            "cpu_offload": cpu_offload,
+            "bucket_bytes": bucket_bytes,
+        }
         ema_full = gather_full_tensors([_ema_piece(e) for e in self._plan], **kwargs)
         model_full = gather_full_tensors([_source_piece(e) for e in self._plan], **kwargs)
         if not ema_full and not model_full and rank0_only:
@@ -228,7 +232,7 @@ class ModelEMA:
             with torch.no_grad():
                 targets = [e.source_local for e in sharded]
                 targets += [e.source.detach() for e in replicated]
-                for target, backup in zip(targets, backups):
+                for target, backup in zip(targets, backups, strict=True):
                     target.copy_(backup)
 
     # ------------------------------------------------------------------ checkpoint
@@ -336,7 +340,7 @@ class ModelEMA:
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
         fresh = build_plan(self.module, self.mesh, ema_dtype=self.ema_dtype)
-        for entry, new in zip(self._plan.entries, fresh.entries):
+        for entry, new in zip(self._plan.entries, fresh.entries, strict=True):
             assert entry.fqn == new.fqn
             entry.source, entry.source_local = new.source, new.source_local
         self._plan.followed = fresh.followed
@@ -373,9 +377,24 @@ def _lerp_groups(plan: EmaPlan) -> list[tuple[list[torch.Tensor], list[torch.Ten
 
 
 def _source_ptrs(plan: EmaPlan) -> list[int]:
-    # DTensor wrappers have no storage of their own; FSDP2 keeps their local tensors in
-    # place for the life of the module, so only plain tensors are checked.
-    return [e.source.data_ptr() for e in plan if not isinstance(e.source, DTensor)]
+    """Where each tracked tensor's data lives; a change means the cached views are stale.
+
+    FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
+    backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
+    (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
+    registering anything, so DTensor sources are checked through their local tensor.
+    """
+    return [_local_data_ptr(e.source) for e in plan]
+
+
+def _local_data_ptr(tensor: torch.Tensor) -> int:
+    if isinstance(tensor, DTensor):
+        # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
+        # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
+        # the public call if a torch release renames it.
+        local = getattr(tensor, "_local_tensor", None)
+        return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
+    return tensor.data_ptr()
 
 
 def _ema_piece(entry: PlanEntry) -> LocalPiece:

@@ -305,6 +305,23 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     return out
 
 
+def _follows_module_to(fsdp_mesh: DeviceMesh) -> list[str]:
+    """``model.to(dtype)`` after the EMA was created: FSDP2 swaps the local tensors inside
+    the same DTensor objects and registers nothing, so a cached view would go stale."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)).to(_device())
+    fully_shard(model, mesh=fsdp_mesh)
+    ema = ModelEMA(model, decay=0.5, tau=None)
+    start = {k: v.full_tensor() for k, v in ema.ema_tensors().items()}
+    model.to(torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    ema.update()
+    got = {k: v.full_tensor() for k, v in ema.ema_tensors().items()}
+    return mismatches(got, {k: v.lerp(torch.full_like(v, 3.0), 0.5) for k, v in start.items()})
+
+
 def _hsdp_errors(fsdp_mesh: DeviceMesh) -> dict[str, str]:
     """Passing the 2-D HSDP mesh itself is refused: the EMA mesh is for plain tensors."""
     model = _base_model({"model": "transformer"}, _device())
@@ -324,6 +341,7 @@ def fsdp_body(rank: int, world_size: int) -> dict[str, Any]:
     else:
         mesh = init_device_mesh(DEVICE_TYPE, (world_size,))
         results = {name: _scenario(cfg, mesh, world_size) for name, cfg in FSDP_1D.items()}
+        results["module_to"] = _follows_module_to(mesh)
     dist.barrier()
     return results
 
@@ -424,6 +442,14 @@ def test_swap_evaluates_the_ema_and_restores_the_model(fsdp: Any) -> None:
         assert r["eval_equals_plain_ema_model"], where
         assert r["eval_differs_from_model"], where
         assert r["logits_after_restore"], where
+
+
+def test_update_follows_module_to_after_construction(fsdp: Any) -> None:
+    world_size, results = fsdp
+    if world_size == 4:
+        pytest.skip("checked on the 1-D meshes")
+    for r in results:
+        assert r["module_to"] == []
 
 
 def test_hsdp_refuses_its_2d_mesh_as_ema_mesh(fsdp: Any) -> None:
