@@ -53,7 +53,8 @@ class ModelEMA:
             means the whole default process group when one is initialized, and no sharding
             at all otherwise (single process, no process group needed). FSDP2/DTensor
             parameters ignore ``mesh``: their EMA uses the parameter's own mesh and
-            placements, so the update stays local.
+            placements, so the update stays local; ``mesh`` then shards only plain
+            tensors (buffers). For HSDP pass ``None`` or the shard-dim submesh.
         decay: asymptotic decay in ``[0, 1]``.
         tau: ramp time constant in updates (``>= 0``); ``None`` or ``0`` for constant decay.
         updates: initial value of the update counter (``>= 0``).
@@ -207,7 +208,9 @@ class ModelEMA:
         by shard with **no collective** (FSDP's own all-gather in forward serves the
         evaluation). Replicated tensors (plain/DDP models, and plain buffers under FSDP2)
         need the full EMA on every rank: **collective**, one flat all-gather per bucket.
-        Every rank of the mesh must enter the context.
+        Every rank of the mesh must enter the context, between training steps (FSDP2
+        modules are resharded on entry and exit, so entering between a forward and its
+        backward would make the backward all-gather the EMA weights).
 
         Peak extra memory: one full copy of the swapped replicated tensors (the backup) plus
         the gathered EMA, or the local shards for FSDP2 parameters.
