@@ -65,7 +65,8 @@ class ModelEMA:
             means the whole default process group when one is initialized, and no sharding
             at all otherwise (single process, no process group needed). FSDP2/DTensor
             parameters ignore ``mesh``: their EMA uses the parameter's own mesh and
-            placements, so the update stays local.
+            placements, so the update stays local; ``mesh`` then shards only plain
+            tensors (buffers). For HSDP pass ``None`` or the shard-dim submesh.
         decay: asymptotic decay in ``[0, 1]`` of the default ramp (default ``0.9999``).
         tau: ramp time constant in steps (``>= 0``, default ``2000``); ``None`` or ``0``
             for a constant decay.
@@ -348,7 +349,9 @@ class ModelEMA:
         by shard with **no collective** (FSDP's own all-gather in forward serves the
         evaluation). Replicated tensors (plain/DDP models, and plain buffers under FSDP2)
         need the full EMA on every rank: **collective**, one flat all-gather per bucket.
-        Every rank of the mesh must enter the context.
+        Every rank of the mesh must enter the context, between training steps (FSDP2
+        modules are resharded on entry and exit, so entering between a forward and its
+        backward would make the backward all-gather the EMA weights).
 
         Peak extra memory: one full copy of the swapped replicated tensors (the backup) plus
         the gathered EMA, or the local shards for FSDP2 parameters.
@@ -531,9 +534,24 @@ def _reshard_fsdp(module: nn.Module) -> None:
 
 
 def _source_ptrs(plan: EmaPlan) -> list[int]:
-    # DTensor wrappers have no storage of their own; FSDP2 keeps their local tensors in
-    # place for the life of the module, so only plain tensors are checked.
-    return [e.source.data_ptr() for e in plan if not isinstance(e.source, DTensor)]
+    """Where each tracked tensor's data lives; a change means the cached views are stale.
+
+    FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
+    backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
+    (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
+    registering anything, so DTensor sources are checked through their local tensor.
+    """
+    return [_local_data_ptr(e.source) for e in plan]
+
+
+def _local_data_ptr(tensor: torch.Tensor) -> int:
+    if isinstance(tensor, DTensor):
+        # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
+        # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
+        # the public call if a torch release renames it.
+        local = getattr(tensor, "_local_tensor", None)
+        return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
+    return tensor.data_ptr()
 
 
 def _ema_piece(entry: PlanEntry) -> LocalPiece:
