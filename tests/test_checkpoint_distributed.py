@@ -3,8 +3,9 @@
 Every checkpoint is saved once, at W=4 from DDP and FSDP2 models and in this process with no
 process group, after ``K`` updates. One spawn per world size W = 1, 2, 3, 4 loads each of
 them into DDP and FSDP2 models (this process loads them with no process group), runs ``N``
-more updates, and compares with an EMA that never stopped. Spawns: 1 saver + 4 loaders + 1
-run in which a rank is killed mid-save.
+more updates, and compares with an EMA that never stopped. Spawns: the W=4 saver (which also
+does the W=4 loads once every save finished), loaders at W = 1, 2, 3, and one run in which a
+rank is killed mid-save.
 
 The model trajectory does not depend on W: instead of training, step ``s`` adds a seeded
 random delta to every float tensor (and 1 to integer buffers), computed in full and sliced
@@ -14,6 +15,7 @@ tensors) follows the same trajectory in this process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -41,6 +43,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtensor_ema import ModelEMA, convert_checkpoint, export_ema, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.distributed
+
+HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 
 DECAY, TAU = 0.9, 2.0  # a steep ramp: a resume that lost the counter uses other decays
 K, N = 3, 3  # updates before the save, and after the load
@@ -236,7 +240,8 @@ def saver_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         name: save_one(name, Path(tmp)) for name, (_, w) in CHECKPOINTS.items() if w != "plain"
     }
     results["async"] = async_scenarios(Path(tmp))
-    dist.barrier()
+    dist.barrier()  # every checkpoint is on disk: the W=4 loads run in this spawn too
+    results["loads"] = loader_body(rank, world_size, tmp)
     return results
 
 
@@ -459,7 +464,8 @@ def loader_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             # Export after resuming: the file must hold the EMA after K + N steps.
             out_dir = Path(tmp) / f"export-w{world_size}-{wrapper}"
             export_ema(ema, out_dir / "ema.pt", bucket_bytes=4096)  # many small buckets
-            export_ema(ema, out_dir / "ema.safetensors")
+            if HAVE_SAFETENSORS:
+                export_ema(ema, out_dir / "ema.safetensors")
         results[f"{ckpt}->{wrapper}"] = loaded
         del module, ema
     dist.barrier()
@@ -494,7 +500,10 @@ def _loaded_at(tmp: Path, world_size: int) -> list[dict[str, Any]]:
 def loaded(
     request: pytest.FixtureRequest, saved: tuple[Path, list[dict[str, Any]]]
 ) -> tuple[int, list[dict[str, Any]]]:
-    return request.param, _loaded_at(saved[0], request.param)
+    tmp, results = saved
+    if request.param == SAVE_W:  # loaded by the saver's spawn, after all saves finished
+        return SAVE_W, [r["loads"] for r in results]
+    return request.param, _loaded_at(tmp, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -551,8 +560,6 @@ def test_async_save_snapshots_the_ema(saved: Any) -> None:
 
 def test_export_gathers_the_full_ema_keyed_like_the_model(saved: Any, loaded_w3: Any) -> None:
     tmp, _ = saved
-    from safetensors.torch import load_file, load_model
-
     refs = torch.load(tmp / "refs.pt", weights_only=True)["transformer"]
     module, _ = build("transformer", "plain")
     keys = list(module.state_dict())
@@ -567,6 +574,10 @@ def test_export_gathers_the_full_ema_keyed_like_the_model(saved: Any, loaded_w3:
         fresh.load_state_dict(exported, strict=True)
         assert not list(out_dir.glob("*.partial"))
 
+        if not HAVE_SAFETENSORS:
+            continue
+        from safetensors.torch import load_file, load_model
+
         tensors = load_file(out_dir / "ema.safetensors")
         assert set(tensors) == set(keys) - {"head.weight"}  # tied weights stored once
         assert mismatches(tensors, {k: expected[k] for k in tensors}) == []
@@ -579,6 +590,8 @@ def test_export_gathers_the_full_ema_keyed_like_the_model(saved: Any, loaded_w3:
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_convert_checkpoint_offline(saved: Any, tmp_path: Path, suffix: str) -> None:
     tmp, _ = saved
+    if suffix == ".safetensors" and not HAVE_SAFETENSORS:
+        pytest.skip("safetensors is not installed")
     refs = torch.load(tmp / "refs.pt", weights_only=True)["transformer"]
     out = tmp_path / f"ema{suffix}"
     returned = convert_checkpoint(tmp / "ckpt" / "fsdp_tf", out)
@@ -597,6 +610,11 @@ def test_convert_checkpoint_offline(saved: Any, tmp_path: Path, suffix: str) -> 
     assert mismatches(written, {k: refs[f"ema@{K}"][k] for k in written}) == []
     assert mismatches(returned, written) == []
     module.load_state_dict(written, strict=False)
+    halves = convert_checkpoint(
+        tmp / "ckpt" / "fsdp_tf", tmp_path / f"bf16{suffix}", dtype=torch.bfloat16
+    )
+    assert all(v.dtype == torch.bfloat16 for v in halves.values())
+    assert mismatches(halves, {k: v.to(torch.bfloat16) for k, v in written.items()}) == []
     with pytest.raises(ValueError, match=r"no EMA tensors under 'model'.*top-level entries"):
         convert_checkpoint(tmp / "ckpt" / "fsdp_tf", tmp_path / "x.pt", key="model")
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -740,3 +758,17 @@ def test_optimizer_state_round_trips_through_weights_only_loading(tmp_path: Path
         assert mismatches(values, saved_state[index]) == [], index
     assert fresh_ema.updates == 1
     assert mismatches(fresh_ema.ema_tensors(), ema.ema_tensors()) == []
+
+
+def test_export_without_safetensors_is_a_clear_error(tmp_path: Path, monkeypatch: Any) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import raises ImportError
+    ema = ModelEMA(build("edge", "plain")[0])
+    with pytest.raises(
+        ImportError, match=r"writing .*ema.safetensors needs the safetensors package"
+    ):
+        export_ema(ema, tmp_path / "ema.safetensors")
+    export_ema(ema, tmp_path / "ema.pt")
+    exported = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert list(exported) == list(build("edge", "plain")[0].state_dict())
