@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.multi import MultiModelEMA
 
 __all__ = [
     "DEFAULT_EXPORT_BUCKET_BYTES",
@@ -178,7 +179,8 @@ def load_checkpoint(
 
     Before anything is written, every rank checks that the checkpoint is complete (its
     ``.metadata`` and every data file it names exist and are long enough) and, for every
-    top-level :class:`~dtensor_ema.ModelEMA` in ``state``, that the checkpoint holds exactly
+    :class:`~dtensor_ema.ModelEMA` in ``state`` (a top-level value, or one of a top-level
+    :class:`~dtensor_ema.MultiModelEMA`'s), that the checkpoint holds exactly
     its tensors (no missing or extra names, same global shapes and dtypes) and options the
     EMA accepts (``ModelEMA.load_state_dict`` decides, on the saved counter and options).
     The ranks agree on the outcome, so all of them raise or none does, and a refused
@@ -197,15 +199,15 @@ def load_checkpoint(
         RuntimeError: another rank refused the checkpoint (its own error says why).
     """
     group = _group(process_group)
-    emas = {k: v for k, v in state.items() if isinstance(v, ModelEMA)}
+    emas = _emas_in(state)
     error: Exception | None = None
     checkpoint_dir = Path(path)
     try:
         checkpoint_dir = _existing_checkpoint(Path(path))
         metadata = _read_metadata(checkpoint_dir)
         _check_files(checkpoint_dir, metadata)
-        for key, ema in emas.items():
-            _check_ema_tensors(checkpoint_dir, key, ema, metadata)
+        for where, ema in emas.items():
+            _check_ema_tensors(checkpoint_dir, where, ema, metadata)
     except (OSError, ValueError) as e:
         error = e
     _agree(group, error, f"checking the checkpoint at {path}")
@@ -213,15 +215,17 @@ def load_checkpoint(
     if emas:
         # The counter and options are small: read them alone, then let the EMA judge them
         # while its tensors are still untouched.
-        saved = {key: _without_tensors(ema.state_dict()) for key, ema in emas.items()}
+        saved: dict[str, Any] = {}
+        for where, ema in emas.items():
+            _set_nested(saved, where, _without_tensors(ema.state_dict()))
         _dcp_load(saved, checkpoint_dir, group)
-        counters = {key: ema.updates for key, ema in emas.items()}
+        counters = {where: ema.updates for where, ema in emas.items()}
         try:
-            for key, ema in emas.items():
-                _judge_saved_values(checkpoint_dir, key, ema, saved[key])
+            for where, ema in emas.items():
+                _judge_saved_values(checkpoint_dir, where, ema, _get_nested(saved, where))
         except (KeyError, ValueError) as e:
-            for key, ema in emas.items():
-                ema.updates = counters[key]
+            for where, ema in emas.items():
+                ema.updates = counters[where]
             error = e
         _agree(group, error, f"checking the EMA options saved in {checkpoint_dir}")
     _dcp_load(state, checkpoint_dir, group)
@@ -277,15 +281,41 @@ def _check_files(path: Path, metadata: Metadata) -> None:
         )
 
 
-def _check_ema_tensors(path: Path, key: str, ema: ModelEMA, metadata: Metadata) -> None:
+def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:
+    """The EMAs among ``state``'s top-level values, by their path in the checkpoint."""
+    emas: dict[tuple[str, ...], ModelEMA] = {}
+    for key, value in state.items():
+        if isinstance(value, ModelEMA):
+            emas[(key,)] = value
+        elif isinstance(value, MultiModelEMA):
+            emas.update({(key, name): ema for name, ema in value.items()})
+    return emas
+
+
+def _set_nested(root: dict[str, Any], where: tuple[str, ...], value: Any) -> None:
+    for part in where[:-1]:
+        root = root.setdefault(part, {})
+    root[where[-1]] = value
+
+
+def _get_nested(root: dict[str, Any], where: tuple[str, ...]) -> Any:
+    for part in where:
+        root = root[part]
+    return root
+
+
+def _check_ema_tensors(
+    path: Path, where: tuple[str, ...], ema: ModelEMA, metadata: Metadata
+) -> None:
     """The checkpoint holds exactly this EMA's entries, with its shapes and dtypes."""
-    saved = _entries_under(key, metadata)
+    key = ".".join(where)
+    saved = _entries_under(where, metadata)
     if not saved:
         raise ValueError(
             f"checkpoint {path} has no EMA state under {key!r}; its top-level entries are "
             f"{sorted(_top_level_keys(metadata))}"
         )
-    ours = dict(_flatten(ema.state_dict(), (key,)))
+    ours = dict(_flatten(ema.state_dict(), where))
     missing = [k for k in ours if k not in saved]
     unexpected = [k for k in saved if k not in ours]
     mismatched = []
@@ -314,22 +344,30 @@ def _check_ema_tensors(path: Path, key: str, ema: ModelEMA, metadata: Metadata) 
         )
 
 
-def _judge_saved_values(path: Path, key: str, ema: ModelEMA, saved: dict[str, Any]) -> None:
+def _judge_saved_values(
+    path: Path, where: tuple[str, ...], ema: ModelEMA, saved: dict[str, Any]
+) -> None:
     """Hand the saved counter and options to ``ema.load_state_dict`` with the EMA's own live
     tensors: it validates them, sets the counter, and copies nothing."""
     live = ema.state_dict()
     try:
         ema.load_state_dict({**live, **saved, _EMA_TENSORS: live[_EMA_TENSORS]})
     except (KeyError, ValueError) as e:
+        key = ".".join(where)
         raise type(e)(f"checkpoint {path} cannot resume the EMA under {key!r}: {e}") from e
 
 
-def _entries_under(key: str, metadata: Metadata) -> dict[str, Any]:
+def _entries_under(where: tuple[str, ...], metadata: Metadata) -> dict[str, Any]:
     planner_data = metadata.planner_data or {}
+    prefix = ".".join(where) + "."
     return {
         k: v
         for k, v in metadata.state_dict_metadata.items()
-        if (planner_data[k][0] == key if k in planner_data else k.startswith(key + "."))
+        if (
+            tuple(str(p) for p in planner_data[k][: len(where)]) == where
+            if k in planner_data
+            else k.startswith(prefix)
+        )
     }
 
 
@@ -477,7 +515,7 @@ def convert_checkpoint(
     planner_data = metadata.planner_data or {}
     tensors: dict[str, torch.Tensor] = {}
     extras: dict[str, Any] = {}
-    for k, md in _entries_under(key, metadata).items():
+    for k, md in _entries_under((key,), metadata).items():
         where = planner_data.get(k, ())
         if isinstance(md, TensorStorageMetadata) and tuple(where[:2]) == (key, _EMA_TENSORS):
             tensors[".".join(str(p) for p in where[2:])] = torch.empty(

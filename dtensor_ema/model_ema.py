@@ -353,6 +353,7 @@ class ModelEMA:
         and ``cpu_offload`` rank 0 holds one full copy of the EMA plus one bucket, the other
         ranks one bucket. Arguments and result as in :meth:`get_model_state_dict`.
         """
+        self.flush()
         self._sync_sources()
         pieces = [_ema_piece(e) for e in self._plan]
         ema_full = gather_full_tensors(

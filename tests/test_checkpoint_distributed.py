@@ -40,7 +40,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtensor_ema import ModelEMA, convert_checkpoint, export_ema, load_checkpoint, save_checkpoint
+from dtensor_ema import (
+    ModelEMA,
+    MultiModelEMA,
+    convert_checkpoint,
+    export_ema,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -772,3 +779,38 @@ def test_export_without_safetensors_is_a_clear_error(tmp_path: Path, monkeypatch
     export_ema(ema, tmp_path / "ema.pt")
     exported = torch.load(tmp_path / "ema.pt", weights_only=True)
     assert list(exported) == list(build("edge", "plain")[0].state_dict())
+
+
+def test_multi_model_ema_is_checked_per_member(tmp_path: Path) -> None:
+    module, _ = build("edge", "plain")
+    multi = MultiModelEMA(module, {"fast": {"decay": 0.5, "tau": None}, "slow": {"decay": DECAY}})
+    perturb_(module, 1)
+    multi.update()
+    save_checkpoint({"emas": multi}, tmp_path / "c")
+    fresh = MultiModelEMA(
+        build("edge", "plain", seed=1)[0],
+        {"fast": {"decay": 0.5, "tau": None}, "slow": {"decay": DECAY}},
+    )
+    load_checkpoint({"emas": fresh}, tmp_path / "c")
+    for name in ("fast", "slow"):
+        assert fresh[name].updates == 1
+        assert mismatches(fresh[name].ema_tensors(), multi[name].ema_tensors()) == []
+
+    other = MultiModelEMA(
+        build("edge", "plain", seed=1)[0],
+        {"fast": {"decay": 0.5, "tau": None}, "slow": {"decay": 0.25}},
+    )
+    before = {name: full(other[name].ema_tensors()) for name in ("fast", "slow")}
+    with pytest.raises(ValueError, match=r"cannot resume the EMA under 'emas.slow': .*decay"):
+        load_checkpoint({"emas": other}, tmp_path / "c")
+    for name in ("fast", "slow"):
+        assert other[name].updates == 0
+        assert mismatches(full(other[name].ema_tensors()), before[name]) == []
+    wider = MultiModelEMA(
+        build("edge", "plain", tweak=_widen_odd)[0],
+        {"fast": {"decay": 0.5, "tau": None}, "slow": {"decay": DECAY}},
+    )
+    with pytest.raises(
+        ValueError, match=r"under 'emas.fast' \(a different model\?\): mismatched \['odd: saved"
+    ):
+        load_checkpoint({"emas": wider}, tmp_path / "c")
