@@ -7,6 +7,12 @@ and checkpointed with ``torch.distributed.checkpoint`` at any world size.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from dtensor_ema.checkpoint import (
+    convert_checkpoint,
+    export_ema,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dtensor_ema.decay import (
     CallableDecay,
     ConstantDecay,
@@ -35,4 +41,8 @@ __all__ = [
     "WarmupDecay",
     "__version__",
     "chunk_range",
+    "convert_checkpoint",
+    "export_ema",
+    "load_checkpoint",
+    "save_checkpoint",
 ]

@@ -341,6 +341,33 @@ class ModelEMA:
         }
         return self._ordered(ema_full, followed), self._ordered(model_full, followed)
 
+    def get_ema_state_dict(
+        self,
+        *,
+        rank0_only: bool = False,
+        cpu_offload: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> StateDict:
+        """The first half of :meth:`get_model_state_dict` alone. **Collective.**
+
+        For export: no copy of the model's own weights is gathered, so with ``rank0_only``
+        and ``cpu_offload`` rank 0 holds one full copy of the EMA plus one bucket, the other
+        ranks one bucket. Arguments and result as in :meth:`get_model_state_dict`.
+        """
+        self.flush()
+        self._sync_sources()
+        pieces = [_ema_piece(e) for e in self._plan]
+        ema_full = gather_full_tensors(
+            pieces, rank0_only=rank0_only, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes
+        )
+        if not ema_full and rank0_only:
+            return {}
+        device = torch.device("cpu") if cpu_offload else None
+        followed = {
+            k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
+        }
+        return self._ordered(ema_full, followed)
+
     @contextlib.contextmanager
     def average_parameters(self) -> Iterator[nn.Module]:
         """Swap the EMA weights into the model for evaluation; restore them on exit.
