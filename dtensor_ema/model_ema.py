@@ -452,7 +452,8 @@ class ModelEMA:
                 f"{' ...' if len(unexpected) > 5 else ''}"
             )
         if "config" in state_dict:
-            self._check_config(state_dict["config"])
+            in_place = any(values[e.fqn] is e.ema for e in self._plan)
+            self._check_config(state_dict["config"], in_place)
         updates = state_dict["updates"]
         if isinstance(updates, torch.Tensor):
             updates = int(updates.item())
@@ -481,7 +482,7 @@ class ModelEMA:
                 "ModelEMA for a different model"
             )
 
-    def _check_config(self, saved: str | dict[str, Any]) -> None:
+    def _check_config(self, saved: str | dict[str, Any], in_place: bool = False) -> None:
         theirs = json.loads(saved) if isinstance(saved, str) else saved
         ours = self.options.config(self._copied)
         diffs = [
@@ -490,9 +491,16 @@ class ModelEMA:
             if theirs.get(k) != ours.get(k)
         ]
         if diffs:
+            # A plain dcp.load has already written the checkpoint's tensors into ours.
+            damage = (
+                " The EMA tensors were already overwritten in place by dcp.load; "
+                "dtensor_ema.load_checkpoint validates before it writes."
+                if in_place
+                else ""
+            )
             raise ValueError(
                 "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
-                f"checkpoint's options to resume): {'; '.join(diffs)}"
+                f"checkpoint's options to resume): {'; '.join(diffs)}.{damage}"
             )
 
     def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:

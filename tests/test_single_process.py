@@ -181,3 +181,13 @@ def test_low_precision_model_gets_float32_ema() -> None:
     ema_sd, _ = ema.get_model_state_dict()
     assert ema_sd["odd"].dtype == torch.bfloat16
     assert ModelEMA(model, ema_dtype=torch.bfloat16).ema_tensors()["odd"].dtype == torch.bfloat16
+
+
+def test_plain_dcp_load_with_other_options_says_tensors_were_overwritten(tmp_path: object) -> None:
+    ema = ModelEMA(make_model("edge"), decay=0.5, tau=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"ema": ema}, checkpoint_id=str(tmp_path))
+        other = ModelEMA(make_model("edge"), decay=0.25, tau=None)
+        with pytest.raises(ValueError, match="already overwritten in place by dcp.load"):
+            dcp.load({"ema": other}, checkpoint_id=str(tmp_path))
