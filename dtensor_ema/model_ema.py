@@ -22,7 +22,6 @@ bit at every world size.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -325,21 +324,14 @@ class ModelEMA:
         """
         self.flush()
         self._sync_sources()
-        gather = functools.partial(
-            gather_full_tensors,
-            rank0_only=rank0_only,
-            cpu_offload=cpu_offload,
-            bucket_bytes=bucket_bytes,
-        )
-        ema_full = gather([_ema_piece(e) for e in self._plan])
-        model_full = gather([_source_piece(e) for e in self._plan])
-        if not ema_full and not model_full and rank0_only:
-            return {}, {}
-        device = torch.device("cpu") if cpu_offload else None
-        followed = {
-            k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
+        options: dict[str, Any] = {
+            "rank0_only": rank0_only,
+            "cpu_offload": cpu_offload,
+            "bucket_bytes": bucket_bytes,
         }
-        return self._ordered(ema_full, followed), self._ordered(model_full, followed)
+        ema_full = self._materialize([_ema_piece(e) for e in self._plan], **options)
+        model_full = self._materialize([_source_piece(e) for e in self._plan], **options)
+        return ema_full, model_full
 
     def get_ema_state_dict(
         self,
@@ -356,17 +348,12 @@ class ModelEMA:
         """
         self.flush()
         self._sync_sources()
-        pieces = [_ema_piece(e) for e in self._plan]
-        ema_full = gather_full_tensors(
-            pieces, rank0_only=rank0_only, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes
+        return self._materialize(
+            [_ema_piece(e) for e in self._plan],
+            rank0_only=rank0_only,
+            cpu_offload=cpu_offload,
+            bucket_bytes=bucket_bytes,
         )
-        if not ema_full and rank0_only:
-            return {}
-        device = torch.device("cpu") if cpu_offload else None
-        followed = {
-            k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
-        }
-        return self._ordered(ema_full, followed)
 
     @contextlib.contextmanager
     def average_parameters(self) -> Iterator[nn.Module]:
@@ -502,6 +489,22 @@ class ModelEMA:
                 "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
                 f"checkpoint's options to resume): {'; '.join(diffs)}.{damage}"
             )
+
+    def _materialize(
+        self, pieces: list[LocalPiece], *, rank0_only: bool, cpu_offload: bool, bucket_bytes: int
+    ) -> StateDict:
+        """Gather ``pieces`` (collective) into a state dict in the model's key order, with
+        the integer buffers and tied aliases filled in; ``{}`` off rank 0 with rank0_only."""
+        full = gather_full_tensors(
+            pieces, rank0_only=rank0_only, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes
+        )
+        if rank0_only and not full:
+            return {}
+        device = torch.device("cpu") if cpu_offload else None
+        followed = {
+            k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
+        }
+        return self._ordered(full, followed)
 
     def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:
         out: StateDict = {}
