@@ -5,20 +5,23 @@ a 2 x 2 mesh ``(Replicate(), Shard(0))``. Each scenario trains the FSDP model, u
 and an unsharded reference EMA, and returns plain values that the tests below assert on.
 
 The reference is plain ``lerp_`` on the FSDP model's own full parameters (``full_tensor()``
-after every step, taken after ``update()`` so its resharding state-dict hook cannot help the
-EMA), so it sees exactly the weights the EMA saw. An unsharded twin trained on the same
-data equals the FSDP model bit for bit only where FSDP's gradient average is exact (W = 2,
-HSDP 2 x 2; at W = 3 ``(g + g + g) / 3`` rounds), so it checks the setup, and a copy of it
-loaded with the reference EMA checks what FSDP computes under ``average_parameters()``.
+of the sharded parameters after every step, never ``model.state_dict()``, whose FSDP hook
+reshards and would hide bugs), so it sees exactly the weights the EMA saw. An unsharded
+twin trained on the same data equals the FSDP model bit for bit only where FSDP's gradient
+average is exact (W = 1, 2, HSDP 2 x 2; at W = 3 ``(g + g + g) / 3`` rounds), so it checks
+the setup, and a copy of it loaded with the reference EMA checks what FSDP computes under
+``average_parameters()``.
 
 Hostile orderings are built in: the EMA is created after a forward in one scenario, and an
 evaluation forward under ``no_grad`` runs between ``optimizer.step()`` and ``update()`` (it
-leaves the root, and modules with ``reshard_after_forward=False``, unsharded) and right
-before entering ``average_parameters()``.
+leaves the root, and modules with ``reshard_after_forward=False``, unsharded; once together
+with a module registration that makes ``update()`` re-walk the model) and right before
+entering ``average_parameters()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -69,12 +72,19 @@ HSDP: dict[str, dict[str, Any]] = {
 }
 
 
-def count_collectives(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``fn()``; return its result and the number of collectives it issued (the larger
-    of DTensor's ``CommDebugMode`` count and the profiler's ``gloo:``/``nccl:`` events)."""
-    with CommDebugMode() as comm, profile(activities=[ProfilerActivity.CPU]) as prof:
+def count_collectives(fn: Callable[[], Any], *, profiler: bool = True) -> tuple[Any, int]:
+    """Run ``fn()``; return its result and the number of collectives it issued: the larger
+    of DTensor's ``CommDebugMode`` count (c10d ops at the dispatcher) and, with
+    ``profiler``, the profiler's ``gloo:``/``nccl:`` events (an independent witness for the
+    zero claims; parsing its events costs ~0.3 s for a big region, so counts that only
+    need a bound skip it)."""
+    with contextlib.ExitStack() as stack:
+        comm = stack.enter_context(CommDebugMode())
+        prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU])) if profiler else None
         result = fn()
-    backend_calls = sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")))
+    backend_calls = 0
+    if prof is not None:
+        backend_calls = sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")))
     return result, max(comm.get_total_counts(), backend_calls)
 
 
@@ -118,6 +128,8 @@ def _shard(model: nn.Module, cfg: dict[str, Any], mesh: DeviceMesh) -> None:
 
 def _inputs(cfg: dict[str, Any], step: int, device: torch.device) -> tuple[Any, Any]:
     x, y = make_batch(cfg["model"], step)
+    if cfg["model"] == "resnet18":
+        x = x[..., :16, :16]  # a quarter of the compute; layer4 is 1 x 1 either way
     if cfg.get("bf16"):
         x = x.to(torch.bfloat16) if x.is_floating_point() else x
     return x.to(device), None if y is None else y.to(device)
@@ -146,17 +158,16 @@ def _eval_forward(cfg: dict[str, Any], model: nn.Module, step: int) -> torch.Ten
     return out.detach().clone()
 
 
-def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full state; a collective per DTensor (test-side only)."""
-    return {k: _full(v) for k, v in model.state_dict().items()}
-
-
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A full copy; a collective for DTensors. On a one-rank mesh ``full_tensor()`` returns
     the local shard itself (no gather, no copy), so it must be cloned to be a snapshot."""
     if isinstance(tensor, DTensor):
         return tensor.full_tensor().clone()
     return tensor.detach().clone()
+
+
+def _floats(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if v.is_floating_point()}
 
 
 def _without(state: dict[str, torch.Tensor], keys: Any) -> dict[str, torch.Tensor]:
@@ -204,17 +215,24 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
         "fresh": init_device_mesh(DEVICE_TYPE, (world_size,), mesh_dim_names=("ema",)),
         "shard": fsdp_mesh["shard"] if fsdp_mesh.ndim == 2 else None,
     }[cfg.get("ema_mesh", "default")]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"model": cfg["model"]}
     if cfg.get("late_ema"):
-        _eval_forward(cfg, model, -1)  # lazy init; the root stays unsharded
+        _eval_forward(cfg, model, -1)  # lazy init; the root may stay unsharded
         _eval_forward(cfg, twin, -1)
-        out["registered_at_construction"] = _registered_dtensors(model)
+    out["registered_at_construction"] = _registered_dtensors(model)
+    ema = ModelEMA(model, mesh=ema_mesh, decay=DECAY, tau=TAU)
     sharded_params = dict(model.state_dict(keep_vars=True))  # FSDP's hook reshards first
     owners: dict[int, str] = {}
     tied = {k: owners.setdefault(id(v), k) for k, v in sharded_params.items()}
     tied = {k: owner for k, owner in tied.items() if k != owner}  # alias -> owner
-    ema = ModelEMA(model, mesh=ema_mesh, decay=DECAY, tau=TAU)
-    ref = ReferenceEMA(_without(_full_state(model), tied), DECAY, TAU)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        # Full copies read through the sharded objects, never model.state_dict(): FSDP's
+        # state-dict hook reshards every module, which would hide a library bug that
+        # forgot to (e.g. a swap that copies into shards the next forward ignores).
+        return {k: _full(v) for k, v in sharded_params.items()}
+
+    ref = ReferenceEMA(_without(snapshot(), tied), DECAY, TAU)
 
     # The EMA mirrors each DTensor parameter's mesh, placements, shape and stride; plain
     # buffers use the given (or default) 1-D mesh.
@@ -241,18 +259,22 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     )
     out["ema_mesh_is_given"] = ema_mesh is None or ema.mesh is ema_mesh
 
-    # Training: an evaluation forward between step() and update() every other step.
+    # Training: an evaluation forward between step() and update() from the second step on.
     out["update_comms"], out["registered_at_update"] = 0, []
     out["twin_equal"], out["twin_rel_diff"] = [], []
     for step in range(STEPS):
         for m, o in ((model, opt), (twin, twin_opt)):
             _train_step(cfg, m, o, step)
-            if step % 2 == 1:
+            if step >= 1:
                 _eval_forward(cfg, m, 100 + step)
+        if step == 2:
+            # Any module registration anywhere makes update() re-walk the model (watch.py):
+            # the re-walk must find the sharded parameters while modules are unsharded.
+            nn.Linear(1, 1)
         out["registered_at_update"].append(_registered_dtensors(model))
         _, n = count_collectives(ema.update)
         out["update_comms"] += n
-        full = _full_state(model)  # after update(): its resharding hook must not help it
+        full = snapshot()
         ref.update(_without(full, tied))
         twin_sd = twin.state_dict()
         diffs = [_relative_diff(full[k], twin_sd[k]) for k in ref.ema]
@@ -265,12 +287,14 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     out["shard_mismatch"] = mismatches(ema_full(), ref.ema)
 
     # get_model_state_dict(): full plain tensors in the model's dtypes, coalesced.
-    model_sd = _full_state(model)
+    model_sd = snapshot()
     expected = {
         k: ref.ema[tied.get(k, k)].to(v.dtype) if v.is_floating_point() else v
         for k, v in model_sd.items()
     }  # a tied alias carries its owner's EMA
-    (ema_sd, ori_sd), out["state_dict_comms"] = count_collectives(ema.get_model_state_dict)
+    (ema_sd, ori_sd), out["state_dict_comms"] = count_collectives(
+        ema.get_model_state_dict, profiler=False
+    )
     out["state_dict_plain"] = all(
         type(v) is torch.Tensor for v in (*ema_sd.values(), *ori_sd.values())
     )
@@ -288,22 +312,21 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     else:
         out["rank0_only_ok"] = ema0 == {} and ori0 == {}
 
-    # Evaluation swap, entered right after a forward that left modules unsharded.
+    # Evaluation swap, entered right after a forward that left modules unsharded; a forward
+    # right after the exit must see the restored weights, not the EMA left unsharded.
     before_logits = _eval_forward(cfg, model, 7)
     out["registered_before_swap"] = _registered_dtensors(model)
-    before = _full_state(model)
+    before = _floats(snapshot())
     swap = ema.average_parameters()
     swapped, out["swap_enter_comms"] = count_collectives(swap.__enter__)
-    inside = {k: v for k, v in _full_state(model).items() if v.is_floating_point()}
+    inside = _floats(snapshot())
     logits = _eval_forward(cfg, swapped, 7)  # FSDP's own all-gathers: not counted
     _, out["swap_exit_comms"] = count_collectives(lambda: swap.__exit__(None, None, None))
-    out["swap_yields_module"] = swapped is model
-    out["swap_inside_mismatch"] = mismatches(
-        inside, {k: v for k, v in expected.items() if v.is_floating_point()}
-    )
-    restored = {k: v for k, v in _full_state(model).items() if v.is_floating_point()}
-    out["swap_restore_mismatch"] = mismatches(restored, {k: before[k] for k in restored})
+    restored = _floats(snapshot())
     out["logits_after_restore"] = _same_output(_eval_forward(cfg, model, 7), before_logits)
+    out["swap_yields_module"] = swapped is model
+    out["swap_inside_mismatch"] = mismatches(inside, _floats(expected))
+    out["swap_restore_mismatch"] = mismatches(restored, before)
     # A plain model loaded with the reference EMA computes what FSDP computed in the swap.
     plain = copy.deepcopy(twin)
     plain.load_state_dict(expected)
@@ -312,20 +335,19 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     plain_logits = _eval_forward(cfg, plain, 7)
     out["eval_equals_plain_ema_model"] = _same_output(logits, plain_logits)
     out["eval_differs_from_model"] = not torch.equal(logits, before_logits)
-    before = _full_state(model)  # EdgeModel's forward moved float_buf since
+    before = _floats(snapshot())  # EdgeModel's forward moved float_buf since
     try:  # an error inside the swap still restores the model
         with ema.average_parameters() as m:
             _eval_forward(cfg, m, 8)
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         pass
-    restored = {k: v for k, v in _full_state(model).items() if v.is_floating_point()}
-    out["restore_after_error_mismatch"] = mismatches(restored, {k: before[k] for k in restored})
+    out["restore_after_error_mismatch"] = mismatches(_floats(snapshot()), before)
 
     # Training goes on from the restored weights, and the EMA keeps matching.
     _train_step(cfg, model, opt, STEPS)
     ema.update()
-    ref.update(_without(_full_state(model), tied))
+    ref.update(_without(snapshot(), tied))
     out["after_swap_mismatch"] = mismatches(ema_full(), ref.ema)
     return out
 
@@ -361,11 +383,13 @@ def _hsdp_errors(fsdp_mesh: DeviceMesh) -> dict[str, str]:
 def fsdp_body(rank: int, world_size: int) -> dict[str, Any]:
     if world_size == 4:
         mesh = init_device_mesh(DEVICE_TYPE, (2, 2), mesh_dim_names=("replicate", "shard"))
-        results = {name: _scenario(cfg, mesh, world_size) for name, cfg in HSDP.items()}
+        results = {name: _scenario(HSDP[name], mesh, world_size) for name in _scenarios(4)}
         results["errors"] = _hsdp_errors(mesh)
     else:
         mesh = init_device_mesh(DEVICE_TYPE, (world_size,))
-        results = {name: _scenario(cfg, mesh, world_size) for name, cfg in FSDP_1D.items()}
+        results = {
+            name: _scenario(FSDP_1D[name], mesh, world_size) for name in _scenarios(world_size)
+        }
         results["module_to"] = _follows_module_to(mesh)
     dist.barrier()
     return results
@@ -380,6 +404,8 @@ def fsdp(
 
 
 def _scenarios(world_size: int) -> list[str]:
+    if world_size == 1:  # a one-rank mesh: FSDP2's no-reduction path, every shard full
+        return ["edge", "resnet18", "transformer"]
     return list(HSDP if world_size == 4 else FSDP_1D)
 
 
@@ -435,11 +461,16 @@ def test_update_is_local_even_with_unsharded_modules(fsdp: Any) -> None:
 
 
 def test_ema_created_after_a_forward_tracks_the_sharded_parameters(fsdp: Any) -> None:
+    """Construction reshards first, so an EMA built while the root is unsharded still
+    captures the sharded parameters (transformer_mp: the root's 4 are plain then)."""
     world_size, results = fsdp
-    for name in _scenarios(world_size):
-        if FSDP_1D.get(name, {}).get("late_ema"):
-            assert "registered_at_construction" in results[0][name]
-            assert results[0][name]["shard_mismatch"] == []
+    late = [n for n in _scenarios(world_size) if FSDP_1D.get(n, {}).get("late_ema")]
+    for name in late:
+        assert results[0][name]["shard_mismatch"] == [], name
+        assert results[0][name]["layout_mismatch"] == [], name
+    if "transformer_mp" in late:
+        dtensors, total = results[0]["transformer_mp"]["registered_at_construction"]
+        assert dtensors < total
 
 
 def test_get_model_state_dict_is_full_exact_and_coalesced(fsdp: Any) -> None:
@@ -461,7 +492,7 @@ def test_tied_weights_survive_fsdp(fsdp: Any) -> None:
 def test_swap_issues_no_collective_for_fsdp_parameters(fsdp: Any) -> None:
     for where, r in _each(fsdp):
         assert r["swap_exit_comms"] == 0, where
-        has_plain_buffers = "resnet" in where or "edge" in where
+        has_plain_buffers = r["model"] != "transformer"
         # Only plain float buffers (BatchNorm stats) need a gather: one per dtype bucket.
         assert r["swap_enter_comms"] == (1 if has_plain_buffers else 0), (where, r)
 
