@@ -9,7 +9,7 @@ writes that storage even while modules register unsharded parameters.
 
 Run from the repository root (gloo, CPU; W = 2, 3 and 4 ranks)::
 
-    python tools/fsdp_registration_table.py
+    python benchmarks/fsdp_registration_table.py
 """
 
 from __future__ import annotations
