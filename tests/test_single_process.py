@@ -189,5 +189,5 @@ def test_plain_dcp_load_with_other_options_says_tensors_were_overwritten(tmp_pat
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"ema": ema}, checkpoint_id=str(tmp_path))
         other = ModelEMA(make_model("edge"), decay=0.25, tau=None)
-        with pytest.raises(ValueError, match="already overwritten in place by dcp.load"):
+        with pytest.raises(ValueError, match=r"already overwritten in place by dcp\.load"):
             dcp.load({"ema": other}, checkpoint_id=str(tmp_path))
