@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from workloads import DECAY, ModelSpec, build_model, get_spec, replicated_baselines
+from workloads import DECAY, GPT, ModelSpec, build_model, get_spec, replicated_baselines
 
 from dtensor_ema import ModelEMA
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
@@ -237,6 +237,7 @@ def bench_update_and_materialize(
         out["materialize_skipped"] = skip
         return out
     pieces = _ema_pieces(ema, model)
+    dtensors = [t for t in ema.ema_tensors().values() if isinstance(t, DTensor)]
     chunk = -(-ema_total // 4 // world_size)  # fp32 elements per rank, padded
     send = torch.zeros(chunk, dtype=torch.float32, device=device)
     group = mesh.get_group()
@@ -251,7 +252,7 @@ def bench_update_and_materialize(
     mat_impls: dict[str, Callable[[], object]] = {
         "get_model_state_dict": ema.get_model_state_dict,
         "ema_flat_buckets": lambda: gather_full_tensors(pieces),
-        "full_tensor_each": lambda: [t.full_tensor() for t in ema.ema_tensors().values()],
+        "full_tensor_each": lambda: [t.full_tensor() for t in dtensors],
         "all_gather_flat_ref": flat_all_gather,
         # What the two numbers above are made of: the wire alone, and fresh memory alone
         # (on CPU the first touch of newly mapped pages costs more than a copy).
@@ -264,7 +265,7 @@ def bench_update_and_materialize(
 
 
 def _fsdp_units(model: nn.Module) -> list[nn.Module]:
-    if hasattr(model, "blocks"):
+    if isinstance(model, GPT):
         return list(model.blocks)
     return [
         block for name in ("layer1", "layer2", "layer3", "layer4") for block in getattr(model, name)
@@ -309,7 +310,9 @@ def bench_fsdp2_swap(
 
     with ema.average_parameters():
         inside = param.to_local().clone()
-    expected = ema.ema_tensors()[fqn].to_local().to(param.dtype)
+    ema_param = ema.ema_tensors()[fqn]
+    assert isinstance(ema_param, DTensor)
+    expected = ema_param.to_local().to(param.dtype)
     out["swap_ok"] = bool(
         torch.equal(inside, expected)
         and not torch.equal(inside, before)

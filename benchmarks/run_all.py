@@ -133,7 +133,8 @@ def spawn(world_size: int, cfg: Config, deadline_s: float) -> list[dict[str, Any
                     proc.terminate()
                 break
             time.sleep(0.1)
-        results, failures = [], []
+        results: list[dict[str, Any]] = []
+        failures: list[str] = []
         for rank, proc in enumerate(procs):
             proc.join(5)
             path = Path(run_dir, f"result{rank}.pkl")
@@ -141,7 +142,10 @@ def spawn(world_size: int, cfg: Config, deadline_s: float) -> list[dict[str, Any
                 failures.append(f"rank {rank}: exit code {proc.exitcode}, no result")
                 continue
             ok, value = pickle.loads(path.read_bytes())
-            (results if ok else failures).append(value if ok else f"rank {rank}:\n{value}")
+            if ok:
+                results.append(value)
+            else:
+                failures.append(f"rank {rank}:\n{value}")
         if failures:
             raise SystemExit(f"W={world_size} failed:\n" + "\n".join(failures))
         return results
