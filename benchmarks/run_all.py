@@ -43,8 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny models, W=1,2, few repeats")
     p.add_argument("--world-sizes", default=None, help="comma list (default 1,2,4; quick 1,2)")
-    p.add_argument("--models", default=None, help="comma list (default resnet50,gpt2,gpt1b-L<big>)")
-    p.add_argument("--fsdp-models", default=None, help="FSDP2 swap models (default gpt2,resnet50)")
+    p.add_argument(
+        "--models", default=None, help="comma list (default resnet50,gpt2,gpt1b-L<big>; none)"
+    )
+    p.add_argument(
+        "--fsdp-models", default=None, help="FSDP2 swap models (default gpt2,resnet50; none)"
+    )
     p.add_argument("--big-layers", type=int, default=2, help="layers of the 1B-wide shape")
     p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -66,10 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_models = (
         QUICK_MODELS if quick else tuple(m.format(big=args.big_layers) for m in FULL_MODELS)
     )
-    args.models = _names(args.models) or default_models
-    args.fsdp_models = _names(args.fsdp_models) or (
-        ("gpt-tiny",) if quick else ("gpt2", "resnet50")
-    )
+    models = _names(args.models)
+    args.models = default_models if models is None else models
+    fsdp_models = _names(args.fsdp_models)
+    default_fsdp = ("gpt-tiny",) if quick else ("gpt2", "resnet50")
+    args.fsdp_models = default_fsdp if fsdp_models is None else fsdp_models
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
     args.reps = args.reps or (3 if quick else 10)
     args.mat_reps = args.mat_reps or (2 if quick else 5)
@@ -83,8 +88,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _names(text: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip()) if text else ()
+def _names(text: str | None) -> tuple[str, ...] | None:
+    """Comma list; ``None`` when not given (use the default), ``()`` for ``none``."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 # --------------------------------------------------------------------------- spawning
