@@ -208,20 +208,11 @@ def bench_update_and_materialize(
     impls: dict[str, Callable[[], object]] = {
         "dtensor_ema": ema.update,
         "dtensor_ema_replan": update_after_registration,
-        "timm_v3": baselines["timm_v3"],
-        "yolov5_loop": baselines["yolov5_loop"],
+        **baselines,
         "copy_ref": copy_ref,
     }
     out["update_comms"] = count_collectives(ema.update)
     out["update"] = interleaved(impls, warmup=cfg.warmup, reps=cfg.reps, sync=sync)
-    # AveragedModel re-assigns its n_averaged buffer every call (`self.n_averaged += 1`),
-    # which fires torch's global buffer-registration hook and so sends the next
-    # dtensor_ema update down the re-plan path: it is timed in its own block, beside timm.
-    if "swa_averaged" in baselines:
-        swa_block = {"swa_averaged": baselines["swa_averaged"], "timm_v3": baselines["timm_v3"]}
-        swa_times = interleaved(swa_block, warmup=cfg.warmup, reps=cfg.reps, sync=sync)
-        out["update"]["swa_averaged"] = swa_times["swa_averaged"]
-        out["update"]["timm_v3_swa_block"] = swa_times["timm_v3"]
     del impls, baselines, copy_ref
     gc.collect()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import pickle
 import platform
@@ -64,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--deadline-s", type=float, default=1800.0, help="per world size")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-render tables, CSV and plot from an earlier results.json (no measuring)",
+    )
     args = p.parse_args(argv)
     quick = args.quick
     args.world_sizes = _ints(args.world_sizes or ("1,2" if quick else "1,2,4"))
@@ -206,8 +213,21 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def rerender(path: Path, out: Path) -> None:
+    """Tables, CSV, plot again from the raw samples an earlier run saved."""
+    payload = json.loads(path.read_text())
+    fields: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in payload["config"].items()
+    }
+    runs = {int(w): ranks for w, ranks in payload["raw"].items()}
+    write_outputs(runs, Config(**fields), payload["environment"], out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        rerender(args.from_json, args.out)
+        return 0
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible")

@@ -173,6 +173,13 @@ def replicated_baselines(model: nn.Module, *, fp32_ema: bool) -> dict[str, Calla
         # at the shared one; its first call copies, later calls lerp (warm-up runs the first).
         avg = AveragedModel(nn.Module(), multi_avg_fn=get_ema_multi_avg_fn(DECAY), use_buffers=True)
         avg.module = replica
+        # Its step counter becomes a plain attribute (the same scalar add per call): assigning
+        # a registered buffer (`self.n_averaged += 1`) goes through register_buffer and fires
+        # torch's global registration hook, which dtensor_ema's update() watches; interleaved
+        # with AveragedModel, every dtensor_ema update would take its re-check path (measured
+        # separately as "dtensor_ema_replan").
+        counter = avg._buffers.pop("n_averaged")
+        object.__setattr__(avg, "n_averaged", counter)
         impls["swa_averaged"] = lambda: avg.update_parameters(model)
     return impls
 
