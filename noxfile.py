@@ -63,3 +63,10 @@ def typecheck(session: nox.Session) -> None:
     _install(session, "test")
     session.install("mypy>=1.10")
     session.run("mypy", "dtensor_ema")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark suite on CPU/gloo (flags after --, e.g. ``nox -s bench -- --quick``)."""
+    _install(session, "bench")
+    session.run("python", "benchmarks/run_all.py", *session.posargs)

@@ -1,0 +1,95 @@
+"""The benchmark suite runs end to end (``--quick``: tiny models, W = 1, 2) and writes
+tables, CSV, JSON and a plot holding sane numbers. Timings themselves are not asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("timm", reason="benchmark extra: pip install '.[bench]'")
+pytest.importorskip("matplotlib", reason="benchmark extra: pip install '.[bench]'")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_outputs_exist(quick_run: tuple[Path, str]) -> None:
+    out, stdout = quick_run
+    for name in (
+        "results.json",
+        "results.md",
+        "update.csv",
+        "memory.csv",
+        "materialize.csv",
+        "fsdp2.csv",
+        "update_time.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "update_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "1-2. update()" in stdout and "5. FSDP2" in stdout
+
+
+def test_update_numbers_are_sane(quick_run: tuple[Path, str]) -> None:
+    summary = json.loads((quick_run[0] / "results.json").read_text())["summary"]
+    rows = summary["update"]
+    assert {(r["model"], r["world_size"]) for r in rows} == {
+        (m, w) for m in ("mobilenet_v3_small", "gpt-tiny") for w in (1, 2)
+    }
+    for r in rows:
+        for key in (
+            "dtensor_ema_ms",
+            "timm_v3_ms",
+            "swa_averaged_ms",
+            "yolov5_loop_ms",
+            "copy_ref_ms",
+            "bw_vs_copy_min",
+            "ours_over_timm",
+        ):
+            assert _positive(r[key]), (r["model"], r["world_size"], key, r[key])
+        assert r["update_collectives"] == 0
+
+
+def test_memory_and_materialize_numbers_are_sane(quick_run: tuple[Path, str]) -> None:
+    summary = json.loads((quick_run[0] / "results.json").read_text())["summary"]
+    measured = [r for r in summary["memory"] if r["source"] == "measured"]
+    assert measured and all(r["matches_plan"] for r in measured)
+    assert {r["world_size"] for r in summary["memory"] if r["source"] == "plan"} == {3, 8}
+    for r in summary["memory"]:
+        assert 1.0 <= r["ratio"] < 1.1, r
+    for r in summary["materialize"]:
+        assert _positive(r["get_model_state_dict_ms"]) and _positive(r["all_gather_flat_ref_ms"])
+        assert r["ema_flat_buckets_collectives"] == 1  # coalesced, and the counter is live
+        assert r["all_gather_flat_ref_collectives"] == 1
+
+
+def test_fsdp2_swap_is_local_and_correct(quick_run: tuple[Path, str]) -> None:
+    rows = json.loads((quick_run[0] / "results.json").read_text())["summary"]["fsdp2"]
+    assert rows
+    for r in rows:
+        assert r["swap_correct"], r
+        assert r["swap_collectives"] == 0 and r["update_collectives"] == 0
+        assert _positive(r["swap_enter_exit_ms"])
