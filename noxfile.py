@@ -46,3 +46,10 @@ def typecheck(session: nox.Session) -> None:
     _install(session, "test")
     session.install("mypy>=1.10")
     session.run("mypy", "dtensor_ema")
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run every example end to end under torchrun with tiny settings (add -- -s to watch)."""
+    _install(session, "examples,test")
+    _pytest(session, "tests/test_examples_smoke.py")
