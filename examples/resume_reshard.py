@@ -191,7 +191,7 @@ def phase_resume(args: argparse.Namespace, ckpt: Path) -> None:
     if not path.exists():
         raise SystemExit(f"no checkpoint at {path}: run --phase train first (same --ckpt-dir)")
     meta: dict[str, Any] = {"step": 0, "world_size": 0, "fingerprint": ""}
-    state = {"ema": ema, "train": TrainState(wrapped, optimizer), "meta": meta}
+    state: dict[str, Any] = {"ema": ema, "train": TrainState(wrapped, optimizer), "meta": meta}
     dcp.load(state, checkpoint_id=path)  # reshards W_saved -> W in place
     meta = state["meta"]
     loaded = fingerprint(full_ema(ema))  # every rank: all take the same branch below

@@ -165,8 +165,9 @@ def cifar10(root: str, *, train_size: int, test_size: int) -> tuple[Dataset, Dat
         test = torchvision.datasets.CIFAR10(root, train=False, download=False, transform=test_tf)
     except RuntimeError as err:
         raise SystemExit(
-            f"--data-dir {root!r}: {err} Expected torchvision's CIFAR-10 layout "
-            "(<data-dir>/cifar-10-batches-py/); this script never downloads."
+            f"--data-dir {root!r}: torchvision found no usable CIFAR-10 there ({err}). "
+            "Expected <data-dir>/cifar-10-batches-py/ (the extracted python version of "
+            "CIFAR-10); this script never downloads. Omit --data-dir for synthetic data."
         ) from err
     # 0 means all: the full 50k/10k take a while on CPU.
     train_part = Subset(train, range(min(train_size, len(train)))) if train_size else train
@@ -427,7 +428,8 @@ def run(args: argparse.Namespace, env: Dist) -> None:
         test_set = synthetic_images(args.test_size, patterns, generator, label_noise=0.0, **noise)
         source = "synthetic CIFAR-like data (offline)"
 
-    train_sampler = (
+    n_train, n_test = len(train_set), len(test_set)  # type: ignore[arg-type]
+    train_sampler: DistributedSampler | None = (
         DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
         if env.pg
         else None
@@ -443,7 +445,7 @@ def run(args: argparse.Namespace, env: Dist) -> None:
     )
     # Each rank scores a disjoint slice of the test set; counts are summed across ranks
     # (DistributedSampler would pad with duplicates and skew the accuracy).
-    test_shard = Subset(test_set, range(env.rank, len(test_set), env.world_size))
+    test_shard = Subset(test_set, range(env.rank, n_test, env.world_size))
     test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers)
 
     torch.manual_seed(args.seed)
@@ -477,7 +479,7 @@ def run(args: argparse.Namespace, env: Dist) -> None:
         bn = "SyncBatchNorm" if env.pg and env.device.type == "cuda" else "BatchNorm2d"
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"{source}: {len(train_set)} train / {len(test_set)} test images, "
+            f"{source}: {n_train} train / {n_test} test images, "
             f"label noise {args.label_noise:.0%}\n"
             f"ResNet-{args.depth} (width {args.width}, {n_params / 1e3:.0f}k parameters, "
             f"{bn}) on {env.world_size} x {env.device.type} ({backend}), "

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from dtensor_ema import ModelEMA
 
@@ -329,7 +330,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     if main_rank:
         n_params = sum(p.numel() for p in model.parameters())
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in ema.ema_tensors().values()})
-        param_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         print(
             f"Markov chain: vocab {args.vocab}, {args.branching} likely successors per "
             f"context, noise {args.token_noise}; true entropy {floor:.4f} nats/token\n"
@@ -400,6 +401,10 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         )
         if args.plot and save_plot(args.plot, history, floor, f"TinyLM + FSDP2, W={world}"):
             print(f"plot: {args.plot}", flush=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _progress(total: int, *, enabled: bool):  # type: ignore[no-untyped-def]

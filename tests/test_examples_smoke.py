@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -25,9 +26,10 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240
 
 
-def _run(args: list[str], cwd: Path, *, nproc: int | None = 2) -> str:
+def _run(args: list[str], cwd: Path, *, nproc: int | None = 2, expect_ok: bool = True) -> str:
     """Run an example (under torchrun with ``nproc`` ranks, or plain python for ``None``);
-    return its combined output, failing the test with the output's tail on error."""
+    return its combined output, failing the test with the output's tail if the exit code
+    is not what ``expect_ok`` says."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -49,7 +51,7 @@ def _run(args: list[str], cwd: Path, *, nproc: int | None = 2) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{args[0]} ran past {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
-    if proc.returncode != 0:
+    if (proc.returncode == 0) != expect_ok:
         pytest.fail(f"{args[0]} exited {proc.returncode}; output tail:\n{out[-4000:]}")
     return out
 
@@ -126,6 +128,43 @@ def test_ddp_resnet_one_process_without_process_group(tmp_path: Path) -> None:
     assert "on 1 x cpu (no process group)" in out
     assert "(1.00 of the full EMA)" in out
     assert re.search(r"EMA updates: 4$", out, re.MULTILINE), out
+
+
+def test_ddp_resnet_missing_cifar_is_a_clear_error(tmp_path: Path) -> None:
+    args = [_script("train_ddp_resnet.py"), f"--data-dir={tmp_path / 'none'}", "--plot="]
+    out = _run(args, tmp_path, nproc=None, expect_ok=False)
+    assert "cifar-10-batches-py" in out and "never downloads" in out
+    assert not (tmp_path / "none").exists()  # nothing was downloaded or created
+
+
+def test_ddp_resnet_reads_cifar10_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The --data-dir path on a tiny fake CIFAR-10 in torchvision's on-disk format (real
+    files cannot be shipped or downloaded; only their md5 checks are bypassed), in process."""
+    np = pytest.importorskip("numpy")
+    cifar = pytest.importorskip("torchvision.datasets.cifar")
+    folder = tmp_path / "cifar" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8)}
+        batch["labels"] = rng.integers(0, 10, 20).tolist()
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": list("abcdefghij")}))
+    monkeypatch.setattr(cifar, "check_integrity", lambda *args, **kwargs: True)
+    monkeypatch.setattr(cifar.CIFAR10, "_check_integrity", lambda self: True)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+    example = _load("train_ddp_resnet.py")
+    args = [f"--data-dir={tmp_path / 'cifar'}", "--epochs=1", "--train-size=64"]
+    args += ["--test-size=0", "--batch-size=16", "--label-noise=0.5", "--plot=", "--device=cpu"]
+    example.main(args)
+    out = capsys.readouterr().out
+    assert f"CIFAR-10 from {tmp_path / 'cifar'}: 64 train / 20 test images, label noise 50%" in out
+    assert "on 1 x cpu (no process group)" in out
+    assert re.search(r"EMA updates: 4$", out, re.MULTILINE), out  # 64 images / 16 per step
 
 
 def test_fsdp_lm_two_ranks(tmp_path: Path) -> None:
