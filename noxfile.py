@@ -70,3 +70,10 @@ def bench(session: nox.Session) -> None:
     """Benchmark suite on CPU/gloo (flags after --, e.g. ``nox -s bench -- --quick``)."""
     _install(session, "bench")
     session.run("python", "benchmarks/run_all.py", *session.posargs)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run every example end to end under torchrun with tiny settings (add -- -s to watch)."""
+    _install(session, "examples,test")
+    _pytest(session, "tests/test_examples_smoke.py")

@@ -1,0 +1,217 @@
+"""The example scripts, run end to end as a user would: ``torchrun`` subprocesses, tiny flags.
+
+Each test launches the real script under ``python -m torch.distributed.run --standalone``
+(a free rendezvous port per launch, so runs cannot collide) with this checkout first on
+``PYTHONPATH``, then checks the exit code and the lines the README promises.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TIMEOUT_S = 240
+
+
+def _run(args: list[str], cwd: Path, *, nproc: int | None = 2, expect_ok: bool = True) -> str:
+    """Run an example (under torchrun with ``nproc`` ranks, or plain python for ``None``);
+    return its combined output, failing the test with the output's tail if the exit code
+    is not what ``expect_ok`` says."""
+    launcher = [sys.executable]
+    if nproc is not None:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(
+        launcher + args,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{args[0]} ran past {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
+    if (proc.returncode == 0) != expect_ok:
+        pytest.fail(f"{args[0]} exited {proc.returncode}; output tail:\n{out[-4000:]}")
+    return out
+
+
+def _script(name: str) -> str:
+    return str(EXAMPLES / name)
+
+
+SCRIPTS = ["train_ddp_resnet.py", "train_fsdp_lm.py", "resume_reshard.py"]
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{Path(name).stem}", EXAMPLES / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_explains_every_flag(name: str, tmp_path: Path) -> None:
+    parser = _load(name).build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 5
+    undocumented = [a.option_strings[0] for a in flags if len((a.help or "").strip()) < 10]
+    assert not undocumented, f"{name}: flags without help: {undocumented}"
+    out = _run([_script(name), "--help"], tmp_path, nproc=None)  # the real script
+    assert out.startswith("usage:")
+    for action in flags:
+        assert action.option_strings[0] in out
+
+
+def test_ddp_resnet_two_ranks(tmp_path: Path) -> None:
+    plot = tmp_path / "curves.png"
+    out = _run(
+        [
+            _script("train_ddp_resnet.py"),
+            "--epochs=2",
+            "--train-size=256",
+            "--test-size=100",
+            "--batch-size=32",
+            f"--plot={plot}",
+        ],
+        tmp_path,
+    )
+    assert "synthetic CIFAR-like data (offline)" in out
+    assert "on 2 x cpu (gloo)" in out
+    share = re.search(r"\((\d\.\d\d) of the full EMA\)", out)
+    assert share and 0.4 <= float(share[1]) <= 0.6, out  # 1/W of the EMA per rank
+    assert re.search(r"epoch \| train loss \| raw acc \| EMA acc", out)
+    rows = re.findall(r"^\s+(\d+) \|\s+[\d.]+ \|\s+([\d.]+)% \|\s+([\d.]+)% \|", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [1, 2], out
+    for _, raw, ema in rows:
+        assert 0.0 <= float(raw) <= 100.0 and 0.0 <= float(ema) <= 100.0
+    # 256 images / 2 ranks / 32 per step = 4 steps per epoch.
+    assert re.search(r"final: raw [\d.]+%  EMA [\d.]+% .*EMA updates: 8$", out, re.MULTILINE), out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.is_file() and plot.stat().st_size > 1000
+
+
+def test_ddp_resnet_one_process_without_process_group(tmp_path: Path) -> None:
+    out = _run(
+        [
+            _script("train_ddp_resnet.py"),
+            "--epochs=1",
+            "--train-size=128",
+            "--test-size=64",
+            "--batch-size=32",
+            "--plot=",
+        ],
+        tmp_path,
+        nproc=None,
+    )
+    assert "on 1 x cpu (no process group)" in out
+    assert "(1.00 of the full EMA)" in out
+    assert re.search(r"EMA updates: 4$", out, re.MULTILINE), out
+
+
+def test_ddp_resnet_missing_cifar_is_a_clear_error(tmp_path: Path) -> None:
+    args = [_script("train_ddp_resnet.py"), f"--data-dir={tmp_path / 'none'}", "--plot="]
+    out = _run(args, tmp_path, nproc=None, expect_ok=False)
+    assert "cifar-10-batches-py" in out and "never downloads" in out
+    assert not (tmp_path / "none").exists()  # nothing was downloaded or created
+
+
+def test_ddp_resnet_reads_cifar10_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The --data-dir path on a tiny fake CIFAR-10 in torchvision's on-disk format (real
+    files cannot be shipped or downloaded; only their md5 checks are bypassed), in process."""
+    np = pytest.importorskip("numpy")
+    cifar = pytest.importorskip("torchvision.datasets.cifar")
+    folder = tmp_path / "cifar" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8)}
+        batch["labels"] = rng.integers(0, 10, 20).tolist()
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": list("abcdefghij")}))
+    monkeypatch.setattr(cifar, "check_integrity", lambda *args, **kwargs: True)
+    monkeypatch.setattr(cifar.CIFAR10, "_check_integrity", lambda self: True)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+    example = _load("train_ddp_resnet.py")
+    args = [f"--data-dir={tmp_path / 'cifar'}", "--epochs=1", "--train-size=64"]
+    args += ["--test-size=0", "--batch-size=16", "--label-noise=0.5", "--plot=", "--device=cpu"]
+    example.main(args)
+    out = capsys.readouterr().out
+    assert f"CIFAR-10 from {tmp_path / 'cifar'}: 64 train / 20 test images, label noise 50%" in out
+    assert "on 1 x cpu (no process group)" in out
+    assert re.search(r"EMA updates: 4$", out, re.MULTILINE), out  # 64 images / 16 per step
+
+
+def test_fsdp_lm_two_ranks(tmp_path: Path) -> None:
+    out = _run(
+        [
+            _script("train_fsdp_lm.py"),
+            "--steps=4",
+            "--eval-every=2",
+            "--batch-size=2",
+            "--context=16",
+            "--dim=32",
+            "--layers=1",
+            "--heads=2",
+            "--val-sequences=9",  # rounded down to 8 so both ranks run equal batches
+            "--plot=",
+        ],
+        tmp_path,
+    )
+    assert "(bfloat16), fully_shard over 2 x cpu (gloo)" in out
+    assert "EMA (float32)" in out
+    rows = re.findall(r"^\s+(\d+) \|\s+[\d.]+ \|\s+([\d.]+) \|\s+([\d.]+) \|", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [2, 4], out
+    assert re.search(
+        r"final: raw val loss [\d.]+  EMA val loss [\d.]+ .*EMA updates: 4$", out, re.M
+    )
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_reshard_three_to_two_ranks(parallel: str, tmp_path: Path) -> None:
+    common = ["--ckpt-dir", str(tmp_path / "ckpt"), "--steps=3", "--total-steps=6"]
+    common += ["--batch-size=6"] + (["--fsdp"] if parallel == "fsdp" else [])
+    script = _script("resume_reshard.py")
+
+    out = _run([script, "--phase=train", *common], tmp_path, nproc=3)
+    saved = re.search(r"\[train W=3\] saved step 3 .*EMA updates=3, (.*); rank 0", out)
+    assert saved, out
+
+    out = _run([script, "--phase=resume", *common], tmp_path, nproc=2)
+    assert re.search(
+        r"\[resume W=2\] loaded step 3 saved at W=3: EMA updates=3, (.*) \(identical to the "
+        r"saved EMA\)",
+        out,
+    ), out
+    assert saved[1] in out  # the same fingerprint, read back at the other world size
+    diff = re.search(r"continued to step 6: EMA updates=6; max \|EMA - .*\| = (\S+)", out)
+    assert diff and float(diff[1]) < 1e-4, out
+    assert (tmp_path / "ckpt" / "ema_final.pt").is_file()
+
+    out = _run([script, "--phase=load", *common], tmp_path, nproc=None)
+    assert "loaded with strict=True; bit-identical to the DCP checkpoint's EMA (updates=6)" in out
