@@ -191,3 +191,24 @@ def test_plain_dcp_load_with_other_options_says_tensors_were_overwritten(tmp_pat
         other = ModelEMA(make_model("edge"), decay=0.25, tau=None)
         with pytest.raises(ValueError, match=r"already overwritten in place by dcp\.load"):
             dcp.load({"ema": other}, checkpoint_id=str(tmp_path))
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 24])
+def test_bf16_staged_upcast_matches_reference(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed dtypes upcast through a reused scratch buffer, in slices of ``chunk`` elements
+    (7: every tensor split, batches of one slice); a channels_last weight takes the
+    non-contiguous path. Both must equal the plain upcast-then-lerp reference."""
+    import dtensor_ema.fused_update as fused_update
+
+    monkeypatch.setattr(fused_update, "UPCAST_CHUNK", chunk)
+    model = make_model("edge").to(torch.bfloat16)
+    model.conv.to(memory_format=torch.channels_last)
+    assert not model.conv.weight.is_contiguous()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ema = ModelEMA(model, decay=0.8, tau=3)
+    ref = ReferenceEMA(model.state_dict(), 0.8, 3)
+    for step in range(4):
+        train_step("edge", model, optimizer, step)
+        ema.update()
+        ref.update(model.state_dict())
+    assert mismatches(ema.ema_tensors(), {k: ref.ema[k] for k in ema.ema_tensors()}) == []
