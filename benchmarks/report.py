@@ -374,7 +374,12 @@ def _plot(summary: dict[str, Any], env: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("update() per rank, ms (median, slowest rank)")
-    ax.set_title(f"EMA update time, {env['cpu_count']} CPU cores, gloo, 1 thread/rank", fontsize=10)
+    where = (
+        f"{env['gpu']}, NCCL"
+        if env.get("gpu")
+        else f"{env['cpu_count']} CPU cores, gloo, 1 thread/rank"
+    )
+    ax.set_title(f"EMA update time, {where}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
