@@ -545,16 +545,24 @@ class ModelEMA:
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
+        self._plan.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
+        self._epoch = registration_epoch()
+        moved = [
+            e
+            for e, cached in zip(self._plan, self._source_ptrs, strict=True)
+            if _local_data_ptr(current[e.fqn]) != cached
+        ]
         for entry in self._plan:
             entry.source = current[entry.fqn]
-            entry.source_local = source_local_view(entry.source, self.mesh)
-        self._plan.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
+        if not moved:  # a registration elsewhere: the cached views still see the same memory
+            return
         self.flush()
+        for entry in moved:
+            entry.source_local = source_local_view(entry.source, self.mesh)
         self._groups = update_groups(self._plan)
         if self._offload is not None:
             self._offload = OffloadPipeline(self._groups)
         self._source_ptrs = _source_ptrs(self._plan)
-        self._epoch = registration_epoch()
 
 
 def _model_device(module: nn.Module) -> torch.device:
