@@ -8,6 +8,7 @@ at another torch without editing this file: ``TORCH_SPEC="torch==2.13.0" nox -s 
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -30,6 +31,22 @@ def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
     _install(session, "test")
     _pytest(session)
+
+
+@nox.session
+def tests_nccl(session: nox.Session) -> None:
+    """Distributed tests on NCCL, one rank per GPU; skips with fewer than 2 GPUs."""
+    if shutil.which("nvidia-smi") is None:
+        session.skip("tests_nccl needs at least 2 visible GPUs; nvidia-smi is not on PATH")
+    _install(session, "test")
+    count = session.run(
+        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True
+    )
+    gpus = int(str(count).strip().splitlines()[-1])
+    if gpus < 2:
+        session.skip(f"tests_nccl needs at least 2 visible GPUs, torch sees {gpus}")
+    session.env["DTENSOR_EMA_TEST_BACKEND"] = "nccl"  # read by tests/dist_harness.py
+    _pytest(session, "-m", "distributed")
 
 
 @nox.session

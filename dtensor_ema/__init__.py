@@ -7,13 +7,42 @@ and checkpointed with ``torch.distributed.checkpoint`` at any world size.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from dtensor_ema.decay import RampDecay
+from dtensor_ema.checkpoint import (
+    convert_checkpoint,
+    export_ema,
+    load_checkpoint,
+    save_checkpoint,
+)
+from dtensor_ema.decay import (
+    CallableDecay,
+    ConstantDecay,
+    DecaySchedule,
+    HalfLifeDecay,
+    RampDecay,
+    WarmupDecay,
+)
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.multi import MultiModelEMA
 
 try:
     __version__ = version("dtensor_ema")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["ModelEMA", "RampDecay", "__version__", "chunk_range"]
+__all__ = [
+    "CallableDecay",
+    "ConstantDecay",
+    "DecaySchedule",
+    "HalfLifeDecay",
+    "ModelEMA",
+    "MultiModelEMA",
+    "RampDecay",
+    "WarmupDecay",
+    "__version__",
+    "chunk_range",
+    "convert_checkpoint",
+    "export_ema",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -1,50 +1,234 @@
-"""Decay schedules: how much of the old average survives the ``updates``-th update.
+"""Decay schedules: how much of the old average survives an update.
 
-``update()`` computes the decay as a Python float from the update counter alone, so every
-rank computes the same number without communicating, and a resumed run that restores the
-counter continues on exactly the same ramp.
+Every schedule maps ``step`` (the number of ``update()`` calls since averaging began, 1 on
+the first averaging call) to a **per-step** decay ``d(step)`` in ``[0, 1]``, computed as a
+Python float from the counter alone: every rank computes the same number without
+communicating, and a resumed run that restores the counter continues on the same curve.
+
+With ``update_every=N`` an averaging update stands for ``N`` steps, so it applies
+:meth:`DecaySchedule.decay_for` = ``d(step) ** N`` (exactly ``d(step)`` for ``N = 1``):
+the EMA's memory measured in *steps* does not depend on ``N``. :class:`HalfLifeDecay`
+computes ``0.5 ** (N / half_life)`` directly instead.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["RampDecay"]
+import torch
+
+__all__ = [
+    "CallableDecay",
+    "ConstantDecay",
+    "DecaySchedule",
+    "HalfLifeDecay",
+    "RampDecay",
+    "WarmupDecay",
+]
+
+
+@runtime_checkable
+class DecaySchedule(Protocol):
+    """What :class:`~dtensor_ema.ModelEMA` needs from a schedule."""
+
+    def __call__(self, step: int) -> float:
+        """Per-step decay of averaging step ``step`` (``>= 1``)."""
+        ...
+
+    def decay_for(self, step: int, update_every: int) -> float:
+        """Decay applied by one averaging update that stands for ``update_every`` steps."""
+        ...
+
+    def config(self) -> dict[str, Any]:
+        """Plain values identifying the schedule in a checkpoint."""
+        ...
+
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        """:meth:`decay_for` on a float64 tensor ``step``, with no host synchronization."""
+        ...
+
+
+def _check_number(name: str, value: object, low: float, high: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not low <= value <= high:
+        interval = f"in [{low:g}, {high:g}]" if high != math.inf else f">= {low:g}"
+        raise ValueError(f"{name} must be {interval}, got {value}")
+
+
+class _PowerForEvery:
+    __slots__ = ()
+
+    def decay_for(self, step: int, update_every: int) -> float:
+        decay = self(step)  # type: ignore[operator]
+        return decay if update_every == 1 else decay**update_every
+
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        decay = self._decay_tensor(step)
+        return decay if update_every == 1 else decay**update_every
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RampDecay:
-    """yolov5/ultralytics ramp: ``d(updates) = decay * (1 - exp(-updates / tau))``.
+class RampDecay(_PowerForEvery):
+    """yolov5/ultralytics ramp: ``d(step) = decay * (1 - exp(-step / tau))``.
 
     Early updates use a small decay so the average forgets the random initialization
-    quickly; after a few ``tau`` updates ``d`` approaches ``decay``. ``tau=None`` or ``0``
-    means a constant ``d = decay``.
+    quickly; after a few ``tau`` steps ``d`` approaches ``decay``. ``tau=None`` or ``0``
+    means a constant ``d = decay``. The default schedule of :class:`~dtensor_ema.ModelEMA`.
     """
 
     decay: float = 0.9999
     """Asymptotic decay, in ``[0, 1]``. ``1`` freezes the EMA, ``0`` copies the model."""
     tau: float | None = 2000
-    """Ramp time constant in updates, ``>= 0``; ``None`` or ``0`` disables the ramp."""
+    """Ramp time constant in steps, ``>= 0``; ``None`` or ``0`` disables the ramp."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)):
-            raise TypeError(f"decay must be a float in [0, 1], got {self.decay!r}")
-        if not 0.0 <= self.decay <= 1.0:
-            raise ValueError(f"decay must be in [0, 1], got {self.decay}")
+        _check_number("decay", self.decay, 0.0, 1.0)
         if self.tau is not None:
-            if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)):
-                raise TypeError(f"tau must be a number >= 0 or None, got {self.tau!r}")
-            if not self.tau >= 0:
-                raise ValueError(f"tau must be >= 0 (or None for a constant decay), got {self.tau}")
+            _check_number("tau", self.tau, 0.0)
 
-    def __call__(self, updates: int) -> float:
-        """Decay of the ``updates``-th update (``updates >= 1`` once ``update()`` ran)."""
+    def __call__(self, step: int) -> float:
         if not self.tau:
             return float(self.decay)
-        return self.decay * (1.0 - math.exp(-updates / self.tau))
+        return self.decay * (1.0 - math.exp(-step / self.tau))
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        if not self.tau:
+            return torch.full_like(step, float(self.decay))
+        return self.decay * (1.0 - torch.exp(-step / self.tau))
 
     def config(self) -> dict[str, Any]:
-        """Plain values that identify the schedule in a checkpoint."""
         return {"schedule": "ramp", "decay": float(self.decay), "tau": self.tau}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConstantDecay(_PowerForEvery):
+    """``d(step) = decay`` from the first step on (timm ``ModelEmaV2``, torch ``AveragedModel``)."""
+
+    decay: float = 0.9999
+    """The decay, in ``[0, 1]``."""
+
+    def __post_init__(self) -> None:
+        _check_number("decay", self.decay, 0.0, 1.0)
+
+    def __call__(self, step: int) -> float:
+        return float(self.decay)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(step, float(self.decay))
+
+    def config(self) -> dict[str, Any]:
+        return {"schedule": "constant", "decay": float(self.decay)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupDecay(_PowerForEvery):
+    """timm ``ModelEmaV3`` / ema-pytorch warmup:
+    ``d = clamp(1 - (1 + s / gamma) ** -power, min_decay, decay)`` with ``s = step - 1``,
+    and ``d = 0`` (copy the model) at ``s = 0``.
+
+    With ``update_after_step=K`` on the EMA, ``step`` counts from ``K``, which reproduces
+    timm's ``max(0, step - update_after_step - 1)``. ``power=2/3`` suits long runs (half
+    the weight from the last ~10% of steps), ``3/4`` shorter ones.
+    """
+
+    decay: float = 0.9999
+    """Upper clamp, in ``[0, 1]``."""
+    gamma: float = 1.0
+    """Warmup scale (ema-pytorch ``inv_gamma``), ``> 0``."""
+    power: float = 2 / 3
+    """Warmup exponent, ``> 0``."""
+    min_decay: float = 0.0
+    """Lower clamp, in ``[0, decay]``."""
+
+    def __post_init__(self) -> None:
+        _check_number("decay", self.decay, 0.0, 1.0)
+        _check_number("gamma", self.gamma, 0.0)
+        _check_number("power", self.power, 0.0)
+        if self.gamma == 0 or self.power == 0:
+            raise ValueError(f"gamma and power must be > 0, got {self.gamma}, {self.power}")
+        _check_number("min_decay", self.min_decay, 0.0, self.decay)
+
+    def __call__(self, step: int) -> float:
+        s = step - 1
+        if s <= 0:
+            return 0.0
+        value = 1.0 - (1.0 + s / self.gamma) ** -self.power
+        return max(min(value, self.decay), self.min_decay)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        s = (step - 1).clamp(min=0)
+        value = 1.0 - (1.0 + s / self.gamma) ** -self.power
+        value = value.clamp(max=self.decay).clamp(min=self.min_decay)
+        return torch.where(s <= 0, torch.zeros_like(value), value)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "schedule": "warmup",
+            "decay": float(self.decay),
+            "gamma": float(self.gamma),
+            "power": float(self.power),
+            "min_decay": float(self.min_decay),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HalfLifeDecay:
+    """Constant decay given as a half-life: after ``half_life`` steps a past value's weight
+    has halved. One averaging update of ``N`` steps uses ``0.5 ** (N / half_life)``."""
+
+    half_life: float
+    """Half-life in steps (``update()`` calls), ``> 0``."""
+
+    def __post_init__(self) -> None:
+        _check_number("half_life", self.half_life, 0.0)
+        if self.half_life == 0:
+            raise ValueError(f"half_life must be > 0, got {self.half_life}")
+
+    def __call__(self, step: int) -> float:
+        return 0.5 ** (1 / self.half_life)
+
+    def decay_for(self, step: int, update_every: int) -> float:
+        return 0.5 ** (update_every / self.half_life)
+
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        return torch.full_like(step, 0.5 ** (update_every / self.half_life))
+
+    def config(self) -> dict[str, Any]:
+        return {"schedule": "half_life", "half_life": float(self.half_life)}
+
+
+@dataclass(frozen=True, slots=True)
+class CallableDecay(_PowerForEvery):
+    """A user function ``step -> decay``; its result is checked to lie in ``[0, 1]``."""
+
+    fn: Callable[[int], float]
+    """Called with the step (``>= 1``); must return a float in ``[0, 1]``."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"decay schedule must be callable, got {self.fn!r}")
+
+    def __call__(self, step: int) -> float:
+        value = self.fn(step)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"decay function returned {value!r} for step {step}; expected a float")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"decay function returned {value} for step {step}; expected [0, 1]")
+        return float(value)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        """The function is called with a tensor ``step``: for ``capturable`` updates it must
+        use torch ops only (a Python float result would need a host sync)."""
+        value = self.fn(step)  # type: ignore[arg-type]
+        return torch.as_tensor(value, dtype=step.dtype, device=step.device)
+
+    def config(self) -> dict[str, Any]:
+        name = getattr(self.fn, "__qualname__", type(self.fn).__qualname__)
+        return {"schedule": "callable", "name": f"{getattr(self.fn, '__module__', '')}.{name}"}

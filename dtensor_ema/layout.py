@@ -19,6 +19,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 __all__ = [
     "chunk_range",
     "contiguous_stride",
+    "cpu_mesh_like",
     "resolve_mesh",
     "shard_mesh_dim",
 ]
@@ -92,3 +93,19 @@ def resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh | 
             f"{device.type!r}; build the mesh with init_device_mesh({device.type!r}, ...)"
         )
     return mesh
+
+
+def cpu_mesh_like(mesh: DeviceMesh) -> DeviceMesh:
+    """The same ranks and shape as ``mesh``, with device type ``cpu`` (for host-resident EMA
+    shards). A CUDA mesh's twin needs a CPU backend in the process group
+    (``init_process_group("cpu:gloo,cuda:nccl")``); building one is collective where the
+    mesh has sub-groups, so every rank must build the same meshes in the same order."""
+    if mesh.device_type == "cpu":
+        return mesh
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names)
+    if key not in _CPU_MESHES:
+        _CPU_MESHES[key] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+    return _CPU_MESHES[key]
+
+
+_CPU_MESHES: dict[tuple[object, ...], DeviceMesh] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def gather_full_tensors(
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
-    flat_groups: dict[tuple[object, ...], list[LocalPiece]] = {}
+    flat_groups: dict[tuple[Any, ...], list[LocalPiece]] = {}
     for piece in pieces:
         mesh_dim = shard_mesh_dim(piece.placements) if piece.mesh is not None else None
         if piece.mesh is None or not piece.placements or _all_replicate(piece.placements):
@@ -92,7 +93,8 @@ def gather_full_tensors(
             key = (piece.mesh, mesh_dim, piece.local.device, piece.out_dtype)
             flat_groups.setdefault(key, []).append(piece)
     for (mesh, mesh_dim, _, _), group_pieces in flat_groups.items():
-        assert isinstance(mesh, DeviceMesh) and isinstance(mesh_dim, int)
+        assert isinstance(mesh, DeviceMesh)
+        assert isinstance(mesh_dim, int)
         for bucket in _buckets(group_pieces, mesh.size(mesh_dim), bucket_bytes):
             out.update(_gather_bucket(bucket, mesh, mesh_dim, keep=keep, cpu=cpu_offload))
     return {p.fqn: out[p.fqn] for p in pieces if p.fqn in out}
@@ -145,10 +147,14 @@ def _gather_bucket(
     device = pieces[0].local.device
     if padded == 0:  # every rank derives the same zero: all skip the collective together
         target = torch.device("cpu") if cpu else device
-        return {p.fqn: torch.empty(p.shape, dtype=dtype, device=target) for p in pieces} if keep else {}
+        return (
+            {p.fqn: torch.empty(p.shape, dtype=dtype, device=target) for p in pieces}
+            if keep
+            else {}
+        )
     send = torch.empty(padded, dtype=dtype, device=device)
     cursor = 0
-    for piece, numel in zip(pieces, segments[my_rank]):
+    for piece, numel in zip(pieces, segments[my_rank], strict=True):
         assert piece.local.numel() == numel, (piece.fqn, piece.local.shape, numel)
         send[cursor : cursor + numel].view(piece.local.shape).copy_(piece.local)
         cursor += numel
@@ -161,9 +167,7 @@ def _gather_bucket(
     out: dict[str, torch.Tensor] = {}
     cursors = [0] * world_size
     for i, piece in enumerate(pieces):
-        full = torch.empty(
-            piece.shape, dtype=dtype, device=torch.device("cpu") if cpu else device
-        )
+        full = torch.empty(piece.shape, dtype=dtype, device=torch.device("cpu") if cpu else device)
         flat = full.view(-1)
         start = 0
         for r in range(world_size):

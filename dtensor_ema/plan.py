@@ -26,9 +26,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from dtensor_ema.layout import chunk_range, contiguous_stride
+from dtensor_ema.layout import chunk_range, contiguous_stride, cpu_mesh_like
 
-__all__ = ["EmaPlan", "PlanEntry", "build_plan", "default_ema_dtype", "unwrap_model"]
+__all__ = [
+    "EmaPlan",
+    "PlanEntry",
+    "build_plan",
+    "default_ema_dtype",
+    "source_local_view",
+    "unwrap_model",
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -43,6 +50,8 @@ class PlanEntry:
     ema: torch.Tensor
     ema_local: torch.Tensor
     is_parameter: bool
+    averaged: bool = True
+    """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
 
     @property
     def is_dtensor_source(self) -> bool:
@@ -113,6 +122,7 @@ def build_plan(
     mesh: DeviceMesh | None,
     *,
     ema_dtype: torch.dtype | None = None,
+    offload: bool = False,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped). Local only: no collective.
 
@@ -121,6 +131,8 @@ def build_plan(
         mesh: 1-D mesh that replicated tensors are sharded over, or ``None`` for plain
             (unsharded) EMA tensors. DTensor parameters ignore it and keep their own mesh.
         ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
+        offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
+            a CPU twin of each mesh.
 
     Raises:
         ValueError: the model has no floating-point state, or a DTensor uses a placement
@@ -141,9 +153,9 @@ def build_plan(
         seen[id(tensor)] = fqn
         dtype = ema_dtype or default_ema_dtype(tensor.dtype)
         if isinstance(tensor, DTensor):
-            source_local, ema = _ema_for_dtensor(fqn, tensor, dtype)
+            source_local, ema = _ema_for_dtensor(fqn, tensor, dtype, offload)
         else:
-            source_local, ema = _ema_for_replicated(tensor, mesh, dtype)
+            source_local, ema = _ema_for_replicated(tensor, mesh, dtype, offload)
         ema_local = ema.to_local() if isinstance(ema, DTensor) else ema
         entries.append(
             PlanEntry(
@@ -164,7 +176,7 @@ def build_plan(
 
 
 def _ema_for_dtensor(
-    fqn: str, param: DTensor, dtype: torch.dtype
+    fqn: str, param: DTensor, dtype: torch.dtype, offload: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mirror an FSDP2/TP parameter: same mesh, placements, global shape and stride."""
     for placement in param.placements:
@@ -172,10 +184,11 @@ def _ema_for_dtensor(
             raise ValueError(
                 f"cannot average {fqn!r}: placement {placement} is not Shard or Replicate"
             )
-    source_local = param.to_local().detach()
+    source_local = source_local_view(param, None)
+    mesh = cpu_mesh_like(param.device_mesh) if offload else param.device_mesh
     ema = DTensor.from_local(
-        _fresh_copy(source_local, dtype),
-        param.device_mesh,
+        _fresh_copy(source_local, dtype, offload),
+        mesh,
         param.placements,
         run_check=False,
         shape=param.shape,
@@ -185,23 +198,17 @@ def _ema_for_dtensor(
 
 
 def _ema_for_replicated(
-    tensor: torch.Tensor, mesh: DeviceMesh | None, dtype: torch.dtype
+    tensor: torch.Tensor, mesh: DeviceMesh | None, dtype: torch.dtype, offload: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shard a tensor every rank holds in full: this rank keeps its dim-0 chunk."""
     full = tensor.detach()
+    source_local = source_local_view(full, mesh)
     if mesh is None:
-        return full, _fresh_copy(full, dtype)
-    placements: list[Placement]
-    if full.dim() == 0:
-        source_local = full
-        placements = [Replicate()]
-    else:
-        offset, length = chunk_range(full.shape[0], mesh.size(), mesh.get_local_rank())
-        source_local = full.narrow(0, offset, length)
-        placements = [Shard(0)]
+        return source_local, _fresh_copy(full, dtype, offload)
+    placements: list[Placement] = [Replicate()] if full.dim() == 0 else [Shard(0)]
     ema = DTensor.from_local(
-        _fresh_copy(source_local, dtype),
-        mesh,
+        _fresh_copy(source_local, dtype, offload),
+        cpu_mesh_like(mesh) if offload else mesh,
         placements,
         run_check=False,
         shape=full.shape,
@@ -210,6 +217,28 @@ def _ema_for_replicated(
     return source_local, ema
 
 
-def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous copy in ``dtype`` that shares no memory with the model."""
-    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+def source_local_view(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """This rank's piece of a model tensor, as a view (never a copy).
+
+    DTensor (FSDP2/TP) parameters: ``to_local()``. Replicated tensors: the dim-0 chunk of
+    this rank on ``mesh`` (``Shard(0)`` semantics), or the whole tensor for 0-dim tensors
+    and without a mesh.
+    """
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().detach()
+    full = tensor.detach()
+    if mesh is None or full.dim() == 0:
+        return full
+    offset, length = chunk_range(full.shape[0], mesh.size(), mesh.get_local_rank())
+    return full.narrow(0, offset, length)
+
+
+def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
+    """A contiguous copy in ``dtype`` that shares no memory with the model; in (pinned, for
+    CUDA sources) host memory with ``offload``."""
+    if not offload:
+        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    out = torch.empty(
+        tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
+    )
+    return out.copy_(tensor)

@@ -9,6 +9,11 @@ its traceback, and the harness terminates the rest.
 Guarantees: spawn start method; a fresh ``FileStore`` under ``tmp_path`` (no ports, so
 parallel runs cannot collide); ``destroy_process_group`` in ``finally``; an overall
 deadline after which every rank is terminated and the test fails naming the stuck ranks.
+
+``DTENSOR_EMA_TEST_BACKEND=nccl`` (set by ``nox -s tests_nccl``) runs one rank per GPU
+instead: rank ``r`` uses ``cuda:r``, the group is ``cpu:gloo,cuda:nccl`` (CPU tensors keep
+working), and a world size larger than the visible GPU count is skipped. Test bodies that
+want to follow the backend build their meshes and tensors on :data:`DEVICE_TYPE`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+BACKEND = os.environ.get("DTENSOR_EMA_TEST_BACKEND", "gloo")
+if BACKEND not in ("gloo", "nccl"):
+    raise ValueError(f"DTENSOR_EMA_TEST_BACKEND must be 'gloo' or 'nccl', got {BACKEND!r}")
+DEVICE_TYPE = "cuda" if BACKEND == "nccl" else "cpu"
+"""Device type of the ranks' tensors and meshes: ``cpu`` on gloo, ``cuda`` on nccl."""
 
 DEFAULT_DEADLINE_S = 300.0
 _GRACE_AFTER_FAILURE_S = 10.0
@@ -47,6 +58,9 @@ def run_ranks(
     picklable value. With ``init_process_group`` each rank joins a gloo group first.
     A failing or stuck rank fails the calling test with its rank and traceback.
     """
+    gpus = torch.cuda.device_count() if BACKEND == "nccl" else 0
+    if BACKEND == "nccl" and init_process_group and gpus < world_size:
+        pytest.skip(f"W={world_size} on nccl needs {world_size} GPUs, {gpus} visible")
     run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
     ctx = mp.get_context("spawn")
@@ -119,8 +133,10 @@ def _rank_entry(
     try:
         if init_process_group:
             store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
+            if BACKEND == "nccl":
+                torch.cuda.set_device(rank)
             dist.init_process_group(
-                "gloo",
+                "cpu:gloo,cuda:nccl" if BACKEND == "nccl" else "gloo",
                 store=store,
                 rank=rank,
                 world_size=world_size,

@@ -88,9 +88,7 @@ def make_batch(
     return x, torch.randint(0, 10, (2,), generator=g)
 
 
-def train_step(
-    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
-) -> None:
+def train_step(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     x, y = make_batch(name, step, dtype=next(model.parameters()).dtype)
     out = model(x)
     if name == "edge":
@@ -133,9 +131,7 @@ def _ema_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def mismatches(
-    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-) -> list[str]:
+def mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
     """Keys whose tensors differ in any bit, dtype or shape (missing keys included)."""
     bad = [k for k in expected if k not in actual]
     bad += [k for k in actual if k not in expected]

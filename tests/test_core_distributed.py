@@ -63,9 +63,13 @@ def _scenario(name: str, rank: int, world_size: int, tmp: Path) -> dict[str, Any
         out["update_comms"] += n
         ref.update(model.state_dict())
 
-    shards = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in ema.ema_tensors().items()}
+    shards = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in ema.ema_tensors().items()
+    }
     out["shard_mismatch"] = [k for k in shards if not torch.equal(shards[k], ref.ema[k])]
-    out["placements"] = {k: str(getattr(v, "placements", None)) for k, v in ema.ema_tensors().items()}
+    out["placements"] = {
+        k: str(getattr(v, "placements", None)) for k, v in ema.ema_tensors().items()
+    }
     (ema_sd, ori_sd), out["materialize_comms"] = count_collectives(ema.get_model_state_dict)
     model_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     expected_ema = {
@@ -141,7 +145,9 @@ def _resnet50_local_nbytes(world_size: int) -> int:
 
 
 def core_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    results: dict[str, Any] = {name: _scenario(name, rank, world_size, Path(tmp)) for name in MODELS}
+    results: dict[str, Any] = {
+        name: _scenario(name, rank, world_size, Path(tmp)) for name in MODELS
+    }
     results["errors"] = _errors(world_size)
     results["resnet50_nbytes"] = _resnet50_local_nbytes(world_size)
     dist.barrier()
@@ -149,7 +155,9 @@ def core_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+def core(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
     world_size = request.param
     tmp = tmp_path_factory.mktemp(f"core-w{world_size}")
     return world_size, run_ranks(core_body, world_size, tmp, str(tmp))
@@ -205,7 +213,7 @@ def test_average_parameters_swaps_in_and_restores(core: Any, name: str) -> None:
 
 
 def test_placements_are_shard0_except_scalars(core: Any) -> None:
-    world_size, results = core
+    _, results = core
     placements = results[0]["edge"]["placements"]
     assert placements["scalar"] == "(Replicate(),)"
     assert all(v == "(Shard(dim=0),)" for k, v in placements.items() if k != "scalar")
@@ -238,4 +246,3 @@ def test_bad_meshes_are_rejected_with_clear_errors(core: Any) -> None:
     if world_size % 2 == 0:
         assert re.search(r"mesh must be 1-D.*got a 2-D mesh", errors["mesh_2d"])
     assert "'cpu' does not match" in errors["mesh_device"] and "'meta'" in errors["mesh_device"]
-

@@ -42,7 +42,7 @@ def test_ramp_decay_formula() -> None:
     [
         ({"decay": 1.5}, r"decay must be in \[0, 1\], got 1.5"),
         ({"decay": -0.1}, r"decay must be in \[0, 1\], got -0.1"),
-        ({"tau": -1}, r"tau must be >= 0 .*got -1"),
+        ({"tau": -1}, r"tau must be >= 0, got -1"),
         ({"updates": -3}, r"updates must be an int >= 0, got -3"),
         ({"ema_dtype": torch.int32}, r"ema_dtype must be a floating-point torch.dtype"),
         ({"mesh": "cpu"}, r"mesh must be a torch DeviceMesh or None, got str"),
@@ -58,7 +58,7 @@ def test_model_without_float_state_is_rejected() -> None:
     model.register_buffer("count", torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="no floating-point parameters or buffers"):
         ModelEMA(model)
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got dict"):
         ModelEMA({})  # type: ignore[arg-type]
 
 
@@ -79,7 +79,7 @@ def test_unsharded_ema_matches_reference_without_process_group(name: str) -> Non
     ema_sd, ori_sd = ema.get_model_state_dict()
     assert list(ema_sd) == list(model.state_dict())
     assert mismatches(ori_sd, model.state_dict()) == []
-    expected = {k: ref.ema[k] if k in ref.ema else v for k, v in model.state_dict().items()}
+    expected = {k: ref.ema.get(k, v) for k, v in model.state_dict().items()}
     assert mismatches(ema_sd, expected) == []
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with ema.average_parameters() as m:
@@ -134,9 +134,11 @@ def test_load_state_dict_validates_and_round_trips() -> None:
     with pytest.raises(ValueError, match=r"odd: checkpoint shape \(3, 3\) != EMA shape \(13, 7\)"):
         other.load_state_dict(wrong_shape)
     wrong_dtype = dict(state, ema=dict(state["ema"], odd=torch.zeros(13, 7, dtype=torch.float64)))
-    with pytest.raises(ValueError, match="odd: checkpoint dtype torch.float64"):
+    with pytest.raises(ValueError, match=r"odd: checkpoint dtype torch\.float64"):
         other.load_state_dict(wrong_dtype)
-    with pytest.raises(ValueError, match="decay schedule"):
+    with pytest.raises(
+        ValueError, match=r"options differ.*schedule: checkpoint .*0.5.*this EMA .*0.25"
+    ):
         ModelEMA(make_model("edge"), decay=0.25, tau=None).load_state_dict(state)
     with pytest.raises(KeyError, match="no 'updates' entry"):
         other.load_state_dict({"ema": state["ema"]})
@@ -153,7 +155,7 @@ def test_update_rejects_another_model_and_changed_models() -> None:
     model = make_model("edge")
     ema = ModelEMA(model)
     model.extra = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="extra.weight: new in the model"):
+    with pytest.raises(ValueError, match=r"extra\.weight: new in the model"):
         ema.update()
 
 
@@ -179,3 +181,13 @@ def test_low_precision_model_gets_float32_ema() -> None:
     ema_sd, _ = ema.get_model_state_dict()
     assert ema_sd["odd"].dtype == torch.bfloat16
     assert ModelEMA(model, ema_dtype=torch.bfloat16).ema_tensors()["odd"].dtype == torch.bfloat16
+
+
+def test_plain_dcp_load_with_other_options_says_tensors_were_overwritten(tmp_path: object) -> None:
+    ema = ModelEMA(make_model("edge"), decay=0.5, tau=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"ema": ema}, checkpoint_id=str(tmp_path))
+        other = ModelEMA(make_model("edge"), decay=0.25, tau=None)
+        with pytest.raises(ValueError, match="already overwritten in place by dcp.load"):
+            dcp.load({"ema": other}, checkpoint_id=str(tmp_path))

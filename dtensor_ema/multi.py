@@ -1,0 +1,125 @@
+"""Several EMAs of one model with different decays, updated in one pass.
+
+Diffusion and LM training often keep a fast and a slow EMA (e.g. decays 0.999 and 0.9999)
+and pick the better one at evaluation. Building two :class:`~dtensor_ema.ModelEMA` objects
+works, but each update would check the model and upcast low-precision parameters once per
+EMA. :class:`MultiModelEMA` shares the sharding plan's layout: one model check, one upcast of
+each parameter shard (bf16 -> fp32), then one fused call per EMA and group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import ExcludeSpec
+
+__all__ = ["MultiModelEMA"]
+
+# Options that decide which tensors exist and how they are grouped: shared by all EMAs so
+# their update groups line up one to one.
+_SHARED = ("mesh", "buffers", "exclude", "ema_dtype")
+
+
+class MultiModelEMA(Mapping[str, ModelEMA]):
+    """A named set of :class:`ModelEMA` over one model, updated together.
+
+    Args:
+        model: as for :class:`ModelEMA`.
+        emas: ``name -> options`` per EMA: any of ``decay``, ``tau``, ``half_life``,
+            ``schedule``, ``update_every``, ``update_after_step``, ``updates``.
+        mesh, buffers, exclude, ema_dtype: shared by every EMA (see :class:`ModelEMA`).
+
+    Each EMA keeps its own sharded state (``multi["slow"]`` is a full ``ModelEMA``: evaluate
+    with ``multi["slow"].average_parameters()``), and its own entry in checkpoints:
+    ``state_dict() == {name: ema.state_dict()}``. Construction and :meth:`update` are local.
+
+    Raises:
+        ValueError: no EMAs, or a per-EMA option that must be shared.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        emas: Mapping[str, Mapping[str, Any]],
+        mesh: DeviceMesh | None = None,
+        *,
+        buffers: Literal["average", "copy"] = "average",
+        exclude: ExcludeSpec = None,
+        ema_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not emas:
+            raise ValueError("emas must name at least one EMA, e.g. {'slow': {'decay': 0.9999}}")
+        for name, options in emas.items():
+            unsupported = [k for k in ("capturable", "offload") if k in options]
+            if unsupported:
+                raise ValueError(
+                    f"EMA {name!r}: {unsupported} not supported by MultiModelEMA; use one "
+                    "ModelEMA per decay for capturable or offloaded updates"
+                )
+            shared = [k for k in options if k in _SHARED]
+            if shared:
+                raise ValueError(
+                    f"EMA {name!r} sets {shared}, which all EMAs share: pass them to "
+                    "MultiModelEMA itself"
+                )
+        self._emas = {
+            name: ModelEMA(
+                model, mesh, buffers=buffers, exclude=exclude, ema_dtype=ema_dtype, **options
+            )
+            for name, options in emas.items()
+        }
+        first = next(iter(self._emas.values()))
+        self.module = first.module
+
+    def __getitem__(self, name: str) -> ModelEMA:
+        return self._emas[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._emas)
+
+    def __len__(self) -> int:
+        return len(self._emas)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module | None = None) -> None:
+        """Advance every EMA by one step. Local: **no communication**.
+
+        One model check; for each group of local tensors, one upcast of the sources where
+        their dtype differs from the EMA's, then one fused call per EMA.
+        """
+        emas = list(self._emas.values())
+        for ema in emas:
+            ema._check_model_argument(model)
+            ema._sync_sources()
+        decays = [ema._advance() for ema in emas]
+        for groups in zip(*(ema._groups for ema in emas), strict=True):
+            upcast: list[torch.Tensor] | None = None
+            for group, decay in zip(groups, decays, strict=True):
+                if decay is None:
+                    continue
+                if group.averaged and decay != 0.0 and upcast is None:
+                    upcast = group.sources_in_ema_dtype()
+                group.apply_(decay, upcast if group.averaged and decay != 0.0 else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: ModelEMA.state_dict()}``. Local; DCP ``Stateful``."""
+        return {name: ema.state_dict() for name, ema in self._emas.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore every EMA; the names must match exactly. Local."""
+        if set(state_dict) != set(self._emas):
+            raise ValueError(
+                f"checkpoint EMAs {sorted(state_dict)} != this MultiModelEMA's {sorted(self._emas)}"
+            )
+        for name, ema in self._emas.items():
+            ema.load_state_dict(state_dict[name])
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}: decay={e.decay}" for n, e in self._emas.items())
+        return f"{type(self).__name__}({type(self.module).__name__}, {{{inner}}})"
