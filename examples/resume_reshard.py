@@ -14,10 +14,10 @@ reference. ``resume`` (another W) loads the checkpoint (DCP reshards the EMA, th
 the optimizer to the new world size), checks that the EMA came back unchanged (update
 counter, fingerprint of every value), trains to ``--total-steps`` and compares its EMA with
 the uninterrupted run; then it saves a final checkpoint and exports the full EMA weights to
-one ``torch.save`` file. ``load`` runs in a plain process (no torchrun, no process group):
-it loads the exported file into a fresh model with ``load_state_dict(strict=True)``,
-checks it bit for bit against the final DCP checkpoint read straight into a ``ModelEMA``,
-and evaluates it.
+one ``torch.save`` file with ``export_ema``. ``load`` runs in a plain process (no torchrun,
+no process group): it loads the exported file into a fresh model with
+``load_state_dict(strict=True)``, checks it bit for bit against the final DCP checkpoint
+read straight into a ``ModelEMA``, and evaluates it.
 
 Every step draws the same global batch (``--batch-size`` rows, from a per-step seed) and
 each rank trains on its slice, so runs at different world sizes see the same data.
@@ -29,6 +29,7 @@ is tiny).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -47,7 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtensor_ema import ModelEMA
+from dtensor_ema import ModelEMA, export_ema
 
 FEATURES, CLASSES = 20, 10
 
@@ -109,8 +110,7 @@ def full_ema(ema: ModelEMA, *, rank0_only: bool = False) -> dict[str, torch.Tens
     Every rank gets them by default so that every rank computes the same fingerprint and
     takes the same branch; a large model would export with ``rank0_only=True``.
     """
-    ema_sd, _ = ema.get_model_state_dict(rank0_only=rank0_only, cpu_offload=True)
-    return ema_sd
+    return ema.get_ema_state_dict(rank0_only=rank0_only, cpu_offload=True)
 
 
 # ---------------------------------------------------------------------------- phases
@@ -209,11 +209,11 @@ def phase_resume(args: argparse.Namespace, ckpt: Path) -> None:
     )
 
     train_steps(args, wrapped, optimizer, ema, Task(args.seed), meta["step"] + 1, args.total_steps)
-    final = full_ema(ema, rank0_only=True)  # the export: only rank 0 holds full tensors
+    final = full_ema(ema, rank0_only=True)
     if rank == 0:
         ref_file = ckpt / "reference_ema.pt"
         if ref_file.exists():
-            reference = torch.load(ref_file)
+            reference = torch.load(ref_file, weights_only=True)
             diff = max(float((final[k] - reference[k]).abs().max()) for k in reference)
             ref_world = json.loads((ckpt / "reference.json").read_text())["world_size"]
             _log(
@@ -223,8 +223,8 @@ def phase_resume(args: argparse.Namespace, ckpt: Path) -> None:
             )
     final_path = ckpt / f"step_{args.total_steps}"
     dcp.save({"ema": ema}, checkpoint_id=final_path)
-    if rank == 0:
-        torch.save(final, ckpt / "ema_final.pt")
+    # One torch.save file, keyed like model.state_dict(): rank 0 writes, all ranks gather.
+    export_ema(ema, ckpt / "ema_final.pt")
     _log(f"[resume W={world}] saved {final_path} and exported {ckpt / 'ema_final.pt'}")
 
 
@@ -234,7 +234,7 @@ def phase_load(args: argparse.Namespace, ckpt: Path) -> None:
     if not export.exists():
         raise SystemExit(f"no export at {export}: run --phase train and --phase resume first")
     model = make_model(args.hidden)
-    model.load_state_dict(torch.load(export), strict=True)
+    model.load_state_dict(torch.load(export, weights_only=True), strict=True)
 
     # The final DCP checkpoint, read straight into an unsharded ModelEMA.
     ema = ModelEMA(make_model(args.hidden), decay=args.ema_decay, tau=args.ema_tau or None)
@@ -340,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
         dist.barrier()
         (phase_train if args.phase == "train" else phase_resume)(args, ckpt)
     finally:
+        # DDP/FSDP modules sit in reference cycles (hooks) that still hold the process
+        # group; free them now, not during interpreter shutdown, where gloo's threads
+        # can abort the process ('terminate called without an active exception').
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ Optional extras (``pip install -e ".[examples]"``): ``tqdm`` draws progress bars
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import time
@@ -405,6 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args, env)
     finally:
+        # DDP/FSDP modules sit in reference cycles (hooks) that still hold the process
+        # group; free them now, not during interpreter shutdown, where gloo's threads
+        # can abort the process ('terminate called without an active exception').
+        gc.collect()
         if env.pg:
             dist.destroy_process_group()
 

@@ -28,6 +28,7 @@ process group, even with one rank). ``tqdm`` (optional) draws a progress bar on 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -293,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args, device)
     finally:
+        # DDP/FSDP modules sit in reference cycles (hooks) that still hold the process
+        # group; free them now, not during interpreter shutdown, where gloo's threads
+        # can abort the process ('terminate called without an active exception').
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -18,12 +18,16 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from dist_harness import DEVICE_TYPE
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240
+# The training examples follow the suite's backend: gloo on CPU, or NCCL on 2 GPUs under
+# ``nox -s tests_nccl`` (DTENSOR_EMA_TEST_BACKEND=nccl). resume_reshard.py is CPU-only.
+BACKEND_LINE = f"2 x {DEVICE_TYPE} ({'nccl' if DEVICE_TYPE == 'cuda' else 'gloo'})"
 
 
 def _run(args: list[str], cwd: Path, *, nproc: int | None = 2, expect_ok: bool = True) -> str:
@@ -89,6 +93,7 @@ def test_ddp_resnet_two_ranks(tmp_path: Path) -> None:
     out = _run(
         [
             _script("train_ddp_resnet.py"),
+            f"--device={DEVICE_TYPE}",
             "--epochs=2",
             "--train-size=256",
             "--test-size=100",
@@ -98,7 +103,7 @@ def test_ddp_resnet_two_ranks(tmp_path: Path) -> None:
         tmp_path,
     )
     assert "synthetic CIFAR-like data (offline)" in out
-    assert "on 2 x cpu (gloo)" in out
+    assert f"on {BACKEND_LINE}" in out
     share = re.search(r"\((\d\.\d\d) of the full EMA\)", out)
     assert share and 0.4 <= float(share[1]) <= 0.6, out  # 1/W of the EMA per rank
     assert re.search(r"epoch \| train loss \| raw acc \| EMA acc", out)
@@ -116,6 +121,7 @@ def test_ddp_resnet_one_process_without_process_group(tmp_path: Path) -> None:
     out = _run(
         [
             _script("train_ddp_resnet.py"),
+            "--device=cpu",
             "--epochs=1",
             "--train-size=128",
             "--test-size=64",
@@ -131,7 +137,7 @@ def test_ddp_resnet_one_process_without_process_group(tmp_path: Path) -> None:
 
 
 def test_ddp_resnet_missing_cifar_is_a_clear_error(tmp_path: Path) -> None:
-    args = [_script("train_ddp_resnet.py"), f"--data-dir={tmp_path / 'none'}", "--plot="]
+    args = [_script("train_ddp_resnet.py"), f"--data-dir={tmp_path / 'none'}", "--device=cpu"]
     out = _run(args, tmp_path, nproc=None, expect_ok=False)
     assert "cifar-10-batches-py" in out and "never downloads" in out
     assert not (tmp_path / "none").exists()  # nothing was downloaded or created
@@ -171,6 +177,7 @@ def test_fsdp_lm_two_ranks(tmp_path: Path) -> None:
     out = _run(
         [
             _script("train_fsdp_lm.py"),
+            f"--device={DEVICE_TYPE}",
             "--steps=4",
             "--eval-every=2",
             "--batch-size=2",
@@ -183,7 +190,7 @@ def test_fsdp_lm_two_ranks(tmp_path: Path) -> None:
         ],
         tmp_path,
     )
-    assert "(bfloat16), fully_shard over 2 x cpu (gloo)" in out
+    assert f"(bfloat16), fully_shard over {BACKEND_LINE}" in out
     assert "EMA (float32)" in out
     rows = re.findall(r"^\s+(\d+) \|\s+[\d.]+ \|\s+([\d.]+) \|\s+([\d.]+) \|", out, re.MULTILINE)
     assert [int(r[0]) for r in rows] == [2, 4], out
