@@ -40,7 +40,7 @@ def _install() -> None:
 
 
 def _uninstall_if_unused() -> None:
-    if not _watches:
+    if not list(_watches):  # iterating skips references that are dying right now
         for handle in _handles:
             handle.remove()
         _handles.clear()
