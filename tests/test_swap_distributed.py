@@ -43,6 +43,17 @@ def _floats(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _fixed_mmap_threshold() -> None:
+    """Make glibc return large freed blocks to the OS (``M_MMAP_THRESHOLD`` = 64 KiB, which
+    also stops its dynamic raise), so a region's fresh allocations show up in ``VmHWM``
+    instead of reusing pages an earlier region freed."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError):  # not glibc: the peak may undercount
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+
+
 def _rss_peak_during(fn: Any) -> int:
     """Peak resident bytes above the start while ``fn`` runs (Linux ``VmHWM``)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -86,6 +97,7 @@ def _failing_unsplit(after_buckets: int, mode: str) -> Any:
 
 
 def swap_body(rank: int, world_size: int) -> dict[str, Any]:
+    _fixed_mmap_threshold()
     out: dict[str, Any] = {}
     # Correctness and exact restore, with rank-dependent BatchNorm statistics.
     model = _model(0, big=False)
