@@ -40,8 +40,13 @@ def ref_inner(ta: float, ga: float, tb: float, gb: float) -> float:
 
 
 def ref_coefficients(ts, gs, t_out, g_out) -> np.ndarray:
-    a = np.array([[ref_inner(ta, ga, tb, gb) for tb, gb in zip(ts, gs)] for ta, ga in zip(ts, gs)])
-    b = np.array([ref_inner(ta, ga, t_out, g_out) for ta, ga in zip(ts, gs)])
+    a = np.array(
+        [
+            [ref_inner(ta, ga, tb, gb) for tb, gb in zip(ts, gs, strict=True)]
+            for ta, ga in zip(ts, gs, strict=True)
+        ]
+    )
+    b = np.array([ref_inner(ta, ga, t_out, g_out) for ta, ga in zip(ts, gs, strict=True)])
     x = np.linalg.solve(a, b)
     return x / x.sum()
 
@@ -135,7 +140,7 @@ def test_fit_error_matches_a_numerical_integral() -> None:
     def p(t: float, g: float) -> np.ndarray:
         return np.where(tau <= t, (g + 1) * tau**g / t ** (g + 1), 0.0)
 
-    diff = sum(wi * p(t, g) for wi, t, g in zip(w.tolist(), ts, gs)) - p(100.0, g08)
+    diff = sum(wi * p(t, g) for wi, t, g in zip(w.tolist(), ts, gs, strict=True)) - p(100.0, g08)
     want = math.sqrt(np.trapezoid(diff**2, tau) / np.trapezoid(p(100.0, g08) ** 2, tau))
     assert profile_fit_error(ts, gs, w, 100.0, g08) == pytest.approx(want, rel=1e-3)
     assert profile_fit_error(ts, gs, [0, 0, 0, 1.0], 100.0, g10) == pytest.approx(0, abs=1e-6)

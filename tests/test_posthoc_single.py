@@ -98,9 +98,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_tracking_is_bit_exact_at_w1(run: dict) -> None:
     ph, refs = run["ph"], run["refs"]
-    for g, s in zip(ph.gammas, SIGMAS):
+    for g, s in zip(ph.gammas, SIGMAS, strict=True):
         assert g == pytest.approx(ref_gamma(s), rel=1e-12)
-    for sigma, ref in zip(SIGMAS, refs):
+    for sigma, ref in zip(SIGMAS, refs, strict=True):
         ema = ph.profile(sigma).ema_tensors()
         assert set(ema) == set(ref.ema)
         bad = [k for k in ref.ema if not torch.equal(ema[k], ref.ema[k])]
@@ -163,7 +163,7 @@ def test_merge(run: dict) -> None:
         merge_snapshots(run["dir"])
     with pytest.raises(ValueError, match=r"no snapshot at step\(s\) \[5\]"):
         merge_snapshots(run["dir"], weights={5: 1.0})
-    with pytest.raises(ValueError, match="sigma_rel=0.07 is not a tracked"):
+    with pytest.raises(ValueError, match=r"sigma_rel=0\.07 is not a tracked"):
         merge_snapshots(run["dir"], last=2, sigma_rel=0.07)
 
 
@@ -303,7 +303,7 @@ def test_samples_time_low_precision_snapshots_and_resume(tmp_path: Path) -> None
         resumed.update(samples=n)
         for r in refs:
             r.update(model, n)
-    for sigma, ref in zip(SIGMAS, refs):
+    for sigma, ref in zip(SIGMAS, refs, strict=True):
         ema = resumed.profile(sigma).ema_tensors()
         assert all(torch.equal(ema[k], ref.ema[k]) for k in ref.ema)
     path = resumed.snapshot()
