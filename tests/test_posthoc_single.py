@@ -394,3 +394,38 @@ def test_modelema_unaffected_and_profile_is_a_modelema(run: dict) -> None:
     with pytest.raises(KeyError, match="not tracked"):
         run["ph"].profile(0.07)
     assert math.isclose(run["ph"].gammas[0], 16.97, abs_tol=0.01)
+
+
+def test_example_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "posthoc_example", ROOT / "examples" / "posthoc_ema.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(
+        [
+            "--out-dir",
+            str(tmp_path),
+            "--steps",
+            "60",
+            "--snapshot-every",
+            "20",
+            "--hidden",
+            "16",
+            "--sigma-rels",
+            "0.03",
+            "0.05",
+            "0.1",
+        ]
+    )
+    assert set(losses) == {0.03, 0.05, 0.1} and all(math.isfinite(v) for v in losses.values())
+    out = capsys.readouterr().out
+    # the synthesized tracked lengths equal the online ones
+    for line in out.splitlines():
+        if line.startswith("tracked sigma_rel="):
+            online, synthesized = (part.split()[-1] for part in line.split(","))
+            assert online == synthesized, line
+    assert (tmp_path / "sigma_rel_sweep.png").stat().st_size > 0
