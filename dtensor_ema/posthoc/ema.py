@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.checkpoint import _agree, _group, _quiet_single_process, _rank
+from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec
 from dtensor_ema.phema_math import check_sigma_rel, power_beta, sigma_rel_to_gamma
@@ -168,7 +169,6 @@ class PostHocEMA:
         self._clock = _Clock()
         self._steps = 0
         self._time: Literal["steps", "samples"] | None = None
-        self._model = model
         self.emas = MultiModelEMA(
             model,
             {f"p{i}": {"schedule": PowerDecay(g, self._clock)} for i, g in enumerate(self.gammas)},
@@ -194,7 +194,7 @@ class PostHocEMA:
         """``"steps"`` or ``"samples"`` once the first update decided; ``None`` before."""
         return self._time
 
-    def profile(self, sigma_rel: float) -> Any:
+    def profile(self, sigma_rel: float) -> ModelEMA:
         """The :class:`~dtensor_ema.ModelEMA` tracking ``sigma_rel`` (evaluate it with
         ``ph.profile(0.10).average_parameters()``)."""
         if sigma_rel not in self.sigma_rels:
@@ -331,7 +331,7 @@ class PostHocEMA:
         """The DCP state ``{"p<i>": {fqn: tensor}, "followed": {...}}`` and the manifest."""
         state: StateDict = {}
         tensors_meta: dict[str, dict[str, Any]] = {}
-        model_sd = _unwrapped(self._model).state_dict(keep_vars=True)
+        model_sd = _tracked_module(self.emas["p0"]).state_dict(keep_vars=True)
         for i in range(len(self.sigma_rels)):
             profile: dict[str, torch.Tensor] = {}
             for fqn, ema in self.emas[f"p{i}"].ema_tensors().items():
@@ -429,14 +429,10 @@ class PostHocEMA:
         )
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The module whose state dict keys carry no DDP ``module.`` prefix."""
-    inner = getattr(model, "module", None)
-    return (
-        inner
-        if isinstance(inner, nn.Module) and type(model).__name__ == ("DistributedDataParallel")
-        else model
-    )
+def _tracked_module(ema: ModelEMA) -> nn.Module:
+    """The unwrapped model the EMA tracks (``ema.model``; ``ema.module`` before it existed)."""
+    model = getattr(ema, "model", None)
+    return model if isinstance(model, nn.Module) else ema.module
 
 
 def _aliases(model_sd: Mapping[str, torch.Tensor], tracked: Mapping[str, Any]) -> dict[str, str]:
