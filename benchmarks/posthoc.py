@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshots", type=int, default=8, help="snapshots to synthesize from")
     parser.add_argument("--repeats", type=int, default=3, help="timed snapshots per setting")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("snapshot", "synthesize", "spacing"),
+        default=["snapshot", "synthesize", "spacing"],
+        help="which measurements to run",
+    )
     return parser
 
 
@@ -232,6 +239,15 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     sizes = [4, 8] if args.quick else args.sizes
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+    if "snapshot" in args.parts:
+        _print_snapshot_costs(args, sizes)
+    if "synthesize" in args.parts:
+        _print_synthesize_memory(args, sizes)
+    if "spacing" in args.parts:
+        _print_spacing()
+
+
+def _print_snapshot_costs(args: argparse.Namespace, sizes: list[int]) -> None:
     print(f"## Snapshot cost per rank (W={args.world_size}, gloo, CPU; 2 profiles)\n")
     print("| model MiB | mode | rank | snapshot s | bytes written | local EMA bytes |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -240,14 +256,23 @@ def main(argv: list[str] | None = None) -> None:
             f"| {row['mib']} | {row['mode']} | {row['rank']} | {row['s']:.3f} | "
             f"{row['bytes'] / MIB:.1f} MiB | {row['local_ema_bytes'] / MIB:.1f} MiB |"
         )
+
+
+def _print_synthesize_memory(args: argparse.Namespace, sizes: list[int]) -> None:
     print(f"\n## synthesize peak memory (one process, {args.snapshots} snapshots x 2 profiles)\n")
-    print("| model MiB | terms | streaming peak / model | naive peak / model | streaming s |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| model MiB | terms | streaming peak / model | naive peak / model | streaming s ", end=""
+    )
+    print("| naive s |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for row in synthesize_memory(sizes, 4 if args.quick else args.snapshots):
         print(
-            f"| {row['mib']} | {row['terms']} | {row['peak_x_model']:.2f} | "
-            f"{row['naive_peak_x_model']:.2f} | {row['s']:.2f} |"
+            f"| {row['mib']} | {row['terms']} | {row['streaming_peak_x_model']:.2f} | "
+            f"{row['naive_peak_x_model']:.2f} | {row['streaming_s']:.2f} | {row['naive_s']:.2f} |"
         )
+
+
+def _print_spacing() -> None:
     print("\n## Reconstruction error vs snapshot spacing (toy, 512 steps, sigma_rel 0.08)\n")
     print("| spacing (steps) | snapshots per profile | relative error |")
     print("|---:|---:|---:|")
