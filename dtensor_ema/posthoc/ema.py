@@ -110,6 +110,9 @@ class PostHocEMA:
     (EDM2 counts images): the averaging horizon then survives batch-size and world-size
     changes. The first update decides; mixing the two raises.
 
+    Construction communicates as :class:`~dtensor_ema.ModelEMA`'s does and must happen on
+    every rank.
+
     Peak extra memory: one EMA shard per profile (``len(sigma_rels) / W`` of the model's
     floats, in ``ema_dtype``); an asynchronous snapshot holds one more copy of the shards
     (in ``snapshot_dtype``) until it is written.
