@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from models import make_model
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -105,9 +106,12 @@ def _body_w3(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # FSDP2, uneven Shard(0) pieces at W=3, synchronous snapshots in steps
     model = mlp()
+    # One mesh for every fully_shard call: FSDP2 builds a new default mesh per call, and the
+    # EMA refuses parameters on meshes with different roots.
+    mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     ph = PostHocEMA(model, SIGMAS, snapshot_every=3, snapshot_dir=root_path / "snaps_fsdp")
     for step in range(1, 10):
         perturb_(model, step)
