@@ -1,6 +1,7 @@
-"""PostHocEMA across ranks: tracking bit for bit at W=2 (DDP, async snapshots, sample counts)
-and W=3 (FSDP2, uneven shards), resume of the W=2 state at W=3 on the same trajectory, and
-synthesize/merge at W=3 (sharded, from W=2 snapshots) equal to one process.
+"""PostHocEMA across ranks: tracking bit for bit at W=2 (DDP, async snapshots, sample counts;
+HSDP on a 2 x 1 mesh) and W=3 (FSDP2, uneven shards), resume of the W=2 state at W=3 on the
+same trajectory, and synthesize/merge at W=3 (sharded, from W=2 snapshots) equal to one
+process.
 
 Two spawns: W=2 writes snapshots and a PostHocEMA checkpoint; W=3 runs everything else. The
 reference (a power-function EMA with plain ``lerp_`` on full tensors) runs in this process
@@ -56,10 +57,14 @@ def perturb_(model: nn.Module, step: int) -> None:
                 continue
             delta = torch.randn(full, generator=g, dtype=torch.float64).to(v.dtype) * 0.1
             if isinstance(v, DTensor):
-                offset, length = chunk_range(
-                    full[0], v.device_mesh.size(), v.device_mesh.get_local_rank()
-                )
-                v.to_local().add_(delta.narrow(0, offset, length))
+                mesh, local = v.device_mesh, delta
+                for dim, placement in enumerate(v.placements):
+                    if placement.is_shard(0):
+                        offset, length = chunk_range(
+                            full[0], mesh.size(dim), mesh.get_local_rank(dim)
+                        )
+                        local = local.narrow(0, offset, length)
+                v.to_local().add_(local)
             else:
                 v.add_(delta)
 
@@ -98,7 +103,20 @@ def _body_w2(rank: int, world: int, root: str) -> dict[str, Any]:
         perturb_(model, step)
         ph.update(samples=PER_RANK * world)
     save_checkpoint({"ph": ph}, root_path / "ckpt_w2")  # commits the pending snapshot first
-    return {"emas": _full_emas(ph), "gammas": ph.gammas, "local": ph.profile(0.05).local_numel()}
+    out = {"emas": _full_emas(ph), "gammas": ph.gammas, "local": ph.profile(0.05).local_numel()}
+
+    # HSDP on a 2 x 1 mesh: (Replicate, Shard(0)) parameters; the EMA splits each local
+    # piece over the replicate dim
+    hsdp = mlp()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(hsdp, mesh=mesh)
+    ph_hsdp = PostHocEMA(hsdp, SIGMAS, snapshot_every=5, snapshot_dir=root_path / "snaps_hsdp")
+    for step in range(1, 6):
+        perturb_(hsdp, step)
+        ph_hsdp.update()
+    out["hsdp"] = _full_emas(ph_hsdp)
+    out["hsdp_local"] = ph_hsdp.profile(0.05).local_numel()
+    return out
 
 
 def _body_w3(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -180,6 +198,20 @@ def test_tracking_bit_exact_w2_ddp_samples(runs: dict[str, Any]) -> None:
             _assert_equal(got, ref.ema, "W=2")
     total = sum(r.numel() for r in refs[0].ema.values())
     assert runs["w2"][0]["local"] < total  # sharded, not replicated
+
+
+def test_tracking_bit_exact_w2_hsdp(runs: dict[str, Any]) -> None:
+    model = mlp()
+    refs = [RefPowerEMA(g) for g in runs["w2"][0]["gammas"]]
+    for step in range(1, 6):
+        perturb_(model, step)
+        for r in refs:
+            r.update(model)
+    for result in runs["w2"]:
+        for got, ref in zip(result["hsdp"], refs, strict=True):
+            _assert_equal(got, ref.ema, "W=2 HSDP")
+        assert result["hsdp_local"] < sum(v.numel() for v in refs[0].ema.values())
+    _assert_equal(synthesize(runs["root"] / "snaps_hsdp", 0.05), refs[0].ema, "HSDP snapshot")
 
 
 def test_tracking_bit_exact_w3_fsdp(runs: dict[str, Any]) -> None:
