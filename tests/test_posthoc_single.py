@@ -265,6 +265,21 @@ def test_bad_inputs(run: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="different models, shapes or dtypes"):
         synthesize(mixed, 0.08)
     synthesize(mixed, 0.08, step=24)  # the subset up to step 24 is consistent
+    # the same model stored in another dtype
+    mixed_dtype = tmp_path / "mixed_dtype"
+    shutil.copytree(run["dir"], mixed_dtype)
+    bf16 = PostHocEMA(
+        make_model("edge"), SIGMAS, snapshot_dir=tmp_path / "bf16", snapshot_dtype=torch.bfloat16
+    )
+    for _ in range(30):
+        bf16.update()
+    shutil.copytree(bf16.snapshot(), mixed_dtype / "step-000000000030")
+    with pytest.raises(
+        ValueError,
+        match=r"different \['conv.bias: \(5,\) torch.float32 vs \(5,\) torch.bfloat16 "
+        r"\(EMA torch.float32\)'",
+    ):
+        synthesize(mixed_dtype, 0.08)
     ph = PostHocEMA(make_model("edge"), SIGMAS, snapshot_dir=tmp_path / "s")
     with pytest.raises(ValueError, match="before the first update"):
         ph.snapshot()

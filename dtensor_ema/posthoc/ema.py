@@ -104,7 +104,9 @@ class PostHocEMA:
         process_group: the ranks that write snapshots together (default: the whole default
             group; an asynchronous save uses a dedicated gloo group over those ranks,
             created at the first asynchronous snapshot, which every rank of the default
-            group must then take part in).
+            group must then take part in). With pipeline stages (a different model per
+            stage) give each stage its own ``snapshot_dir`` and ``process_group``: rank 0 of
+            the group writes the manifest.
 
     Time is counted in updates, or in samples when every ``update()`` passes ``samples=``
     (EDM2 counts images): the averaging horizon then survives batch-size and world-size

@@ -191,9 +191,18 @@ def check_compatible(snapshots: Sequence[Snapshot]) -> None:
             )
         only_a = [k for k in a if k not in b]
         only_b = [k for k in b if k not in a]
-        differ = [f"{k}: {a[k]} vs {b[k]}" for k in a if k in b and a[k] != b[k]]
+        differ = [
+            f"{k}: {_describe(a[k])} vs {_describe(b[k])}" for k in a if k in b and a[k] != b[k]
+        ]
         raise ValueError(
             f"snapshots {first.path} and {other.path} are of different models, shapes or "
             f"dtypes: only in the first {only_a[:5]}, only in the second {only_b[:5]}, "
             f"different {differ[:5]}"
         )
+
+
+def _describe(spec: dict[str, Any]) -> str:
+    text = f"{tuple(spec['shape'])} {spec['dtype']}"
+    if spec.get("ema_dtype") not in (None, spec["dtype"]):
+        text += f" (EMA {spec['ema_dtype']})"
+    return text

@@ -10,9 +10,9 @@ warmup-stable-merge style weights). Both run on one engine:
   weight. Peak memory: one copy of the output plus about three buckets (the accumulator, one
   bucket read from disk, its cast), never one copy per snapshot.
 * In one process (no process group) the output is full tensors. With a process group every
-  rank reads and builds only its ``Shard(0)`` piece of each tensor (DCP reads just that
-  slice of the files) and the output is a sharded DCP checkpoint that loads into a model or
-  a :class:`~dtensor_ema.ModelEMA` at any world size.
+  rank reads and builds only its ``Shard(0)`` piece of each tensor (DCP reads only the
+  saved chunks that overlap it) and the output is a sharded DCP checkpoint that loads into
+  a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
 """
 
 from __future__ import annotations
