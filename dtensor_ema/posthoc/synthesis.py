@@ -7,8 +7,8 @@ warmup-stable-merge style weights). Both run on one engine:
 
 * Tensors are processed in buckets of at most ``bucket_bytes`` (float64 accumulators): for
   each bucket, each snapshot's slice of those tensors is read with DCP and added with its
-  weight. Peak memory: one copy of the output plus about three buckets (the accumulator, one
-  bucket read from disk, its cast), never one copy per snapshot.
+  weight. Peak memory: one copy of the output plus a few buckets (the accumulator, one
+  bucket read from disk, DCP's read buffers), never one copy per snapshot.
 * In one process (no process group) the output is full tensors. With a process group every
   rank reads and builds only its ``Shard(0)`` piece of each tensor (DCP reads only the
   saved chunks that overlap it) and the output is a sharded DCP checkpoint that loads into
@@ -250,8 +250,8 @@ def synthesize(
         dicts for a sequence of ``sigma_rel``. With ``out``: the path written (a list of
         paths for a sequence).
 
-    Peak memory (per rank): one output copy (``1/W`` of it when distributed) plus about
-    three buckets; several ``sigma_rel`` are produced one after the other when written to
+    Peak memory (per rank): one output copy (``1/W`` of it when distributed) plus a few
+    buckets; several ``sigma_rel`` are produced one after the other when written to
     ``out`` (held together when returned).
 
     Raises:
