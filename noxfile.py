@@ -76,4 +76,8 @@ def bench(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Run every example end to end under torchrun with tiny settings (add -- -s to watch)."""
     _install(session, "examples,test")
-    _pytest(session, "tests/test_examples_smoke.py")
+    _pytest(
+        session,
+        "tests/test_examples_smoke.py",
+        "tests/test_posthoc_single.py::test_example_runs",
+    )
