@@ -57,7 +57,7 @@ class Net(pl.LightningModule):
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = self.device_mesh["tensor_parallel"]  # (dp=1, tp=W) on one node
+            mesh = self.device_mesh["data_parallel"]  # (dp=W, tp=1): FSDP2 over all ranks
             fully_shard(self.body[0], mesh=mesh)
             fully_shard(self, mesh=mesh)
 
@@ -150,7 +150,7 @@ def _trainer(world: int, callbacks: list[Any], root: Path, **kwargs: Any) -> pl.
     if kwargs.pop("fsdp", False):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy()
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     elif world > 1:
         strategy = "ddp"
     kwargs.setdefault("limit_val_batches", 2)
@@ -260,8 +260,8 @@ def _w2_body(rank: int, world: int, root: str, w1_ckpt: str) -> dict[str, Any]:
     except ValueError as e:
         out["bad_resume"] = str(e)
     # FSDP2 through ModelParallelStrategy: sharded DCP checkpoints.
-    out["fsdp_full"] = fit_and_check(world, base / "fsdp", fsdp=True, max_steps=6, ckpt_every=3)
-    fckpt = base / "fsdp" / "epoch=0-step=3.ckpt"
+    out["fsdp_full"] = fit_and_check(world, base / "fsdp", fsdp=True, max_steps=8, ckpt_every=4)
+    fckpt = base / "fsdp" / "epoch=0-step=4.ckpt"
     out["fsdp_ckpt_is_dir"] = fckpt.is_dir()
     fmeta = torch.load(fckpt / "meta.pt", weights_only=False)["callbacks"]["EMACallback[ema]"]
     out["fsdp_format"] = fmeta["format"]
@@ -271,7 +271,7 @@ def _w2_body(rank: int, world: int, root: str, w1_ckpt: str) -> dict[str, Any]:
         world,
         base / "fsdp_resume",
         fsdp=True,
-        max_steps=6,
+        max_steps=8,
         ckpt_path=str(fckpt),
         ref_start=(fsaved, fmeta["updates"]),
     )
@@ -311,7 +311,7 @@ def _check_run(run: dict[str, Any], steps: int, updates: int, validations: int) 
     assert run["ema_equals_ref"], f"max |EMA - reference| = {run['max_diff']}"
     assert run["step"] == steps
     assert run["updates"] == run["ref_updates"] == updates
-    assert run["validations"] == validations
+    assert run["validations"] == validations, {k: v for k, v in run.items() if k != "weights"}
     assert run["val_sees_ema"] == [True] * validations
     assert run["restore_errors"] == []
 
@@ -329,7 +329,7 @@ def test_w2_ddp_resume_is_bit_exact(runs: dict[str, Any]) -> None:
     for rank_out in runs["w2"]:
         assert rank_out["ddp_saved_updates"] == 4
         resumed, full = rank_out["ddp_resumed"], rank_out["ddp_full"]
-        _check_run(resumed, steps=8, updates=8, validations=2)
+        _check_run(resumed, steps=8, updates=8, validations=1)  # no sanity check on resume
         assert resumed["weights"] == full["weights"]
 
 
@@ -360,9 +360,9 @@ def test_w2_fsdp2_model_parallel(runs: dict[str, Any]) -> None:
     for rank_out in runs["w2"]:
         assert rank_out["fsdp_ckpt_is_dir"]
         assert rank_out["fsdp_format"] == "dcp" and not rank_out["fsdp_meta_has_tensors"]
-        _check_run(rank_out["fsdp_full"], steps=6, updates=6, validations=2)
+        _check_run(rank_out["fsdp_full"], steps=8, updates=8, validations=3)
         resumed = rank_out["fsdp_resumed"]
-        _check_run(resumed, steps=6, updates=6, validations=1)
+        _check_run(resumed, steps=8, updates=8, validations=1)
         assert resumed["weights"] == rank_out["fsdp_full"]["weights"]
 
 
@@ -375,9 +375,8 @@ def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
         EMACallback(decau=0.9)
     with pytest.raises(ValueError, match="half_life=10 conflicts with tau"):
         EMACallback(tau=5, half_life=10)
-    trainer = _trainer(1, [EMACallback(), EMACallback()], tmp_path, max_steps=1)
-    with pytest.raises(ValueError, match="share a name"):
-        trainer.fit(Net(), _loader())
+    with pytest.raises(RuntimeError, match="state_key` must be unique"):  # Lightning's check
+        _trainer(1, [EMACallback(), EMACallback()], tmp_path, max_steps=1)
     trainer = _trainer(1, [EMACallback(), EMACallback(name="slow")], tmp_path, max_steps=1)
     with pytest.raises(ValueError, match="all have evaluate_with_ema=True"):
         trainer.fit(Net(), _loader())

@@ -163,13 +163,8 @@ class EMACallback(Callback):
             raise ValueError(
                 f"EMACallback does not support {strategy}: {_UNSUPPORTED_STRATEGIES[strategy]}"
             )
+        # Lightning itself refuses two callbacks with one state_key (the same name=).
         ours = [cb for cb in trainer.callbacks if isinstance(cb, EMACallback)]  # type: ignore[attr-defined]
-        names = [cb.name for cb in ours]
-        if len(set(names)) != len(names):
-            raise ValueError(
-                f"several EMACallbacks share a name ({names}): give each its own name= so "
-                "their checkpoint states stay apart"
-            )
         evaluating = [cb.name for cb in ours if cb.evaluate_with_ema]
         if len(evaluating) > 1:
             raise ValueError(
