@@ -188,13 +188,14 @@ def saved_ema(folder: Path, like: dict[str, torch.Tensor]) -> tuple[dict[str, to
     """The EMA in ``<checkpoint>/ema`` read back whole in this process (test side)."""
     from torch.distributed.checkpoint import load
 
-    dest: dict[str, Any] = {
-        "ema": {"ema": {k: torch.empty_like(v) for k, v in like.items()}, "updates": 0}
-    }
+    tied = "lm_head.weight"  # stored once, under transformer.wte.weight
+    tensors = {k: torch.empty_like(v) for k, v in like.items() if k != tied}
+    dest: dict[str, Any] = {"ema": {"ema": tensors, "updates": 0}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load(dest, checkpoint_id=str(folder / "ema"), no_dist=True)
-    return dest["ema"]["ema"], int(dest["ema"]["updates"])
+    tensors[tied] = tensors["transformer.wte.weight"].clone()
+    return tensors, int(dest["ema"]["updates"])
 
 
 def _w2_body(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -222,7 +223,7 @@ def _w2_body(rank: int, world: int, root: str) -> dict[str, Any]:
     try:
         bad = EMATrainer(
             model=tiny_gpt2(),
-            args=_args(base / "bad"),
+            args=_args(base / "bad", eval_strategy="no"),
             train_dataset=Tokens(),
             callbacks=[EMACallback(decay=0.5, tau=TAU)],
         )
