@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_harness import require_extra
 
-pytest.importorskip("lightning", reason="needs the 'lightning' extra")
+require_extra("lightning", "lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402

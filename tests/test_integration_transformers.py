@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_harness import require_extra
 
-pytest.importorskip("transformers", reason="needs the 'transformers' extra")
+require_extra("transformers", "transformers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
