@@ -61,7 +61,9 @@ class MarkovTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    p.add_argument("--eval-every", type=int, default=50, help="evaluate (EMA) and checkpoint every N steps")
+    p.add_argument(
+        "--eval-every", type=int, default=50, help="evaluate (EMA) and checkpoint every N steps"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--train-size", type=int, default=2048, help="training sequences (offline)")
     p.add_argument("--val-size", type=int, default=128, help="validation sequences")
@@ -71,8 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="GPT-2 blocks")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (large on purpose)")
     p.add_argument("--decay", type=float, default=0.99, help="EMA decay (ramped up, yolov5 style)")
-    p.add_argument("--output-dir", default="hf_ema_out", help="checkpoints and the exported EMA model")
-    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument(
+        "--output-dir", default="hf_ema_out", help="checkpoints and the exported EMA model"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="resume from the last checkpoint in --output-dir"
+    )
     p.add_argument("--fsdp", action="store_true", help="FSDP2 through accelerate (GPUs only)")
     return p
 
@@ -97,7 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT2LMHeadModel(config)
     fsdp: dict[str, object] = {}
     if args.fsdp:
-        fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+        fsdp = {
+            "fsdp": True,
+            "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+        }
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         use_cpu=not torch.cuda.is_available(),

@@ -97,9 +97,13 @@ class EpochTable(pl.Callback):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
-                   help="ddp: replicate the model (EMA sharded 1/W per rank); fsdp: FSDP2 via "
-                        "ModelParallelStrategy (EMA sharded like each parameter)")
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="ddp: replicate the model (EMA sharded 1/W per rank); fsdp: FSDP2 via "
+        "ModelParallelStrategy (EMA sharded like each parameter)",
+    )
     p.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or gpu")
     p.add_argument("--epochs", type=int, default=6, help="training epochs")
     p.add_argument("--train-size", type=int, default=2048, help="training samples (offline)")
@@ -109,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (large on purpose)")
     p.add_argument("--noise", type=float, default=0.5, help="label noise standard deviation")
     p.add_argument("--decay", type=float, default=0.995, help="EMA decay (ramped up, yolov5 style)")
-    p.add_argument("--ckpt-dir", default="lightning_ema_ckpt",
-                   help="where ModelCheckpoint writes (EMA included); '' to disable")
+    p.add_argument(
+        "--ckpt-dir",
+        default="lightning_ema_ckpt",
+        help="where ModelCheckpoint writes (EMA included); '' to disable",
+    )
     p.add_argument("--resume", default=None, help="checkpoint to resume from (ckpt_path=)")
     return p
 

@@ -237,8 +237,11 @@ def test_lightning_ema_two_ranks_then_resume_in_one_process(tmp_path: Path) -> N
     assert "ddp on 2 x cpu" in out, out
     rows = re.findall(r"^epoch\s+(\d+) \| step\s+(\d+) \|", out, re.MULTILINE)
     assert rows == [("0", "4"), ("1", "8")], out  # 128 samples / 2 ranks / 16 per step
-    final = re.search(r"final: raw val loss ([\d.]+)  EMA val loss ([\d.]+)  \(EMA updates: 8; "
-                      r"this rank holds (\d\.\d\d) of the EMA\)", out)
+    final = re.search(
+        r"final: raw val loss ([\d.]+)  EMA val loss ([\d.]+)  \(EMA updates: 8; "
+        r"this rank holds (\d\.\d\d) of the EMA\)",
+        out,
+    )
     assert final and 0.4 <= float(final[3]) <= 0.6, out
     assert (ckpt / "last.ckpt").is_file()
     # The 2-rank checkpoint resumes in one process, EMA counter and all.

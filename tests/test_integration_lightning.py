@@ -121,7 +121,9 @@ class ReferenceEMA(Callback):
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # The EMACallback (earlier in the list) has restored the training weights by now.
-        if self.training_weights is None or not _equal(full_state(pl_module), self.training_weights):
+        if self.training_weights is None or not _equal(
+            full_state(pl_module), self.training_weights
+        ):
             self.restore_errors.append(f"step {trainer.global_step}: weights not restored")
 
 
@@ -206,7 +208,9 @@ def fit_and_check(
         "updates": ema_cb.ema.updates,
         "ref_updates": ref.updates,
         "validations": len(model.val_seen),
-        "val_sees_ema": [_equal(a, b) for a, b in zip(model.val_seen, ref.at_validation)],
+        "val_sees_ema": [
+            _equal(seen, ema) for seen, ema in zip(model.val_seen, ref.at_validation, strict=True)
+        ],
         "restore_errors": ref.restore_errors,
         "ema": floats,
         "weights": full_state(model),

@@ -91,17 +91,23 @@ class ReferenceEMA(TrainerCallback):
         self.restore_errors: list[int] = []
         self._in_eval = False
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
         if self.ema is None:
             self.ema = full_state(model)
         self.last_step = state.global_step
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_step_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
         if self.training is not None and not _equal(full_state(model), self.training):
             self.restore_errors.append(state.global_step)
         self._in_eval = False
 
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
         if state.global_step == self.last_step:
             return
         self.last_step = state.global_step
@@ -114,7 +120,7 @@ class ReferenceEMA(TrainerCallback):
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if not self._in_eval:  # the first batch of each evaluation
             self._in_eval = True
-            model = kw["model"] if "model" in kw else None
+            model = kw.get("model")
             assert model is not None and self.ema is not None
             self.evals.append(_equal(full_state(model), self.ema))
 
@@ -218,9 +224,7 @@ def _w2_body(rank: int, world: int, root: str) -> dict[str, Any]:
     out["ckpt"] = str(ckpt)
     out["rank_files"] = sorted(p.name for p in (ckpt / "ema").iterdir())
     saved, updates = saved_ema(ckpt, out["full"]["ema"])
-    out["resumed"] = train_and_check(
-        base / "resumed", resume=str(ckpt), ref_start=(saved, updates)
-    )
+    out["resumed"] = train_and_check(base / "resumed", resume=str(ckpt), ref_start=(saved, updates))
     try:
         bad = EMATrainer(
             model=tiny_gpt2(),
@@ -326,8 +330,9 @@ def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
         trainer.evaluate()
     # A checkpoint saved without the callback cannot resume an EMA silently.
     plain = transformers.Trainer(
-        model=tiny_gpt2(), args=_args(tmp_path / "plain", max_steps=2, save_steps=2,
-                                      eval_strategy="no"), train_dataset=Tokens()
+        model=tiny_gpt2(),
+        args=_args(tmp_path / "plain", max_steps=2, save_steps=2, eval_strategy="no"),
+        train_dataset=Tokens(),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

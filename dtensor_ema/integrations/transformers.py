@@ -148,7 +148,7 @@ class EMACallback(TrainerCallback):
             **kwargs: passed to ``model.save_pretrained`` (e.g. ``safe_serialization``).
         """
         ema = self.ema
-        target = self._model if model is None else model
+        target: Any = self._model if model is None else model
         if not hasattr(target, "save_pretrained"):
             raise TypeError(
                 f"{type(target).__name__} has no save_pretrained(); pass a transformers "
@@ -200,7 +200,7 @@ class EMACallback(TrainerCallback):
         """Save into ``<output_dir>/checkpoint-<global_step>/<name>`` (DCP, collective)."""
         if self._ema is None:
             return
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         save_checkpoint(self._state(), folder / self.name)
 
     # ------------------------------------------------------------------ internals
@@ -215,7 +215,7 @@ class EMACallback(TrainerCallback):
             return Path(self._resume_from)
         if isinstance(args.resume_from_checkpoint, str):
             return Path(args.resume_from_checkpoint)
-        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        return _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
     def _load(self, checkpoint_dir: Path) -> None:
         path = checkpoint_dir / self.name
@@ -232,6 +232,12 @@ class EMACallback(TrainerCallback):
         self._started = bool(state["callback"]["started"])
 
 
+def _output_dir(args: TrainingArguments) -> Path:
+    if args.output_dir is None:
+        raise ValueError("EMACallback needs TrainingArguments.output_dir to find checkpoints")
+    return Path(args.output_dir)
+
+
 class EMATrainerMixin:
     """Mixin for a ``transformers.Trainer`` subclass: ``evaluate()`` with the EMA weights.
 
@@ -240,7 +246,7 @@ class EMATrainerMixin:
     """
 
     callback_handler: Any
-    model: nn.Module
+    model: Any
     args: TrainingArguments
 
     def _ema_callbacks(self) -> list[EMACallback]:
@@ -265,9 +271,9 @@ class EMATrainerMixin:
                     "train()); evaluating the model's own weights",
                     stacklevel=2,
                 )
-            return super().evaluate(*args, **kwargs)  # type: ignore[misc, no-any-return]
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
         with callback.average_parameters():
-            return super().evaluate(*args, **kwargs)  # type: ignore[misc, no-any-return]
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
@@ -291,7 +297,7 @@ class EMATrainerMixin:
                 f"save_ema_model needs exactly one EMACallback, found {len(callbacks)}; "
                 "call EMACallback.save_pretrained on the one you want"
             )
-        target = Path(self.args.output_dir) / "ema" if output_dir is None else Path(output_dir)
+        target = _output_dir(self.args) / "ema" if output_dir is None else Path(output_dir)
         callbacks[0].save_pretrained(target, self.model)
 
 
