@@ -388,3 +388,53 @@ def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
     trainer = _trainer(1, [EMACallback(exclude=["nope"])], tmp_path, max_steps=1)
     with pytest.raises(ValueError, match="exclude names not found"):
         trainer.fit(Net(), _loader())
+
+
+class GatedReference(Callback):
+    """The test's EMA for ``update_every_n_steps=every, start_step=start``: after step ``s``
+    with ``s > start`` and ``s % every == 0`` only; the first such update starts from the
+    module's weights. Put before the EMACallback: it sees the raw weights at validation."""
+
+    def __init__(self, every: int, start: int) -> None:
+        self.every, self.start = every, start
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.updates = 0
+        self.last_step = 0
+        self.expected_at_validation: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self.last_step:
+            return
+        self.last_step = step
+        if step <= self.start or step % self.every:
+            return
+        if self.ema is None:
+            self.ema = full_state(pl_module)
+        self.updates += 1
+        for k, v in full_state(pl_module).items():
+            self.ema[k].lerp_(v, 1 - _ref_decay(self.updates))
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # Before the EMA starts, validation runs with the module's own weights.
+        expected = self.ema if self.ema is not None else full_state(pl_module)
+        self.expected_at_validation.append({k: v.clone() for k, v in expected.items()})
+
+
+def test_w1_delayed_sparse_updates_and_hand_over(tmp_path: Path) -> None:
+    model = Net()
+    ema_cb = _ema_cb(update_every_n_steps=2, start_step=3, copy_to_model_on_train_end=True)
+    ref = GatedReference(every=2, start=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(1, [ref, ema_cb], tmp_path, max_steps=16, enable_checkpointing=False)
+        trainer.fit(model, _loader(), _loader())
+    assert ref.ema is not None and ref.updates == 7  # after steps 4, 6, ..., 16
+    assert ema_cb.ema.updates == 7
+    ema_full = ema_cb.ema.get_ema_state_dict()
+    assert _equal({k: ema_full[k] for k in ref.ema}, ref.ema)
+    # Sanity check (EMA not started: raw weights), then the ends of epochs 0 and 1.
+    assert len(model.val_seen) == len(ref.expected_at_validation) == 3
+    for seen, expected in zip(model.val_seen, ref.expected_at_validation, strict=True):
+        assert _equal(seen, expected)
+    assert _equal(full_state(model), ref.ema)  # copy_to_model_on_train_end

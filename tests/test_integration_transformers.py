@@ -345,3 +345,42 @@ def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
         )
         with pytest.raises(ValueError, match="saved without this callback"):
             trainer.train(resume_from_checkpoint=True)
+
+
+class GatedReference(TrainerCallback):
+    """The test's EMA for ``update_every_n_steps=every, start_step=start`` (see the
+    Lightning test): the first update starts from the model's weights."""
+
+    def __init__(self, every: int, start: int) -> None:
+        self.every, self.start = every, start
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.updates = 0
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        step = state.global_step
+        if step <= self.start or step % self.every:
+            return
+        if self.ema is None:
+            self.ema = full_state(model)
+        self.updates += 1
+        for k, v in full_state(model).items():
+            self.ema[k].lerp_(v, 1 - _ref_decay(self.updates))
+
+
+def test_w1_delayed_sparse_updates(tmp_path: Path) -> None:
+    ema_cb = EMACallback(decay=DECAY, tau=TAU, update_every_n_steps=2, start_step=1)
+    ref = GatedReference(every=2, start=1)
+    trainer = EMATrainer(
+        model=tiny_gpt2(),
+        args=_args(tmp_path, eval_strategy="no", save_strategy="no"),
+        train_dataset=Tokens(),
+        callbacks=[ema_cb, ref],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert ref.ema is not None and ref.updates == ema_cb.ema.updates == 3  # steps 2, 4, 6
+    ema_full = ema_cb.ema.get_ema_state_dict()
+    assert _equal({k: ema_full[k] for k in ref.ema}, ref.ema)
