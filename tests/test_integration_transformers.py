@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -384,3 +385,26 @@ def test_w1_delayed_sparse_updates(tmp_path: Path) -> None:
     assert ref.ema is not None and ref.updates == ema_cb.ema.updates == 3  # steps 2, 4, 6
     ema_full = ema_cb.ema.get_ema_state_dict()
     assert _equal({k: ema_full[k] for k in ref.ema}, ref.ema)
+
+
+def test_w1_callback_with_plain_trainer_resumes_bit_exact(tmp_path: Path) -> None:
+    """Without the mixin (no evaluation swap) the callback still finds the checkpoint:
+    ``resume_from_checkpoint=True`` resumes ``<output_dir>/checkpoint-<step>``."""
+
+    def run(max_steps: int, resume: bool) -> tuple[dict[str, torch.Tensor], int]:
+        callback = EMACallback(decay=DECAY, tau=TAU)
+        args = _args(tmp_path, max_steps=max_steps, eval_strategy="no", save_steps=SAVE_EVERY)
+        trainer = transformers.Trainer(
+            model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(resume_from_checkpoint=True if resume else None)
+        return callback.ema.get_ema_state_dict(), callback.ema.updates
+
+    full, updates = run(STEPS, resume=False)
+    # Keep only the first checkpoint, so that resume_from_checkpoint=True picks it.
+    shutil.rmtree(tmp_path / f"checkpoint-{STEPS}")
+    resumed, resumed_updates = run(STEPS, resume=True)
+    assert updates == resumed_updates == STEPS
+    assert _equal(full, resumed)

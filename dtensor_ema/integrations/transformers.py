@@ -223,8 +223,8 @@ class EMACallback(TrainerCallback):
             raise ValueError(
                 f"EMACallback({self.name!r}): training resumes at step {self._last_step} but "
                 f"{path} does not exist: the checkpoint was saved without this callback (or "
-                "with another name=). Resume from a checkpoint that has it, or start the EMA "
-                "afresh with a new run"
+                "with another name=), or it lies outside output_dir and a plain Trainer did "
+                "not say where (use EMATrainer, or call EMACallback.resume_from(path) first)"
             )
         state = self._state()
         load_checkpoint(state, path)  # checks names, shapes and options before writing
