@@ -306,7 +306,7 @@ class EMACallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._ckpt_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
-        if self._ema is None and self.state_key not in checkpoint.get("callbacks", {}):
+        if self.state_key not in checkpoint.get("callbacks", {}):
             warnings.warn(
                 f"EMACallback({self.name!r}): the checkpoint has no state for this callback "
                 f"(its callbacks: {sorted(checkpoint.get('callbacks', {}))}); the EMA starts "
