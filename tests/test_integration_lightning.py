@@ -438,3 +438,19 @@ def test_w1_delayed_sparse_updates_and_hand_over(tmp_path: Path) -> None:
     for seen, expected in zip(model.val_seen, ref.expected_at_validation, strict=True):
         assert _equal(seen, expected)
     assert _equal(full_state(model), ref.ema)  # copy_to_model_on_train_end
+
+
+def test_checkpoint_without_ema_state_warns_and_starts_from_restored_weights(
+    tmp_path: Path,
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = _trainer(1, [], tmp_path, max_steps=2, num_sanity_val_steps=0)
+        plain.fit(Net(), _loader())
+    ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"))
+    model, ema_cb = Net(), _ema_cb()
+    trainer = _trainer(1, [ema_cb], tmp_path / "resumed", max_steps=2, num_sanity_val_steps=0)
+    with pytest.warns(UserWarning, match="has no state for this callback"):
+        trainer.fit(model, _loader(), ckpt_path=str(ckpt))  # already at max_steps: no step
+    assert ema_cb.ema.updates == 0
+    assert _equal(ema_cb.ema.get_ema_state_dict(), model.state_dict())
