@@ -29,7 +29,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
-    _install(session, "test")
+    _install(session, "test,lightning,transformers")
     _pytest(session)
 
 
@@ -60,7 +60,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy on the package."""
-    _install(session, "test")
+    _install(session, "test,lightning,transformers")
     session.install("mypy>=1.10")
     session.run("mypy", "dtensor_ema")
 
