@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.decay import DecaySchedule
+from dtensor_ema.ema_module import UnitSpec, build_ema_module
 from dtensor_ema.fused_update import OffloadPipeline, update_groups
 from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
@@ -58,7 +59,8 @@ class ModelEMA:
 
     Args:
         model: a plain ``nn.Module``, a DDP-wrapped one, or an FSDP2 (``fully_shard``) one.
-            The EMA tracks the unwrapped module; keys never carry a ``module.`` prefix.
+            The EMA tracks the unwrapped module (``ema.model``); keys never carry a
+            ``module.`` prefix. ``ema.module`` is the EMA itself as a module (timm's name).
         mesh: 1-D ``DeviceMesh`` over which replicated tensors are sharded (``Shard(0)``,
             uneven and empty shards included; 0-dim tensors are ``Replicate()``). ``None``
             means the whole default process group when one is initialized, and no sharding
@@ -126,9 +128,9 @@ class ModelEMA:
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-        self.module = unwrap_model(model)
-        _reshard_fsdp(self.module)
-        device = _model_device(self.module)
+        self.model = unwrap_model(model)
+        _reshard_fsdp(self.model)
+        device = _model_device(self.model)
         self.mesh = resolve_mesh(mesh, device)
         # Capturable updates keep the counter on the device (float64 counts exactly up to
         # 2**53) so that nothing in update() reads a tensor back to the host.
@@ -136,7 +138,7 @@ class ModelEMA:
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
         self._plan: EmaPlan = build_plan(
-            self.module, self.mesh, ema_dtype=ema_dtype, offload=offload
+            self.model, self.mesh, ema_dtype=ema_dtype, offload=offload
         )
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
@@ -144,12 +146,92 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._keys = list(model_tensors(self.module))
+        self._keys = list(model_tensors(self.model))
         self._groups = update_groups(self._plan)
         self._offload = OffloadPipeline(self._groups) if offload else None
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
         self._last_decay: float | None = None
+        self._module: nn.Module | None = None
+
+    # ------------------------------------------------------------------ the EMA module
+    @property
+    def module(self) -> nn.Module:
+        """The EMA as a forward-capable ``nn.Module`` (timm's ``ModelEmaV3.module``), built
+        on first access with :meth:`build_module`'s defaults. The tracked model is
+        :attr:`model`. Alias: :attr:`ema_model` (ema-pytorch's name)."""
+        if self._module is None:
+            return self.build_module()
+        return self._module
+
+    @property
+    def ema_model(self) -> nn.Module:
+        """Alias of :attr:`module` (ema-pytorch's name)."""
+        return self.module
+
+    def build_module(
+        self, *, units: UnitSpec = None, compute_dtype: torch.dtype | None = None
+    ) -> nn.Module:
+        """Build :attr:`module`, the EMA as an ``nn.Module`` whose parameters ARE the EMA.
+
+        Local: no collective. Call it (with options) before the first access of
+        :attr:`module`, on every rank; once built, the module is reused.
+
+        No second copy of the EMA is kept. With a mesh (plain or DDP model) the module is
+        the model's structure sharded with FSDP2 (``fully_shard``) over the EMA's 1-D mesh,
+        and the EMA's shards move into its sharded parameters (one local copy, then the
+        old shards are freed): ``update()`` writes where the forward reads, so the module
+        always shows the latest average. Without a process group its parameters and float
+        buffers are the EMA's own tensors.
+
+        Calling the module: its forward is **collective** over the EMA mesh (every rank
+        must call it, with the same number of forwards): FSDP all-gathers one unit at a
+        time, and the float buffers (BatchNorm statistics) are all-gathered before each
+        forward. Peak extra memory: about the largest unit's full weights in the compute
+        dtype (plus FSDP's prefetch of the next unit) plus activations. Call the module
+        itself (its ``forward``); other methods of the root see sharded parameters unless
+        registered with ``torch.distributed.fsdp.register_fsdp_forward_method``. Its
+        parameters have ``requires_grad=False``; it starts in ``eval()`` mode (in
+        ``train()`` mode BatchNorm updates the module's gathered buffers, or, without a
+        process group, the EMA's buffers themselves). Outputs equal those of an unsharded
+        model loaded with ``get_model_state_dict()[0]`` (rel. error <= 1e-5; exact where
+        the kernels do not depend on the layout).
+
+        Args:
+            units: FSDP units of the module: ``None`` (default) makes a unit of every child
+                of an ``nn.ModuleList``/``nn.Sequential`` (the repeated blocks); or an
+                iterable of module fqns; or a predicate ``(fqn, module) -> bool``. The rest
+                belongs to the root unit. A child whose parent reads its weights without
+                calling it (``nn.MultiheadAttention.out_proj``) is refused.
+            compute_dtype: dtype the forward computes in. ``None`` (default): the model's
+                own dtype, so an fp32 EMA of a bf16 model all-gathers bf16 weights and runs
+                in bf16 like the model (FSDP ``MixedPrecisionPolicy(param_dtype=...)``);
+                pass ``torch.float32`` to evaluate the fp32 average itself. Float buffers
+                follow it too.
+
+        Raises:
+            RuntimeError: the module was already built.
+            NotImplementedError: FSDP2/TP models, ``offload=True``, N-D meshes.
+            ValueError: bad ``units`` or ``compute_dtype``.
+        """
+        if self._module is not None:
+            raise RuntimeError(
+                "ema.module was already built (build_module() runs once, before the first "
+                "access of ema.module); reuse ema.module"
+            )
+        if self.options.offload:
+            raise NotImplementedError(
+                "ema.module with offload=True (EMA shards in host memory) is not implemented"
+            )
+        self.flush()
+        self._sync_sources()
+        module = build_ema_module(
+            self.model, self._plan, self.mesh, units=units, compute_dtype=compute_dtype
+        )
+        # The EMA's local shards may have moved into the module: re-cache them.
+        self._groups = update_groups(self._plan)
+        self._module = module
+        return module
 
     # ------------------------------------------------------------------ properties
     @property
@@ -374,7 +456,7 @@ class ModelEMA:
         self._sync_sources()
         sharded = [e for e in self._plan if e.is_dtensor_source]
         replicated = [e for e in self._plan if not e.is_dtensor_source]
-        _reshard_fsdp(self.module)
+        _reshard_fsdp(self.model)
         with torch.no_grad():
             ema_full = gather_full_tensors([_ema_piece(e) for e in replicated])
             backups = [e.source_local.clone() for e in sharded]
@@ -385,9 +467,9 @@ class ModelEMA:
                 e.source.detach().copy_(ema_full.pop(e.fqn))
             del ema_full
         try:
-            yield self.module
+            yield self.model
         finally:
-            _reshard_fsdp(self.module)
+            _reshard_fsdp(self.model)
             with torch.no_grad():
                 targets = [e.source_local for e in sharded]
                 targets += [e.source.detach() for e in replicated]
@@ -455,17 +537,17 @@ class ModelEMA:
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
         return (
-            f"{type(self).__name__}({type(self.module).__name__}, {mesh}, "
+            f"{type(self).__name__}({type(self.model).__name__}, {mesh}, "
             f"decay={self.decay}, tau={self.tau}, updates={self.updates}, "
             f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
         )
 
     # ------------------------------------------------------------------ internals
     def _check_model_argument(self, model: nn.Module | None) -> None:
-        if model is not None and unwrap_model(model) is not self.module:
+        if model is not None and unwrap_model(model) is not self.model:
             raise ValueError(
                 f"got a {type(model).__name__} that is not the model this EMA tracks "
-                f"({type(self.module).__name__} at {id(self.module):#x}); create a new "
+                f"({type(self.model).__name__} at {id(self.model):#x}); create a new "
                 "ModelEMA for a different model"
             )
 
@@ -525,7 +607,7 @@ class ModelEMA:
         """
         if self._epoch == registration_epoch() and _source_ptrs(self._plan) == self._source_ptrs:
             return
-        current = model_tensors(self.module)
+        current = model_tensors(self.model)
         problems = []
         for entry in self._plan:
             tensor = current.get(entry.fqn)

@@ -18,7 +18,7 @@ Non-floating-point buffers (``num_batches_tracked``) are not averaged; they are 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +80,47 @@ class EmaPlan:
 
     def by_fqn(self) -> dict[str, PlanEntry]:
         return {e.fqn: e for e in self.entries}
+
+    @torch.no_grad()
+    def rebind_ema(self, tensors: Mapping[str, DTensor]) -> None:
+        """Move EMA entries into storage someone else owns (the EMA module's FSDP2
+        parameters). Local: no collective.
+
+        For each ``fqn -> tensor``: the tensor must be a DTensor with the entry's global
+        shape, dtype, mesh and placements (so its local piece has the shape of
+        ``ema_local``). The entry's current values are copied into ``tensor.to_local()``,
+        which then becomes ``ema_local``; ``tensor`` becomes ``ema``. Everything is checked
+        before anything is written. Callers must rebuild what they cached from the old
+        ``ema_local`` tensors (update groups).
+
+        Raises:
+            ValueError: an unknown fqn, or a tensor whose layout differs from the entry's.
+        """
+        entries = self.by_fqn()
+        problems = []
+        for fqn, tensor in tensors.items():
+            entry = entries.get(fqn)
+            if entry is None:
+                problems.append(f"{fqn}: not an EMA entry")
+            elif (
+                not isinstance(tensor, DTensor)
+                or tensor.shape != entry.ema.shape
+                or tensor.dtype != entry.ema_local.dtype
+                or (tensor.device_mesh, tuple(tensor.placements)) != (entry.mesh, entry.placements)
+                or tensor.to_local().shape != entry.ema_local.shape
+            ):
+                problems.append(
+                    f"{fqn}: expected a DTensor {tuple(entry.ema.shape)} {entry.ema_local.dtype} "
+                    f"{entry.placements}, got {type(tensor).__name__} {tuple(tensor.shape)} "
+                    f"{tensor.dtype} {getattr(tensor, 'placements', None)}"
+                )
+        if problems:
+            raise ValueError(f"cannot rebind the EMA: {problems[:5]}")
+        for fqn, tensor in tensors.items():
+            entry = entries[fqn]
+            local = tensor.to_local()
+            local.copy_(entry.ema_local)
+            entry.ema, entry.ema_local = tensor, local
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
