@@ -131,6 +131,40 @@ def _buckets(
         yield bucket
 
 
+def _send_buffer(
+    pieces: list[LocalPiece], numels: list[int], padded: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's flat send buffer of ``padded`` elements: the local pieces in order.
+
+    When the pieces already lie back to back in one storage in ``dtype`` (EMA shards made
+    with ``parameters_as_bucket_view=True``) and the storage extends ``padded`` elements
+    from the first one, the buffer is a view of it: no packing copy. The elements past this
+    rank's own (padding for ranks with shorter shards) are sent but never read.
+    """
+    for piece, numel in zip(pieces, numels, strict=True):
+        assert piece.local.numel() == numel, (piece.fqn, piece.local.shape, numel)
+    first = next((p.local for p in pieces if p.local.numel()), pieces[0].local)
+    if first.numel() and all(p.local.dtype == dtype and p.local.is_contiguous() for p in pieces):
+        itemsize = first.element_size()
+        expected = first.data_ptr()
+        adjacent = True
+        for piece in pieces:
+            if piece.local.numel() and piece.local.data_ptr() != expected:
+                adjacent = False
+                break
+            expected += piece.local.numel() * itemsize
+        storage = first.untyped_storage()
+        offset = first.storage_offset()
+        if adjacent and (offset + padded) * itemsize <= storage.nbytes():
+            return first.new_empty(0).set_(storage, offset, (padded,), (1,))
+    send = torch.empty(padded, dtype=dtype, device=first.device)
+    cursor = 0
+    for piece, numel in zip(pieces, numels, strict=True):
+        send[cursor : cursor + numel].view(piece.local.shape).copy_(piece.local)
+        cursor += numel
+    return send
+
+
 def _gather_bucket(
     pieces: list[LocalPiece], mesh: DeviceMesh, mesh_dim: int, *, keep: bool, cpu: bool
 ) -> dict[str, torch.Tensor]:
@@ -152,12 +186,7 @@ def _gather_bucket(
             if keep
             else {}
         )
-    send = torch.empty(padded, dtype=dtype, device=device)
-    cursor = 0
-    for piece, numel in zip(pieces, segments[my_rank], strict=True):
-        assert piece.local.numel() == numel, (piece.fqn, piece.local.shape, numel)
-        send[cursor : cursor + numel].view(piece.local.shape).copy_(piece.local)
-        cursor += numel
+    send = _send_buffer(pieces, segments[my_rank], padded, dtype)
     recv = torch.empty(world_size * padded, dtype=dtype, device=device)
     _all_gather_flat(recv, send, group=mesh.get_group(mesh_dim))
     del send

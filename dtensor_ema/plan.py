@@ -18,19 +18,22 @@ Non-floating-point buffers (``num_batches_tracked``) are not averaged; they are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from dtensor_ema.layout import chunk_range, contiguous_stride, cpu_mesh_like
+from dtensor_ema.layout import chunk_range, contiguous_stride, cpu_mesh_like, shard_mesh_dim
 
 __all__ = [
     "EmaPlan",
     "PlanEntry",
+    "bucket_view_",
     "build_plan",
     "default_ema_dtype",
     "source_local_view",
@@ -164,6 +167,7 @@ def build_plan(
     *,
     ema_dtype: torch.dtype | None = None,
     offload: bool = False,
+    bucket_view: bool = False,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped). Local only: no collective.
 
@@ -174,6 +178,8 @@ def build_plan(
         ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
         offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
             a CPU twin of each mesh.
+        bucket_view: make every ``ema_local`` a view into one flat buffer per (device,
+            dtype), laid out in gather order (see :func:`bucket_view_`).
 
     Raises:
         ValueError: the model has no floating-point state, or a DTensor uses a placement
@@ -213,7 +219,70 @@ def build_plan(
             f"{type(module).__name__} has no floating-point parameters or buffers to average "
             f"(state dict keys: {list(followed)[:5]})"
         )
+    if bucket_view:
+        bucket_view_(entries)
     return EmaPlan(entries=entries, followed=followed, aliases=aliases)
+
+
+def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
+    """Move every entry's ``ema_local`` into one flat buffer per (device, dtype). Local.
+
+    Entries that materialize with a flat all-gather (dim-0 sharded over one mesh dim) come
+    first, grouped by (mesh, mesh dim) in plan order, so that the local shards of one
+    gather bucket are adjacent in memory and the bucket's send buffer is a view of the
+    flat buffer (no packing; see :mod:`dtensor_ema.materialize`). Each buffer ends with
+    room for the padding of its last bucket (the sum over its tensors of ``ceil(n / W)``
+    rows minus this rank's rows), sent but never read. Other entries (0-dim, other
+    layouts) follow. Each entry's ``ema`` is rebuilt around the view (same mesh,
+    placements, shape and stride).
+
+    Returns:
+        The flat buffers (held alive by the views).
+    """
+    order: dict[tuple[Any, ...], int] = {}
+    keyed = []
+    for index, entry in enumerate(entries):
+        mesh_dim = shard_mesh_dim(entry.placements) if entry.mesh is not None else None
+        group = (id(entry.mesh), mesh_dim) if mesh_dim is not None else None
+        rank = order.setdefault(group, len(order)) if group is not None else 1 << 30
+        keyed.append((rank, index, entry, mesh_dim))
+    keyed.sort(key=lambda item: item[:2])
+    by_buffer: dict[tuple[torch.device, torch.dtype], list[tuple[PlanEntry, int]]] = {}
+    for _, _, entry, mesh_dim in keyed:
+        local = entry.ema_local
+        slack = 0
+        if mesh_dim is not None and entry.mesh is not None and entry.ema.dim() > 0:
+            n = entry.ema.shape[0]
+            chunk = math.ceil(n / entry.mesh.size(mesh_dim)) if n else 0
+            slack = chunk * math.prod(entry.ema.shape[1:]) - local.numel()
+        by_buffer.setdefault((local.device, local.dtype), []).append((entry, slack))
+    flats = []
+    for (device, dtype), items in by_buffer.items():
+        total = sum(e.ema_local.numel() for e, _ in items)
+        pinned = any(e.ema_local.is_pinned() for e, _ in items)
+        flat = torch.empty(
+            total + sum(slack for _, slack in items), dtype=dtype, device=device, pin_memory=pinned
+        )
+        cursor = 0
+        for entry, _ in items:
+            local = entry.ema_local
+            view = flat[cursor : cursor + local.numel()].view(local.shape)
+            view.copy_(local)
+            cursor += local.numel()
+            entry.ema_local = view
+            if isinstance(entry.ema, DTensor):
+                entry.ema = DTensor.from_local(
+                    view,
+                    entry.ema.device_mesh,
+                    entry.ema.placements,
+                    run_check=False,
+                    shape=entry.ema.shape,
+                    stride=entry.ema.stride(),
+                )
+            else:
+                entry.ema = view
+        flats.append(flat)
+    return flats
 
 
 def _ema_for_dtensor(

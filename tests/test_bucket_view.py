@@ -1,0 +1,122 @@
+"""``parameters_as_bucket_view``: EMA shards as views into flat buffers, gathered unpacked.
+
+At W = 1, 2, 3 and with no process group: the EMA equals an unsharded reference bit for
+bit, materializes to the same bits as the packed layout, and a gather bucket's send buffer
+is a view of the EMA storage itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models import ReferenceEMA, make_model, mismatches, train_step
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dtensor_ema import ModelEMA
+from dtensor_ema.layout import chunk_range
+from dtensor_ema.materialize import LocalPiece, _buckets, _send_buffer
+
+WORLD_SIZES = [1, 2, 3]
+DECAY, TAU = 0.9, 2.0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storages(ema: ModelEMA) -> set[tuple[int, torch.dtype]]:
+    return {
+        (_local(t).untyped_storage().data_ptr(), t.dtype)
+        for t in ema.ema_tensors().values()
+        if _local(t).numel()
+    }
+
+
+def _send_is_a_view(ema: ModelEMA, world_size: int, rank: int) -> list[bool]:
+    """For every gather bucket of the EMA's Shard(0) tensors: is the send buffer a view of
+    the EMA's own storage?"""
+    pieces = [
+        LocalPiece(fqn, _local(t), t.shape, t.device_mesh, tuple(t.placements), t.dtype)
+        for fqn, t in ema.ema_tensors().items()
+        if isinstance(t, DTensor) and t.dim() > 0
+    ]
+    views = []
+    for bucket in _buckets(pieces, world_size, 1 << 20):
+        numels = [p.local.numel() for p in bucket]
+        if not sum(numels):
+            continue  # nothing of this rank's in the bucket: nothing to pack either
+        padded = max(
+            sum(chunk_range(p.shape[0], world_size, r)[1] * p.shape[1:].numel() for p in bucket)
+            for r in range(world_size)
+        )
+        send = _send_buffer(bucket, numels, padded, bucket[0].out_dtype)
+        storage = next(p.local for p in bucket if p.local.numel()).untyped_storage()
+        views.append(send.untyped_storage().data_ptr() == storage.data_ptr())
+    return views
+
+
+def bucket_body(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("edge", "resnet18"):
+        model = make_model(name)
+        ddp = DDP(model) if world_size > 1 else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        # The seed example's call: default mesh (the whole group), DDP model.
+        flat = ModelEMA(ddp, parameters_as_bucket_view=True, decay=DECAY, tau=TAU)
+        packed = ModelEMA(ddp, parameters_as_bucket_view=False, decay=DECAY, tau=TAU)
+        ref = ReferenceEMA(model.state_dict(), DECAY, TAU)
+        for step in range(2):
+            train_step(name, ddp, optimizer, step)
+            flat.update()
+            packed.update()
+            ref.update(model.state_dict())
+        full = {k: v.full_tensor() for k, v in flat.ema_tensors().items()}
+        out[f"{name}_ema"] = mismatches(full, ref.ema)
+        out[f"{name}_storages"] = (len(_storages(flat)), len(_storages(packed)))
+        out[f"{name}_state"] = mismatches(
+            flat.get_model_state_dict()[0], packed.get_model_state_dict()[0]
+        )
+        out[f"{name}_views"] = _send_is_a_view(flat, world_size, rank)
+        out[f"{name}_packed_views"] = _send_is_a_view(packed, world_size, rank)
+    # Building ema.module moves the shards out of the flat buffer; the EMA stays exact.
+    flat.module(torch.randn(2, 3, 32, 32))
+    full = {k: v.full_tensor() for k, v in flat.ema_tensors().items()}
+    out["after_module"] = mismatches(full, ref.ema)
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
+def ranks(request: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(bucket_body, request.param, tmp_path_factory.mktemp("bucket_view"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["edge", "resnet18"])
+def test_bucket_view_is_exact_and_gathers_without_packing(ranks: Any, name: str) -> None:
+    for r in ranks:
+        assert r[f"{name}_ema"] == []
+        assert r[f"{name}_state"] == []
+        flat_storages, packed_storages = r[f"{name}_storages"]
+        assert flat_storages == 1 and packed_storages > 1
+        assert r[f"{name}_views"] and all(r[f"{name}_views"])
+        assert not all(r[f"{name}_packed_views"])  # single-tensor buckets need no packing
+    assert all(r["after_module"] == [] for r in ranks)
+
+
+def test_bucket_view_without_process_group() -> None:
+    model = make_model("edge")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ema = ModelEMA(model, parameters_as_bucket_view=True, decay=DECAY, tau=TAU)
+    ref = ReferenceEMA(model.state_dict(), DECAY, TAU)
+    for step in range(2):
+        train_step("edge", model, optimizer, step)
+        ema.update()
+        ref.update(model.state_dict())
+    assert mismatches(dict(ema.ema_tensors()), ref.ema) == []
+    assert len(_storages(ema)) == 1
+    with pytest.raises(TypeError, match="parameters_as_bucket_view"):
+        ModelEMA(model, parameters_as_bucket_view="yes")  # type: ignore[arg-type]
