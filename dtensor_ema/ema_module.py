@@ -21,6 +21,7 @@ every tensor pre-mapped to an empty meta tensor), so no weight is ever copied in
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 from dtensor_ema.plan import EmaPlan, PlanEntry
@@ -125,9 +126,11 @@ def build_ema_module(
 ) -> nn.Module:
     """Build the EMA's forward-capable twin of ``model``. Local: no collective.
 
-    With a mesh, every replicated EMA entry is re-pointed at the twin's FSDP2 parameters
-    (their values are copied once); the caller must rebuild anything cached from the plan's
-    ``ema_local`` tensors. See :attr:`ModelEMA.module <dtensor_ema.ModelEMA.module>`.
+    With a mesh, every EMA entry of a parameter is re-pointed at the twin's FSDP2
+    parameters (their values are copied once); the caller must rebuild anything cached from
+    the plan's ``ema_local`` tensors. See :attr:`ModelEMA.module <dtensor_ema.ModelEMA.module>`.
+    FSDP2 models are mirrored: the twin has the student's units, meshes, shard dims and
+    ``MixedPrecisionPolicy`` (``units`` is then ignored).
 
     Args:
         model: the unwrapped, tracked model.
@@ -139,23 +142,26 @@ def build_ema_module(
             (per unit, so an fp32 EMA of a bf16 model runs its forward in bf16).
 
     Raises:
-        NotImplementedError: the plan holds DTensor (FSDP2/TP) sources, or the mesh is not
-            1-D.
+        NotImplementedError: tensor-parallel (non-FSDP2) DTensor parameters, FSDP2 models
+            with plain float parameters or layouts other than FSDP2's own, or an N-D mesh
+            for a plain model.
         ValueError: bad ``units``, or a unit whose parameters mix dtypes with
             ``compute_dtype=None``.
     """
     integer = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if integer:
         raise NotImplementedError(f"ema.module for models with integer parameters {integer[:5]}")
-    if any(e.is_dtensor_source for e in plan):
-        raise NotImplementedError(
-            "ema.module for FSDP2/TP models (DTensor parameters) is not implemented yet: "
-            "evaluate with ema.average_parameters() or load ema.get_model_state_dict()"
-        )
     if compute_dtype is not None and not (
         isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
     ):
         raise ValueError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return _fsdp_mirror(model, plan, compute_dtype)
+    if any(e.is_dtensor_source for e in plan):
+        raise NotImplementedError(
+            "ema.module for models with DTensor parameters outside FSDP2 (tensor "
+            "parallelism) is not implemented: evaluate with ema.average_parameters()"
+        )
     if mesh is None:
         return _shared_twin(model, plan, compute_dtype)
     if mesh.ndim != 1:
@@ -368,4 +374,163 @@ def _buffer_piece(entry: PlanEntry, slot: tuple[nn.Module, str]) -> LocalPiece:
         mesh=entry.mesh,
         placements=entry.placements,
         out_dtype=buffer.dtype,
+    )
+
+
+# ------------------------------------------------------------------------- FSDP2 models
+def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | None) -> nn.Module:
+    """Mirror an FSDP2 student: same units, meshes, shard dims and mixed precision."""
+    by_fqn = plan.by_fqn()
+    plain = [e.fqn for e in plan if e.is_parameter and not e.is_dtensor_source]
+    if plain:
+        raise NotImplementedError(
+            f"ema.module for an FSDP2 model with parameters outside fully_shard {plain[:5]}: "
+            "apply fully_shard to the root module too, or use ema.average_parameters()"
+        )
+    layouts: dict[str, tuple[DeviceMesh, Shard]] = {}
+    for entry in plan:
+        if not entry.is_dtensor_source:
+            continue
+        source = entry.source
+        assert isinstance(source, DTensor)
+        placements = tuple(source.placements)
+        expected = (Replicate(),) * (len(placements) - 1)
+        last = placements[-1]
+        if not isinstance(last, Shard) or placements[:-1] != expected or type(last) is not Shard:
+            raise NotImplementedError(
+                f"ema.module for {entry.fqn!r} with placements {placements} on a "
+                f"{source.device_mesh.ndim}-D mesh: only FSDP2's own layouts ((Shard(d),) and "
+                "HSDP's (Replicate(), Shard(d))) are mirrored; use ema.average_parameters()"
+            )
+        layouts[entry.fqn] = (source.device_mesh, last)
+    memo: dict[int, Any] = {}
+    for fqn, tensor, _, _, kind in _slots(model):
+        if id(tensor) in memo:
+            continue
+        tracked = by_fqn.get(plan.aliases.get(fqn, fqn))
+        if kind == "param":
+            dtype = tracked.ema_local.dtype if tracked is not None else tensor.dtype
+        else:
+            dtype = compute_dtype if compute_dtype and tracked is not None else tensor.dtype
+        meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=False) if kind == "param" else meta
+    twin = _clone_without_fsdp(model, memo)
+    twin.requires_grad_(False)
+    twin.eval()
+    twin_fqn = {id(p): fqn for fqn, p in twin.named_parameters()}
+    units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for fqn in sorted(units, key=lambda f: -f.count(".") if f else 1):
+        student = model.get_submodule(fqn)
+        managed = [
+            layouts[name] for name in _directly_managed(model, fqn, units) if name in layouts
+        ]
+        if not managed:
+            continue
+        mesh = managed[0][0]
+        policy = _student_mp_policy(student)
+        if compute_dtype is not None:
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype)
+        fully_shard(
+            twin.get_submodule(fqn),
+            mesh=mesh,
+            mp_policy=policy,
+            shard_placement_fn=lambda p: layouts[twin_fqn[id(p)]][1],
+        )
+    twin.to_empty(device=next(iter(layouts.values()))[0].device_type)
+    tensors: dict[str, DTensor] = {}
+    for fqn, tensor in twin.named_parameters():
+        assert isinstance(tensor, DTensor), fqn
+        tensors[fqn] = tensor
+    plan.rebind_ema(tensors)
+    _install_forward_hooks(twin, plan)
+    return twin
+
+
+def _directly_managed(model: nn.Module, unit: str, units: list[str]) -> list[str]:
+    """Parameter fqns that ``unit`` manages itself (not through a nested unit)."""
+    prefix = f"{unit}." if unit else ""
+    inner = [u for u in units if u != unit and u.startswith(prefix)]
+    return [
+        prefix + name
+        for name, _ in model.get_submodule(unit).named_parameters()
+        if not any((prefix + name).startswith(u + ".") for u in inner)
+    ]
+
+
+def _student_mp_policy(module: nn.Module) -> MixedPrecisionPolicy:
+    """The ``MixedPrecisionPolicy`` a student unit was sharded with. torch keeps it only on
+    the private FSDP state; without it (a torch that renamed it) the default policy."""
+    try:
+        policy = module._get_fsdp_state()._mp_policy  # type: ignore[operator]
+    except AttributeError:
+        return MixedPrecisionPolicy()
+    return policy if isinstance(policy, MixedPrecisionPolicy) else MixedPrecisionPolicy()
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _clone_without_fsdp(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """The module tree with FSDP2 taken off: original classes, FSDP's hooks and state
+    dropped, tensors replaced through ``memo``, other attributes shared (shallow).
+
+    FSDP2 modules refuse ``copy.deepcopy``; the twin needs only the structure.
+    """
+    clones: dict[int, nn.Module] = {}
+
+    def clone(m: nn.Module) -> nn.Module:
+        if id(m) in clones:
+            return clones[id(m)]
+        cls: type[nn.Module] = type(m)
+        if isinstance(m, FSDPModule):
+            cls = next(b for b in cls.__bases__ if issubclass(b, nn.Module))
+        new = cls.__new__(cls)
+        clones[id(m)] = new
+        state = {k: v for k, v in m.__dict__.items() if not _fsdp_attribute(k, v)}
+        state["_parameters"] = {
+            k: (memo[id(v)] if v is not None else None) for k, v in m._parameters.items()
+        }
+        state["_buffers"] = {
+            k: (memo[id(v)] if v is not None else None) for k, v in m._buffers.items()
+        }
+        state["_modules"] = {
+            k: (clone(v) if v is not None else None) for k, v in m._modules.items()
+        }
+        for name in _HOOK_DICTS:
+            hooks = m.__dict__.get(name)
+            if isinstance(hooks, dict):
+                state[name] = type(hooks)((k, h) for k, h in hooks.items() if not _fsdp_hook(h))
+        new.__dict__.update(state)
+        return new
+
+    return clone(module)
+
+
+def _fsdp_attribute(name: str, value: Any) -> bool:
+    if name in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+        return True
+    # fully_shard's composable state and registry live in the module's __dict__.
+    return name.startswith("__composable_api")
+
+
+def _fsdp_hook(hook: Any) -> bool:
+    owner = getattr(hook, "__self__", None)
+    target = owner if owner is not None else hook
+    module = getattr(type(target) if owner is not None else target, "__module__", "") or ""
+    if isinstance(hook, functools.partial):
+        return _fsdp_hook(hook.func)
+    return module.startswith("torch.distributed.fsdp") or module.startswith(
+        "torch.distributed._composable"
     )

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from dtensor_ema.layout import chunk_range, contiguous_stride, shard_mesh_dim
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "LocalPiece", "gather_full_tensors"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "LocalPiece", "gather_full_tensors", "gather_to_rank0"]
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """Upper bound on one gathered bucket (``W`` ranks' padded rows together)."""
@@ -197,6 +197,108 @@ def _gather_bucket(
     cursors = [0] * world_size
     for i, piece in enumerate(pieces):
         full = torch.empty(piece.shape, dtype=dtype, device=torch.device("cpu") if cpu else device)
+        flat = full.view(-1)
+        start = 0
+        for r in range(world_size):
+            numel = segments[r][i]
+            flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
+            start += numel
+            cursors[r] += numel
+        out[piece.fqn] = full
+    return out
+
+
+def gather_to_rank0(
+    pieces: Sequence[LocalPiece],
+    *,
+    cpu_offload: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> dict[str, torch.Tensor]:
+    """Materialize full tensors on global rank 0 only. **Collective** (see below).
+
+    Like :func:`gather_full_tensors` with ``rank0_only=True``, but the flat buckets travel
+    with ``dist.gather`` to rank 0 instead of an all-gather to everyone: a rank other than
+    0 holds only its send buffer (its ``1/W`` share of one bucket, nothing at all when its
+    shards are gathered straight from a bucket view) and receives nothing. Pieces sharded
+    over a process group that does not contain rank 0 (the other replicas of an HSDP mesh)
+    are not sent: rank 0 gets them from its own group. Layouts without a flat gather fall
+    back to ``full_tensor()`` (an all-gather).
+
+    Every rank of every process group involved must call this, with the same ``pieces``
+    (fqns, shapes, placements) and ``bucket_bytes``.
+
+    Returns:
+        On rank 0 (or without a process group): ``fqn -> full tensor`` as
+        :func:`gather_full_tensors`. Elsewhere: ``{}``.
+    """
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    flat_groups: dict[tuple[Any, ...], list[LocalPiece]] = {}
+    for piece in pieces:
+        mesh_dim = shard_mesh_dim(piece.placements) if piece.mesh is not None else None
+        if piece.mesh is None or not piece.placements or _all_replicate(piece.placements):
+            if keep:
+                out[piece.fqn] = _to_output(piece.local, piece.out_dtype, cpu_offload)
+        elif mesh_dim is None:
+            full = DTensor.from_local(
+                piece.local,
+                piece.mesh,
+                piece.placements,
+                run_check=False,
+                shape=piece.shape,
+                stride=contiguous_stride(piece.shape),
+            ).full_tensor()
+            if keep:
+                out[piece.fqn] = _to_output(full, piece.out_dtype, cpu_offload)
+        else:
+            key = (piece.mesh, mesh_dim, piece.local.device, piece.out_dtype)
+            flat_groups.setdefault(key, []).append(piece)
+    for (mesh, mesh_dim, _, _), group_pieces in flat_groups.items():
+        assert isinstance(mesh, DeviceMesh)
+        assert isinstance(mesh_dim, int)
+        group = mesh.get_group(mesh_dim)
+        if 0 not in dist.get_process_group_ranks(group):
+            continue
+        for bucket in _buckets(group_pieces, mesh.size(mesh_dim), bucket_bytes):
+            out.update(_gather_bucket_to_rank0(bucket, mesh, mesh_dim, keep=keep, cpu=cpu_offload))
+    return {p.fqn: out[p.fqn] for p in pieces if p.fqn in out}
+
+
+def _gather_bucket_to_rank0(
+    pieces: list[LocalPiece], mesh: DeviceMesh, mesh_dim: int, *, keep: bool, cpu: bool
+) -> dict[str, torch.Tensor]:
+    """One ``dist.gather`` of flat send buffers to global rank 0, then cut the tensors out."""
+    world_size = mesh.size(mesh_dim)
+    my_rank = mesh.get_local_rank(mesh_dim)
+    segments = [
+        [chunk_range(p.shape[0], world_size, r)[1] * _row_numel(p.shape) for p in pieces]
+        for r in range(world_size)
+    ]
+    padded = max(sum(row) for row in segments)
+    dtype = pieces[0].out_dtype
+    device = pieces[0].local.device
+    target = torch.device("cpu") if cpu else device
+    if padded == 0:
+        return (
+            {p.fqn: torch.empty(p.shape, dtype=dtype, device=target) for p in pieces}
+            if keep
+            else {}
+        )
+    send = _send_buffer(pieces, segments[my_rank], padded, dtype)
+    rows = torch.empty(world_size, padded, dtype=dtype, device=device) if keep else None
+    dist.gather(
+        send,
+        list(rows.unbind(0)) if rows is not None else None,
+        dst=0,
+        group=mesh.get_group(mesh_dim),
+    )
+    del send
+    if rows is None:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    cursors = [0] * world_size
+    for i, piece in enumerate(pieces):
+        full = torch.empty(piece.shape, dtype=dtype, device=target)
         flat = full.view(-1)
         start = 0
         for r in range(world_size):

@@ -37,7 +37,12 @@ from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module
 from dtensor_ema.fused_update import OffloadPipeline, update_groups
 from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
-from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
+from dtensor_ema.materialize import (
+    DEFAULT_BUCKET_BYTES,
+    LocalPiece,
+    gather_full_tensors,
+    gather_to_rank0,
+)
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
 from dtensor_ema.plan import (
     EmaPlan,
@@ -91,10 +96,13 @@ class ModelEMA:
             (``get_model_state_dict``, ``export_ema``, ``average_parameters``) all-gathers
             straight from the EMA storage instead of packing a send buffer first (when the
             EMA dtype is the model's). Same memory (plus a few padding rows); the name and
-            meaning follow ``ZeroRedundancyOptimizer``. Default ``True``: it costs nothing and
-            materializing ResNet-50 at W=2 took 1.17x one flat all-gather of the same
-            bytes instead of 1.37x (``benchmarks/bucket_view.py``). Building
-            :attr:`module` moves the shards into FSDP's storage, which ends the view.
+            meaning follow ``ZeroRedundancyOptimizer``. It made materializing ResNet-50 at
+            W=2 take 1.17x one flat all-gather of the same bytes instead of 1.37x
+            (``benchmarks/bucket_view.py``). Default ``False``: on torch 2.14
+            ``dcp.async_save`` cannot stage a DTensor whose local tensor is a view at a
+            nonzero storage offset ("Attempted to call copy_() on an invalid python
+            storage"), and the gain is on materialization, not on the training step.
+            ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into FSDP's storage, which ends the view.
 
     Construction is local (no collective) but must happen on every rank of the mesh, on
     models whose tensors are identical across ranks where they are replicated (DDP
@@ -124,7 +132,7 @@ class ModelEMA:
         ema_dtype: torch.dtype | None = None,
         capturable: bool = False,
         offload: bool = False,
-        parameters_as_bucket_view: bool = True,
+        parameters_as_bucket_view: bool = False,
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -413,6 +421,8 @@ class ModelEMA:
 
         Args:
             rank0_only: only global rank 0 gets the tensors; other ranks get two empty dicts.
+                The buckets then travel with ``dist.gather`` to rank 0: the other ranks
+                receive nothing and hold at most their ``1/W`` share of one bucket.
             cpu_offload: return CPU tensors (for export); device memory stays at ~one bucket.
             bucket_bytes: bound on the bytes one all-gather moves.
 
@@ -444,7 +454,9 @@ class ModelEMA:
 
         For export: no copy of the model's own weights is gathered, so with ``rank0_only``
         and ``cpu_offload`` rank 0 holds one full copy of the EMA plus one bucket, the other
-        ranks one bucket. Arguments and result as in :meth:`get_model_state_dict`.
+        ranks their ``1/W`` share of one bucket (nothing with ``parameters_as_bucket_view``
+        where the EMA dtype is the model's). Arguments and result as in
+        :meth:`get_model_state_dict`.
         """
         self.flush()
         self._sync_sources()
@@ -595,9 +607,10 @@ class ModelEMA:
     ) -> StateDict:
         """Gather ``pieces`` (collective) into a state dict in the model's key order, with
         the integer buffers and tied aliases filled in; ``{}`` off rank 0 with rank0_only."""
-        full = gather_full_tensors(
-            pieces, rank0_only=rank0_only, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes
-        )
+        if rank0_only:  # a gather to rank 0: the other ranks receive nothing
+            full = gather_to_rank0(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
+        else:
+            full = gather_full_tensors(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
         if rank0_only and not full:
             return {}
         device = torch.device("cpu") if cpu_offload else None

@@ -2,7 +2,8 @@
 
 At W = 1, 2, 3 and with no process group: the EMA equals an unsharded reference bit for
 bit, materializes to the same bits as the packed layout, and a gather bucket's send buffer
-is a view of the EMA storage itself.
+is a view of the EMA storage itself. ``rank0_only`` materialization (``export_ema``) gathers
+to rank 0 alone.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from models import ReferenceEMA, make_model, mismatches, train_step
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from dtensor_ema import ModelEMA
 from dtensor_ema.layout import chunk_range
@@ -59,7 +62,7 @@ def _send_is_a_view(ema: ModelEMA, world_size: int, rank: int) -> list[bool]:
     return views
 
 
-def bucket_body(rank: int, world_size: int) -> dict[str, Any]:
+def bucket_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("edge", "resnet18"):
         model = make_model(name)
@@ -81,7 +84,28 @@ def bucket_body(rank: int, world_size: int) -> dict[str, Any]:
             flat.get_model_state_dict()[0], packed.get_model_state_dict()[0]
         )
         out[f"{name}_views"] = _send_is_a_view(flat, world_size, rank)
+        for label, ema in (("flat", flat), ("packed", packed)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                on_rank0 = ema.get_ema_state_dict(rank0_only=True, cpu_offload=True)
+            out[f"{name}_{label}_rank0_calls"] = sorted(
+                {e.name for e in prof.events() if e.name.startswith("gloo:")}
+            )
+            everywhere = ema.get_ema_state_dict()
+            out[f"{name}_{label}_rank0"] = (
+                mismatches(on_rank0, everywhere) if rank == 0 else list(on_rank0)
+            )
+            both = ema.get_model_state_dict(rank0_only=True)
+            out[f"{name}_{label}_rank0_model"] = (
+                mismatches(both[1], model.state_dict()) if rank == 0 else [*both[0], *both[1]]
+            )
         out[f"{name}_packed_views"] = _send_is_a_view(packed, world_size, rank)
+    # A synchronous DCP save/load round trip fills the flat buffer in place.
+    before = {k: v.full_tensor() for k, v in flat.ema_tensors().items()}
+    dcp.save({"ema": flat}, checkpoint_id=f"{tmp}/ckpt")
+    flat.update()
+    dcp.load({"ema": flat}, checkpoint_id=f"{tmp}/ckpt")
+    after = {k: v.full_tensor() for k, v in flat.ema_tensors().items()}
+    out["dcp"] = (mismatches(after, before), len(_storages(flat)))
     # Building ema.module moves the shards out of the flat buffer; the EMA stays exact.
     flat.module(torch.randn(2, 3, 32, 32))
     full = {k: v.full_tensor() for k, v in flat.ema_tensors().items()}
@@ -91,7 +115,8 @@ def bucket_body(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
 def ranks(request: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(bucket_body, request.param, tmp_path_factory.mktemp("bucket_view"))
+    tmp = tmp_path_factory.mktemp("bucket_view")
+    return run_ranks(bucket_body, request.param, tmp, str(tmp))
 
 
 @pytest.mark.distributed
@@ -105,6 +130,22 @@ def test_bucket_view_is_exact_and_gathers_without_packing(ranks: Any, name: str)
         assert r[f"{name}_views"] and all(r[f"{name}_views"])
         assert not all(r[f"{name}_packed_views"])  # single-tensor buckets need no packing
     assert all(r["after_module"] == [] for r in ranks)
+    assert all(r["dcp"] == ([], 1) for r in ranks)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["edge", "resnet18"])
+@pytest.mark.parametrize("label", ["flat", "packed"])
+def test_rank0_only_gathers_to_rank0_alone(ranks: Any, name: str, label: str) -> None:
+    """Rank 0 gets exactly the all-gathered tensors; the others get nothing and issue
+    gathers, never all-gathers (they receive nothing)."""
+    for r in ranks:
+        assert r[f"{name}_{label}_rank0"] == []
+        assert r[f"{name}_{label}_rank0_model"] == []
+        calls = r[f"{name}_{label}_rank0_calls"]
+        assert not any("all" in c.lower() for c in calls), calls
+        if len(ranks) > 1:
+            assert any("gather" in c.lower() for c in calls), calls
 
 
 def test_bucket_view_without_process_group() -> None:

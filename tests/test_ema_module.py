@@ -16,6 +16,7 @@ from dist_harness import run_ranks
 from models import ReferenceEMA, make_batch, make_model, mismatches, train_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -151,8 +152,44 @@ def _check_units(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _check_fsdp(rank: int, world_size: int, mixed: bool) -> dict[str, Any]:
+    """FSDP2 student: the module mirrors its units and mixed precision."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = make_model("transformer")
+    reference_model = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else MixedPrecisionPolicy()
+    for layer in model.blocks.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ema = ModelEMA(model, decay=DECAY, tau=TAU)
+    x, _ = make_batch("transformer", 99)
+    out: dict[str, Any] = {}
+    for phase in range(2):
+        for step in range(2):
+            train_step("transformer", model, optimizer, 10 * phase + step)
+            ema.update()
+        with torch.no_grad():
+            y = ema.module(x)
+        state = ema.get_model_state_dict()[0]
+        ref_model = reference_model.to(torch.bfloat16) if mixed else reference_model
+        expected = _reference_forward(ref_model, state, x)
+        out[f"rel_err_{phase}"] = _rel_err(y.float(), expected.float())
+        out[f"dtype_{phase}"] = y.dtype
+    units = sorted(fqn for fqn, m in ema.module.named_modules() if isinstance(m, FSDPModule))
+    out["units"] = units == sorted(
+        fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)
+    )
+    out["storage_shared"] = _storage_shared(ema)
+    out["student_is_fsdp"] = type(model).__name__.startswith("FSDP")
+    out["twin_class"] = type(ema.module).__name__
+    return out
+
+
 def module_body(rank: int, world_size: int) -> dict[str, Any]:
     return {
+        "fsdp": _check_fsdp(rank, world_size, mixed=False),
+        "fsdp_bf16": _check_fsdp(rank, world_size, mixed=True),
         "transformer": _check_model("transformer", rank, world_size),
         "resnet18": _check_model("resnet18", rank, world_size),
         "edge": _check_model("edge", rank, world_size),
@@ -186,6 +223,21 @@ def test_module_holds_no_second_copy(ranks: Any, name: str) -> None:
         assert res["fsdp_params"] and res["model_untouched"]
         assert res["same_module"] and res["model"]
         assert res["no_grad"] and res["eval"]
+
+
+@pytest.mark.distributed
+def test_fsdp_model_is_mirrored(ranks: Any) -> None:
+    for r in ranks:
+        res = r["fsdp"]
+        for phase in range(2):
+            assert res[f"rel_err_{phase}"] <= 1e-5 and res[f"dtype_{phase}"] == torch.float32
+        assert res["units"] and res["storage_shared"] and res["student_is_fsdp"]
+        assert res["twin_class"].startswith("FSDP")  # the mirror's own FSDP class
+        mixed = r["fsdp_bf16"]
+        for phase in range(2):
+            # bf16 all-gathers of the fp32 EMA, as the student's MixedPrecisionPolicy does
+            assert mixed[f"dtype_{phase}"] == torch.bfloat16
+            assert mixed[f"rel_err_{phase}"] <= 1e-2, mixed[f"rel_err_{phase}"]
 
 
 @pytest.mark.distributed
