@@ -434,7 +434,11 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
             twin.get_submodule(fqn),
             mesh=mesh,
             mp_policy=policy,
-            shard_placement_fn=lambda p: layouts[twin_fqn[id(p)]][1],
+            shard_placement_fn=(
+                (lambda p: layouts[twin_fqn[id(p)]][1])
+                if any(shard.dim != 0 for _, shard in managed)
+                else None
+            ),
         )
     twin.to_empty(device=next(iter(layouts.values()))[0].device_type)
     tensors: dict[str, DTensor] = {}

@@ -8,6 +8,7 @@ Every forward is compared with an unsharded copy of the model loaded with
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +28,10 @@ DECAY, TAU = 0.9, 2.0
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error; ``inf`` when the reference is not finite (a NaN reference would
+    make any comparison vacuous)."""
+    if not torch.isfinite(expected).all():
+        return float("inf")
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
@@ -300,3 +305,35 @@ def test_no_process_group_forward_error_restores_the_ema_slots() -> None:
     tensors = ema.ema_tensors()
     for fqn, p in ema.module.named_parameters():
         assert p.dtype == torch.float32 and p.data_ptr() == tensors[fqn].data_ptr()
+
+
+# ------------------------------------------------------------------ HSDP (W=4 as 2 x 2)
+def hsdp_body(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model("resnet18")
+    reference_model = copy.deepcopy(model)
+    for layer in (model.layer1, model.layer2, model.layer3, model.layer4):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ema = ModelEMA(model, mesh=mesh["shard"], decay=DECAY, tau=TAU)
+    x, _ = make_batch("resnet18", 99)
+    errors = []
+    for phase in range(2):
+        for step in range(2):
+            train_step("resnet18", model, optimizer, 10 * phase + step)
+            ema.update()
+        with torch.no_grad():
+            y = ema.module(x)
+        expected = _reference_forward(reference_model, ema.get_model_state_dict()[0], x)
+        errors.append(_rel_err(y, expected))
+    placements = {tuple(str(p) for p in param.placements) for param in ema.module.parameters()}
+    return {"errors": errors, "placements": placements, "shared": _storage_shared(ema)}
+
+
+@pytest.mark.distributed
+def test_hsdp_model_is_mirrored(tmp_path: Path) -> None:
+    for r in run_ranks(hsdp_body, 4, tmp_path):
+        assert all(e <= 1e-5 for e in r["errors"]), r["errors"]
+        assert r["placements"] == {("R", "S(0)")}  # HSDP: (Replicate(), Shard(0))
+        assert r["shared"]
