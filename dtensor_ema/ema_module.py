@@ -166,8 +166,9 @@ def build_ema_module(
         return _shared_twin(model, plan, compute_dtype)
     if mesh.ndim != 1:
         raise NotImplementedError(
-            f"ema.module over a {mesh.ndim}-D mesh {tuple(mesh.shape)} (EMA placements "
-            f"{plan.entries[0].placements}) is not implemented; use a 1-D mesh"
+            f"ema.module for a plain/DDP model on a {mesh.ndim}-D mesh {tuple(mesh.shape)}: "
+            f"its EMA is split over every mesh dim (placements {plan.entries[0].placements}), "
+            "a nested split FSDP2 cannot hold; use a 1-D mesh or ema.average_parameters()"
         )
     return _sharded_twin(model, plan, mesh, _resolve_units(model, units), compute_dtype)
 
@@ -364,16 +365,20 @@ def _install_forward_hooks(twin: nn.Module, plan: EmaPlan) -> None:
 
 
 def _buffer_piece(entry: PlanEntry, slot: tuple[nn.Module, str]) -> LocalPiece:
+    """How to gather one float buffer's EMA into the twin's (full) buffer: undo the
+    replica split (``levels``), in the twin buffer's dtype."""
     owner, name = slot
     buffer = owner._buffers[name]
     assert buffer is not None
     return LocalPiece(
         fqn=entry.fqn,
         local=entry.ema_local,
-        shape=entry.ema.shape,
-        mesh=entry.mesh,
-        placements=entry.placements,
+        shape=entry.source.shape,
+        mesh=None,
+        placements=(),
         out_dtype=buffer.dtype,
+        levels=entry.levels,
+        piece_shape=entry.source_piece.shape,
     )
 
 
@@ -394,6 +399,13 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         source = entry.source
         assert isinstance(source, DTensor)
         placements = tuple(source.placements)
+        if entry.levels:
+            raise NotImplementedError(
+                f"ema.module for {entry.fqn!r}: its EMA splits the FSDP2 shard further over "
+                f"{len(entry.levels)} replica dim(s) (EMA placements {entry.placements}, "
+                f"parameter placements {placements}), which FSDP2 cannot hold; use "
+                "ema.average_parameters()"
+            )
         expected = (Replicate(),) * (len(placements) - 1)
         last = placements[-1]
         if not isinstance(last, Shard) or placements[:-1] != expected or type(last) is not Shard:
