@@ -328,7 +328,20 @@ def hsdp_body(rank: int, world_size: int) -> dict[str, Any]:
         expected = _reference_forward(reference_model, ema.get_model_state_dict()[0], x)
         errors.append(_rel_err(y, expected))
     placements = {tuple(str(p) for p in param.placements) for param in ema.module.parameters()}
-    return {"errors": errors, "placements": placements, "shared": _storage_shared(ema)}
+    refused = {}
+    # N-D layouts FSDP2 cannot hold: the EMA splits the piece over a replica dim too.
+    for label, tracked in (("hsdp_world", model), ("plain_2d", make_model("resnet18"))):
+        try:
+            ModelEMA(tracked, mesh=mesh).build_module()
+            refused[label] = "built"
+        except NotImplementedError as e:
+            refused[label] = str(e)
+    return {
+        "errors": errors,
+        "placements": placements,
+        "shared": _storage_shared(ema),
+        "refused": refused,
+    }
 
 
 @pytest.mark.distributed
@@ -337,3 +350,5 @@ def test_hsdp_model_is_mirrored(tmp_path: Path) -> None:
         assert all(e <= 1e-5 for e in r["errors"]), r["errors"]
         assert r["placements"] == {("R", "S(0)")}  # HSDP: (Replicate(), Shard(0))
         assert r["shared"]
+        assert "replica dim" in r["refused"]["hsdp_world"], r["refused"]
+        assert "2-D mesh" in r["refused"]["plain_2d"], r["refused"]
