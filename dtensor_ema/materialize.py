@@ -439,6 +439,8 @@ def gather_to_rank0(
             size, me = first.mesh.size(mesh_dim), first.mesh.get_local_rank(mesh_dim)
         if 0 not in dist.get_process_group_ranks(group):
             continue
+        if key[0] == "level":  # iter_unsplit's order: the large, evenly split pieces last
+            members.sort(key=lambda item: _direct(_split_of(item[0])))
         bucket: list[LocalPiece] = []
         nbytes = 0
         for piece, _ in members:
@@ -457,6 +459,11 @@ def gather_to_rank0(
             )
         )
     return {p.fqn: out[p.fqn] for p in pieces if p.fqn in out}
+
+
+def _split_of(piece: LocalPiece) -> SplitPiece:
+    shape = piece.piece_shape if piece.piece_shape is not None else piece.local.shape
+    return SplitPiece(piece.local, shape, piece.levels, piece.out_dtype)
 
 
 def _gather_to_root(

@@ -38,8 +38,8 @@ def _storages(ema: ModelEMA) -> set[tuple[int, torch.dtype]]:
 
 
 def _send_is_a_view(ema: ModelEMA) -> list[bool]:
-    """Materialize the EMA and report, for every send buffer the gathers used: is it a
-    view of the EMA's own storage (no packing)?"""
+    """Materialize the EMA (all-gather, then gather to rank 0) and report, for every send
+    buffer the gathers used: is it a view of the EMA's own storage (no packing)?"""
     storages = {ptr for ptr, _ in _storages(ema)}
     seen: list[bool] = []
     original = materialize._send_buffer
@@ -53,6 +53,7 @@ def _send_is_a_view(ema: ModelEMA) -> list[bool]:
     materialize._send_buffer = spy
     try:
         ema.get_ema_state_dict()
+        ema.get_ema_state_dict(rank0_only=True)  # the gather to rank 0 (export_ema)
     finally:
         materialize._send_buffer = original
     return seen
