@@ -7,16 +7,25 @@ are about ``1/W`` of a replicated EMA, and ``update()`` never communicates: it i
 ``lerp`` per (device, dtype) group over cached local views. Full weights are materialized
 only on request (evaluation, export), with one flat all-gather per bucket.
 
-The math (yolov5/ultralytics):
+The math: every ``update()`` call counts (``updates += 1``); every ``update_every``-th call
+averages, with ``step = updates - update_after_step``:
 
-    updates += 1
-    d = decay * (1 - exp(-updates / tau))        # tau=None or 0: d = decay
+    d = 0                                        # step <= 0: copy the model
+    d = schedule(step) ** update_every           # otherwise (see dtensor_ema.decay)
     ema = ema.lerp(model.to(ema.dtype), 1 - d)   # i.e. ema = d * ema + (1 - d) * model
 
 for every floating-point entry of the model's state dict (parameters and float buffers
-such as BatchNorm running stats). Integer buffers (``num_batches_tracked``) follow the
-model. Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit for
-bit at every world size.
+such as BatchNorm running stats); ``exclude=`` names and ``buffers="copy"`` copy instead.
+Schedules: the default yolov5 ramp ``decay * (1 - exp(-step / tau))`` (``tau=None``:
+constant), ``half_life`` (``0.5 ** (update_every / half_life)`` per averaging call),
+``WarmupDecay`` (timm/ema-pytorch power warm-up), or any ``step -> decay`` callable.
+Integer buffers (``num_batches_tracked``) follow the model. Because ``lerp`` is
+elementwise, the sharded result equals an unsharded EMA bit for bit at every world size.
+
+Where the work happens: inline (default), on the device with no host sync
+(``capturable=True``), or in a worker thread on host-resident shards (``offload=True``);
+see :mod:`dtensor_ema.updater`. ``state_dict()`` holds this rank's shards only (see
+:mod:`dtensor_ema.state`).
 """
 
 from __future__ import annotations
@@ -97,6 +106,15 @@ class ModelEMA:
             from the model instead of averaged.
         ema_dtype: dtype of the EMA tensors. Default: float32 for fp16/bf16 tensors, the
             model's dtype otherwise. A bf16 EMA with decay 0.9999 silently stops moving.
+        capturable: keep the counter and decay on the device, so ``update()`` never
+            synchronizes with the host and compiles with ``torch.compile(ema.update,
+            fullgraph=True)`` / CUDA graphs. The model must not re-allocate its tensors
+            while updates are captured.
+        offload: keep the EMA shards in host memory (pinned for CUDA models); each
+            ``update()`` snapshots the source shards and a worker thread applies the step
+            behind the next training step. Every read waits for it (:meth:`flush`); a step
+            that fails in the worker is not counted and its error is raised by the next
+            call. :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the thread.
 
     Construction is local (no collective) but must happen on every rank of the mesh, on
     models whose tensors are identical across ranks where they are replicated (DDP

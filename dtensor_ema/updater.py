@@ -205,7 +205,8 @@ class OffloadUpdater(Updater):
         try:
             self.wait()
         finally:
-            self._finalizer()  # executor.shutdown(wait=False): the job above is done
+            self._finalizer.detach()
+            self._executor.shutdown(wait=True)  # joins the thread; its job is done
 
 
 def make_updater(groups: list[UpdateGroup], *, capturable: bool, offload: bool) -> Updater:
