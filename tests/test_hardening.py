@@ -187,7 +187,7 @@ def test_checkpoint_failures_are_ordinary_exceptions(tmp_path: Path) -> None:
     assert len(caught) == 1 and isinstance(caught[0], CheckpointError)
     assert isinstance(caught[0].__cause__, CheckpointException)
     save_checkpoint({"ema": ema, "model": nn.Linear(3, 3).state_dict()}, tmp_path / "b")
-    with pytest.raises(CheckpointError, match="loading .* failed") as loading:
+    with pytest.raises(CheckpointError, match=r"loading .* failed") as loading:
         load_checkpoint({"ema": ema, "model": nn.Linear(4, 4).state_dict()}, tmp_path / "b")
     assert isinstance(loading.value, RuntimeError)
     assert isinstance(loading.value.__cause__, CheckpointException)
