@@ -538,7 +538,7 @@ class ModelEMA:
         for target, piece in pieces:
             if piece is not target:
                 target.copy_(piece)
-        self.updates = updates
+        self._restore_counter(updates)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: StateDict, *, updates: int | None = None) -> None:
@@ -585,7 +585,7 @@ class ModelEMA:
         for target, piece in pieces:
             target.copy_(piece)
         if updates is not None:
-            self.updates = updates
+            self._restore_counter(updates)
 
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
@@ -594,6 +594,15 @@ class ModelEMA:
             f"decay={self.decay}, tau={self.tau}, updates={self._counter_no_wait()}, "
             f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
         )
+
+    def _restore_counter(self, updates: int) -> None:
+        """Set the counter, and ``last_decay`` to what the last averaging call up to it
+        applied (a state stores only the counter; the decay follows from it)."""
+        self.updates = updates
+        last = updates - updates % self.options.update_every
+        decay = self.get_decay(last) if last > 0 else None
+        self._last_decay = decay
+        self._last_decay_t.fill_(math.nan if decay is None else decay)
 
     def _counter_no_wait(self) -> int:
         if self.options.capturable:

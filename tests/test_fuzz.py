@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -353,6 +353,31 @@ def fuzz_settings(examples: int) -> settings:
 
 
 # ------------------------------------------------------------------------ one process
+def _leaf(shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32, **kw: Any) -> Leaf:
+    fields: dict[str, Any] = {"kind": "param", "path": "", "channels_last": False, "tie": False}
+    return Leaf(shape=shape, dtype=dtype, **{**fields, **kw})
+
+
+def _opts(**kw: Any) -> Options:
+    fields: dict[str, Any] = {
+        "decay": 0.5,
+        "tau": None,
+        "half_life": None,
+        "update_every": 1,
+        "update_after_step": 0,
+        "buffers": "average",
+        "exclude_mask": (False,),
+        "ema_dtype": None,
+        "mode": "inline",
+    }
+    return Options(**{**fields, **kw})
+
+
+# Failures the fuzzing found, kept as regressions (each failed before its fix):
+# 1. last_decay was None after load_state_dict (a state stores only the counter).
+@example(
+    case=([_leaf()], _opts(decay=0.0, update_every=2), ["update", "update", "reload", "update"], 0)
+)
 @fuzz_settings(25)
 @given(case=cases)
 def test_fuzz_single_process(case: Any) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from models import ReferenceEMA, make_model, mismatches, train_step
+from models import ReferenceEMA, make_model, mismatches, train_step, with_torchvision
 from torch import nn
 
 from dtensor_ema import ModelEMA, RampDecay, chunk_range
@@ -62,7 +62,7 @@ def test_model_without_float_state_is_rejected() -> None:
         ModelEMA({})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["edge", "resnet18", "transformer"])
+@pytest.mark.parametrize("name", with_torchvision(["edge", "resnet18", "transformer"]))
 def test_unsharded_ema_matches_reference_without_process_group(name: str) -> None:
     assert not dist.is_initialized()
     model = make_model(name)
