@@ -214,3 +214,18 @@ def test_docstrings_cover_every_option_and_what_load_does() -> None:
         assert schedule in module_doc
     load_doc = ModelEMA.load_state_dict.__doc__ or ""
     assert "full_tensor" not in load_doc and "no collective" in load_doc
+
+
+def test_multi_ema_validates_every_member_before_loading_any() -> None:
+    from dtensor_ema import MultiModelEMA
+
+    model = make_model("edge")
+    emas = MultiModelEMA(model, {"a": {"decay": 0.5, "tau": None}, "b": {"half_life": 3.0}})
+    emas.update()
+    state = emas.state_dict()
+    good = {**state["a"], "ema": {k: v.clone() + 1 for k, v in state["a"]["ema"].items()}}
+    bad = {**state["b"], "config": state["a"]["config"]}  # another member's options
+    before = {k: v.clone() for k, v in emas["a"].ema_tensors().items()}
+    with pytest.raises(ValueError, match=r"EMA 'b': .*options differ"):
+        emas.load_state_dict({"a": {**good, "updates": 5}, "b": bad})
+    assert emas["a"].updates == 1 and mismatches(emas["a"].ema_tensors(), before) == []
