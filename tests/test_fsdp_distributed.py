@@ -302,7 +302,7 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     out["ori_sd_mismatch"] = mismatches(ori_sd, model_sd)
     out["state_dict_keys"] = list(ema_sd) == list(model_sd)
     out["tied"] = tied
-    ema0, ori0 = ema.get_model_state_dict(rank0_only=True, cpu_offload=True)
+    ema0, ori0 = ema.get_model_state_dict(only_rank0_receives=True, cpu_offload=True)
     if dist.get_rank() == 0:
         out["rank0_only_ok"] = (
             mismatches(ema0, expected) == []
