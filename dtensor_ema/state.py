@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from dtensor_ema.layout import chunk_range
+from dtensor_ema.plan import PlanEntry, ema_local_from_full
 
 __all__ = [
     "CONFIG",
@@ -40,6 +39,7 @@ __all__ = [
     "STATE_KEYS",
     "UPDATES",
     "TensorSpec",
+    "compare_tensors",
     "format_mismatch",
     "local_piece",
     "tag_rank",
@@ -191,23 +191,19 @@ def tag_rank(ema: torch.Tensor) -> None:
             ema.__dict__[_RANK_TAG] = tuple(coordinate)
 
 
-def local_piece(
-    fqn: str,
-    value: torch.Tensor,
-    ema: torch.Tensor,
-    ema_local: torch.Tensor,
-) -> torch.Tensor:
-    """This rank's piece of a saved value for the EMA tensor ``ema``. Local: no collective.
+def local_piece(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
+    """This rank's EMA rows of a saved value for ``entry``. Local: no collective.
 
-    ``value`` is ``ema`` itself (a DCP load filled it in place), a DTensor holding this
-    rank's piece with ``ema``'s mesh and placements (another live EMA's, or a file this
-    rank saved), or a full plain tensor (sliced to this rank's piece, no copy).
+    ``value`` is ``entry.ema`` itself (a DCP load filled it in place), a DTensor holding
+    this rank's rows with the EMA's mesh and placements (another live EMA's, or a file this
+    rank saved), or a full plain tensor (this rank's rows are cut out, no copy).
 
     Raises:
         ValueError: a DTensor that another rank saved (``torch.save`` of ``state_dict()`` on
             one rank), or one on another mesh or with other placements; the message names
             the ways to load that do work.
     """
+    ema, ema_local, fqn = entry.ema, entry.ema_local, entry.fqn
     if value is ema:
         return ema_local
     if isinstance(value, DTensor):
@@ -236,35 +232,7 @@ def local_piece(
                 "export_ema) and load it on every rank with ema.load_full_state_dict()"
             )
         return local
-    if not isinstance(ema, DTensor):
-        return value
-    return full_to_local(value, ema.device_mesh, tuple(ema.placements), fqn)
-
-
-def full_to_local(
-    full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], fqn: str
-) -> torch.Tensor:
-    """Slice a full tensor to this rank's piece under ``placements`` (a view; no copy).
-
-    Mesh dims are applied in order, each ``Shard(d)`` splitting the piece left by the
-    previous ones like :func:`torch.chunk` (DTensor's nested layout).
-    """
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(f"{fqn}: this rank is not part of the EMA's mesh {mesh}")
-    piece = full
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate):
-            continue
-        if type(placement) is not Shard:  # _StridedShard and friends: DCP handles them
-            raise ValueError(
-                f"{fqn}: cannot slice a full tensor into placements {placements}; load it "
-                "through torch.distributed.checkpoint instead"
-            )
-        dim = placement.dim
-        offset, length = chunk_range(piece.shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
-        piece = piece.narrow(dim, offset, length)
-    return piece
+    return ema_local_from_full(entry, value)
 
 
 def _layout(ema: torch.Tensor) -> str:
