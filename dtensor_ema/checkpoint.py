@@ -445,3 +445,12 @@ def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None
             )
     except CheckpointException as e:  # a BaseException: make it an ordinary error
         raise CheckpointError(f"loading {path} failed: {e}") from e
+
+
+def __getattr__(name: str) -> Any:
+    """``dtensor_ema.checkpoint.export_ema`` & co. moved to :mod:`dtensor_ema.export`."""
+    if name in ("export_ema", "convert_checkpoint", "DEFAULT_EXPORT_BUCKET_BYTES"):
+        from dtensor_ema import export
+
+        return getattr(export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ After every call the EMA must equal, bit for bit, a reference written here: plai
 on full tensors.
 
 The property runs in one process without a process group (W=1, unsharded), and inside
-spawns at W = 2, 3, 4 where every rank draws the same examples (``derandomize``) and the
+spawns at W = 2, 3 (1-D meshes) and 4 (a 2 x 2 mesh) where every rank draws the same examples (``derandomize``) and the
 ranks agree on every check before asserting, so a failure (and its shrinking) happens on
 all ranks alike. ``DTENSOR_EMA_FUZZ_EXAMPLES`` sets the examples per run (``nox -s fuzz``
 raises it); failures found become the explicit ``@example``\\s / regression tests below.
@@ -33,7 +33,7 @@ from dist_harness import run_ranks
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import ModelEMA
@@ -391,7 +391,11 @@ def test_fuzz_single_process(case: Any) -> None:
 # ------------------------------------------------------------------------ W = 2, 3, 4
 def fuzz_body(rank: int, world_size: int, tmp_dir: str, examples: int) -> int:
     """Runs the property on every rank; returns the number of examples run."""
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    # W=4 shards plain tensors over a 2 x 2 mesh (nested Shard(0)), the others over 1-D.
+    if world_size == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    else:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     # Sub-meshes to reshard into: every rank creates every group (new_group is collective).
     submeshes: dict[int, tuple[DeviceMesh, dist.ProcessGroup] | None] = {}
     for size in sorted({max(world_size - 1, 1), 1}):
