@@ -46,7 +46,7 @@ torchvision-dependent tests leave those models out or skip."""
 def tests_torch(session: nox.Session, torch_spec: str) -> None:
     """The whole suite on an older torch: the floor release and the local 2.13.0 build."""
     # Without the test extra's torchvision (it must match torch exactly, or not be there).
-    session.install(*torch_spec.split(), "pytest>=8", "safetensors", "hypothesis>=6.100")
+    session.install(*torch_spec.split(), "numpy", "pytest>=8", "safetensors", "hypothesis>=6.100")
     session.install("--no-deps", "-e", ".")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     _pytest(session)
