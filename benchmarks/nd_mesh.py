@@ -143,8 +143,19 @@ def _measure(name: str, build: Any, world_size: int, args: argparse.Namespace) -
         (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in titan
     )
 
+    kinds = [isinstance(t, DTensor) for t in titan]
+    groups = [
+        (
+            [t for t, k in zip(titan, kinds, strict=True) if k is kind],
+            [p for p, k in zip(sources, kinds, strict=True) if k is kind],
+        )
+        for kind in (True, False)
+        if kind in kinds
+    ]
+
     def titan_update() -> None:
-        torch._foreach_lerp_(titan, sources, 1 - DECAY)
+        for emas, params in groups:  # torch refuses DTensors and plain tensors in one call
+            torch._foreach_lerp_(emas, params, 1 - DECAY)
 
     def swap() -> None:
         with ema.average_parameters():

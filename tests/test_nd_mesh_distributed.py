@@ -219,7 +219,19 @@ def nd_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
             return model
 
-        for name, build in [("ddp", Net), ("fsdp_shard1", shard1), ("fsdp_cpu_offload", offload)]:
+        def default_meshes() -> Net:
+            model = Net()  # fully_shard() without mesh=: an equal new mesh object per call
+            for layer in model.layers.values():
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+
+        for name, build in [
+            ("ddp", Net),
+            ("fsdp_shard1", shard1),
+            ("fsdp_cpu_offload", offload),
+            ("fsdp_default_meshes", default_meshes),
+        ]:
             results[name] = _scenario(name, mesh, build, None, seed=11)[3]
         results["reload_into_ddp"] = _reload_into_ddp(tmp_path)
     return results
@@ -292,6 +304,7 @@ SCENARIOS = [
     (3, "ddp"),
     (3, "fsdp_shard1"),
     (3, "fsdp_cpu_offload"),
+    (3, "fsdp_default_meshes"),
 ]
 
 
