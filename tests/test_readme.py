@@ -32,6 +32,8 @@ def readme_blocks() -> list[str]:
 
 
 BLOCKS = readme_blocks()
+_EXTRAS = {"lightning": "lightning", "transformers": "transformers"}
+"""Blocks that import these need the project's extra of the same name."""
 
 
 def test_readme_has_python_blocks() -> None:
@@ -41,6 +43,9 @@ def test_readme_has_python_blocks() -> None:
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs_as_written(index: int, tmp_path: Path) -> None:
     code = BLOCKS[index]
+    for module, extra in _EXTRAS.items():
+        if re.search(rf"^(import|from) {module}\b", code, re.MULTILINE):
+            pytest.importorskip(module, reason=f"needs the {extra} extra")
     first = code.splitlines()[0] if code else ""
     launch = _TORCHRUN.match(first)
     name = launch.group(2) if launch else f"snippet{index}.py"
