@@ -171,6 +171,7 @@ class ModelEMA:
         self._updates = updates
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
+        self._last_decay_from_counter = False  # set by loading a state
         self._plan: EmaPlan = build_plan(
             self.model, self.mesh, ema_dtype=ema_dtype, offload=offload
         )
@@ -211,6 +212,8 @@ class ModelEMA:
         """Decay used by the most recent averaging ``update()`` (``0.0`` for a copy);
         ``None`` before the first. Reading it synchronizes when ``capturable=True``."""
         self.flush()
+        if self._last_decay_from_counter:
+            return self._decay_of_last_averaging_call()
         if self.options.capturable:
             value = float(self._last_decay_t.item())
             return None if math.isnan(value) else value
@@ -326,17 +329,16 @@ class ModelEMA:
         in the last bit, as torch's and libm's ``exp`` may). The model must not re-allocate
         its tensors while updates are captured (the host path re-binds; this one cannot).
         """
-        step_t = self._step_t + 1
-        step = step_t - self.options.update_after_step
+        # Counted up front, as in the host path's inline mode: a device step cannot fail
+        # later in a worker. (Counting in a callback after the lerp compiled to wrong values
+        # on torch 2.13.)
+        self._step_t += 1
+        step = self._step_t - self.options.update_after_step
         decay = self.schedule.decay_tensor_for(step, self.options.update_every)
         decay = torch.where(step <= 0, torch.zeros_like(decay), decay)
-        active = torch.remainder(step_t, self.options.update_every) == 0
-
-        def count() -> None:
-            self._step_t.copy_(step_t)
-            self._last_decay_t.copy_(torch.where(active, decay, self._last_decay_t))
-
-        self._updater.submit(DeviceStep(decay=decay, active=active), count)
+        active = torch.remainder(self._step_t, self.options.update_every) == 0
+        self._last_decay_t.copy_(torch.where(active, decay, self._last_decay_t))
+        self._updater.submit(DeviceStep(decay=decay, active=active))
 
     @torch.no_grad()
     def set(self, model: nn.Module | None = None) -> None:
@@ -364,6 +366,7 @@ class ModelEMA:
         self._updates = updates
         if decay is not None:
             self._last_decay = decay
+            self._last_decay_from_counter = False
 
     def _advance(self) -> float | None:
         """Count one call now (for callers that apply the step themselves); return its
@@ -635,13 +638,16 @@ class ModelEMA:
         )
 
     def _restore_counter(self, updates: int) -> None:
-        """Set the counter, and ``last_decay`` to what the last averaging call up to it
-        applied (a state stores only the counter; the decay follows from it)."""
+        """Set the counter; ``last_decay`` then follows from it (a state stores only the
+        counter), computed when read: a stateful schedule (``PostHocEMA``'s) may restore
+        its own state after this EMA's."""
         self.updates = updates
+        self._last_decay_from_counter = True
+
+    def _decay_of_last_averaging_call(self) -> float | None:
+        updates = self._counter_no_wait()
         last = updates - updates % self.options.update_every
-        decay = self.get_decay(last) if last > 0 else None
-        self._last_decay = decay
-        self._last_decay_t.fill_(math.nan if decay is None else decay)
+        return self.get_decay(last) if last > 0 else None
 
     def _counter_no_wait(self) -> int:
         if self.options.capturable:

@@ -9,10 +9,11 @@ After every call the EMA must equal, bit for bit, a reference written here: plai
 on full tensors.
 
 The property runs in one process without a process group (W=1, unsharded), and inside
-spawns at W = 2, 3 (1-D meshes) and 4 (a 2 x 2 mesh) where every rank draws the same examples (``derandomize``) and the
-ranks agree on every check before asserting, so a failure (and its shrinking) happens on
-all ranks alike. ``DTENSOR_EMA_FUZZ_EXAMPLES`` sets the examples per run (``nox -s fuzz``
-raises it); failures found become the explicit ``@example``\\s / regression tests below.
+spawns at W = 2, 3 (1-D meshes) and 4 (a 2 x 2 mesh) where every rank draws the same
+examples (``derandomize``) and the ranks agree on every check before asserting, so a
+failure (and its shrinking) happens on all ranks alike. ``DTENSOR_EMA_FUZZ_EXAMPLES`` sets
+the examples per run (``nox -s fuzz`` raises it); failures found become the explicit
+``@example``\\s below.
 """
 
 from __future__ import annotations
