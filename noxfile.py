@@ -47,7 +47,9 @@ OLDER_TORCH = os.environ.get("DTENSOR_EMA_OLDER_TORCH", "torch==2.7.0 torchvisio
 def tests_torch(session: nox.Session, torch_spec: str) -> None:
     """The whole suite on the floor torch (``tests_torch(floor)``) or an older one."""
     # Without the test extra's torchvision (it must match torch exactly, or not be there).
-    session.install(*torch_spec.split(), "numpy", "pytest>=8", "safetensors", "hypothesis>=6.100")
+    session.install(
+        *torch_spec.split(), "numpy", "matplotlib", "pytest>=8", "safetensors", "hypothesis>=6.100"
+    )
     session.install("--no-deps", "-e", ".")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     _pytest(session)
