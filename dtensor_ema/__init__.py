@@ -7,12 +7,7 @@ and checkpointed with ``torch.distributed.checkpoint`` at any world size.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from dtensor_ema.checkpoint import (
-    convert_checkpoint,
-    export_ema,
-    load_checkpoint,
-    save_checkpoint,
-)
+from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dtensor_ema.decay import (
     CallableDecay,
     ConstantDecay,
@@ -21,6 +16,7 @@ from dtensor_ema.decay import (
     RampDecay,
     WarmupDecay,
 )
+from dtensor_ema.export import convert_checkpoint, export_ema
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
@@ -33,6 +29,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "CallableDecay",
+    "CheckpointError",
     "ConstantDecay",
     "DecaySchedule",
     "HalfLifeDecay",

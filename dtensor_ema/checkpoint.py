@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import shutil
 import warnings
@@ -45,27 +44,25 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dtensor_ema._collectives import agree, group_of, quiet_single_process, rank_of
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
+from dtensor_ema.state import EMA_TENSORS, TensorSpec, compare_tensors, validate_state
 
-__all__ = [
-    "DEFAULT_EXPORT_BUCKET_BYTES",
-    "convert_checkpoint",
-    "export_ema",
-    "load_checkpoint",
-    "save_checkpoint",
-]
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
-DEFAULT_EXPORT_BUCKET_BYTES = 64 * 1024 * 1024
-"""Gathered bytes per all-gather during export: bounds the transient buffers of every rank."""
+
+class CheckpointError(RuntimeError):
+    """DCP failed while saving or loading. Chains DCP's ``CheckpointException``, which
+    derives from ``BaseException`` and so escapes ``except Exception``."""
+
 
 PARTIAL_SUFFIX = ".partial"
 """``<path>.partial``: where :func:`save_checkpoint` writes before it commits."""
 PREVIOUS_SUFFIX = ".previous"
 """``<path>.previous``: the last good checkpoint while a commit swaps the directories."""
 
-_EMA_TENSORS = "ema"
-"""Key of the ``fqn -> tensor`` dict inside ``ModelEMA.state_dict()``."""
+_EMA_TENSORS = EMA_TENSORS
 
 
 # ---------------------------------------------------------------------------------- save
@@ -96,11 +93,11 @@ def save_checkpoint(
         ValueError: ``path`` exists and is not a directory.
         RuntimeError: a rank failed; the message says which. ``path`` is unchanged.
     """
-    group = _group(process_group)
+    group = group_of(process_group)
     path = Path(path)
     partial, previous = _siblings(path)
     error: Exception | None = None
-    if _rank(group) == 0:
+    if rank_of(group) == 0:
         try:
             if path.exists() and not path.is_dir():
                 raise ValueError(f"checkpoint path {path} exists and is not a directory")
@@ -108,25 +105,37 @@ def save_checkpoint(
             partial.parent.mkdir(parents=True, exist_ok=True)
         except (OSError, ValueError) as e:
             error = e
-    _agree(group, error, f"preparing to save {path}")
+    agree(group, error, f"preparing to save {path}")
     try:
         # Stateful values are turned into plain state dicts here, not inside dcp.save, so a
         # rank whose state_dict() raises is seen by all ranks before any DCP collective.
         staged = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    except Exception as e:
-        error = e
-    _agree(group, error, f"collecting the state to save to {path}")
+    except (Exception, CheckpointException) as e:
+        error = _ordinary(e, f"collecting the state to save to {path}")
+    agree(group, error, f"collecting the state to save to {path}")
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(staged, checkpoint_id=str(partial), process_group=group, no_dist=group is None)
     except CheckpointException as e:  # a BaseException: make it an ordinary error
-        raise RuntimeError(f"saving {path} failed, the checkpoint there is unchanged: {e}") from e
-    if _rank(group) == 0:
+        raise CheckpointError(
+            f"saving {path} failed, the checkpoint there is unchanged: {e}"
+        ) from e
+    if rank_of(group) == 0:
         try:
             _commit(partial, path, previous)
         except OSError as e:
             error = e
-    _agree(group, error, f"committing {partial} to {path}")
+    agree(group, error, f"committing {partial} to {path}")
+
+
+def _ordinary(error: BaseException, what: str) -> Exception:
+    """``error`` itself if it is an ``Exception``; else a :class:`CheckpointError` chaining it
+    (DCP's ``CheckpointException`` is a ``BaseException``)."""
+    if isinstance(error, Exception):
+        return error
+    wrapped = CheckpointError(f"{what} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
@@ -198,7 +207,7 @@ def load_checkpoint(
             or has no EMA state under that EMA's key.
         RuntimeError: another rank refused the checkpoint (its own error says why).
     """
-    group = _group(process_group)
+    group = group_of(process_group)
     emas = _emas_in(state)
     error: Exception | None = None
     checkpoint_dir = Path(path)
@@ -210,7 +219,10 @@ def load_checkpoint(
             _check_ema_tensors(checkpoint_dir, where, ema, metadata)
     except (OSError, ValueError) as e:
         error = e
-    _agree(group, error, f"checking the checkpoint at {path}")
+    except Exception as e:  # e.g. an unreadable .metadata: still tell the other ranks
+        error = RuntimeError(f"reading the checkpoint at {path} failed: {e!r}")
+        error.__cause__ = e
+    agree(group, error, f"checking the checkpoint at {path}")
 
     if emas:
         # The counter and options are small: read them alone, then let the EMA judge them
@@ -219,15 +231,12 @@ def load_checkpoint(
         for where, ema in emas.items():
             _set_nested(saved, where, _without_tensors(ema.state_dict()))
         _dcp_load(saved, checkpoint_dir, group)
-        counters = {where: ema.updates for where, ema in emas.items()}
         try:
             for where, ema in emas.items():
-                _judge_saved_values(checkpoint_dir, where, ema, _get_nested(saved, where))
+                _judge_saved_values(checkpoint_dir, where, ema, _get_nested(saved, where), metadata)
         except (KeyError, ValueError) as e:
-            for where, ema in emas.items():
-                ema.updates = counters[where]
             error = e
-        _agree(group, error, f"checking the EMA options saved in {checkpoint_dir}")
+        agree(group, error, f"checking the EMA options saved in {checkpoint_dir}")
     _dcp_load(state, checkpoint_dir, group)
 
 
@@ -315,45 +324,40 @@ def _check_ema_tensors(
             f"checkpoint {path} has no EMA state under {key!r}; its top-level entries are "
             f"{sorted(_top_level_keys(metadata))}"
         )
-    ours = dict(_flatten(ema.state_dict(), where))
-    missing = [k for k in ours if k not in saved]
-    unexpected = [k for k in saved if k not in ours]
-    mismatched = []
-    for k, value in ours.items():
-        md = saved.get(k)
-        if not isinstance(value, torch.Tensor) or md is None:
-            continue
-        if not isinstance(md, TensorStorageMetadata):
-            mismatched.append(f"{_short(k, key)}: saved a non-tensor, this EMA has a tensor")
-        elif tuple(md.size) != tuple(value.shape) or md.properties.dtype != value.dtype:
-            mismatched.append(
-                f"{_short(k, key)}: saved {tuple(md.size)} {md.properties.dtype}, this EMA "
-                f"{tuple(value.shape)} {value.dtype}"
-            )
-    if missing or unexpected or mismatched:
-        problems = [
-            f"{label} {_listed([_short(k, key) for k in names])}"
-            for label, names in (("missing", missing), ("unexpected", unexpected))
-            if names
-        ]
-        if mismatched:
-            problems.append(f"mismatched {_listed(mismatched)}")
+    ours = {_short(k, key): v for k, v in _flatten(ema.state_dict(), where)}
+    problems = compare_tensors({_short(k, key): _spec(md) for k, md in saved.items()}, ours)
+    if problems:
         raise ValueError(
             f"checkpoint {path} does not match the EMA under {key!r} (a different model?): "
-            + "; ".join(problems)
+            + problems
         )
 
 
+def _spec(md: Any) -> TensorSpec | None:
+    if isinstance(md, TensorStorageMetadata):
+        return TensorSpec(tuple(md.size), md.properties.dtype)
+    return None
+
+
 def _judge_saved_values(
-    path: Path, where: tuple[str, ...], ema: ModelEMA, saved: dict[str, Any]
+    path: Path,
+    where: tuple[str, ...],
+    ema: ModelEMA,
+    saved: dict[str, Any],
+    metadata: Metadata,
 ) -> None:
-    """Hand the saved counter and options to ``ema.load_state_dict`` with the EMA's own live
-    tensors: it validates them, sets the counter, and copies nothing."""
-    live = ema.state_dict()
+    """Validate the saved counter and options, with the tensors' metadata, against the EMA
+    (:func:`~dtensor_ema.state.validate_state`); nothing is written."""
+    key = ".".join(where)
+    prefix = f"{key}.{_EMA_TENSORS}."
+    tensors = {
+        k[len(prefix) :]: _spec(md)
+        for k, md in _entries_under(where, metadata).items()
+        if k.startswith(prefix)
+    }
     try:
-        ema.load_state_dict({**live, **saved, _EMA_TENSORS: live[_EMA_TENSORS]})
+        validate_state({**saved, _EMA_TENSORS: tensors}, ema.state_dict())
     except (KeyError, ValueError) as e:
-        key = ".".join(where)
         raise type(e)(f"checkpoint {path} cannot resume the EMA under {key!r}: {e}") from e
 
 
@@ -431,7 +435,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(
                 state,
                 checkpoint_id=str(path),
@@ -440,186 +444,13 @@ def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None
                 no_dist=group is None,
             )
     except CheckpointException as e:  # a BaseException: make it an ordinary error
-        raise RuntimeError(f"loading {path} failed: {e}") from e
+        raise CheckpointError(f"loading {path} failed: {e}") from e
 
 
-# -------------------------------------------------------------------------------- export
-def export_ema(
-    ema: ModelEMA,
-    path: str | os.PathLike[str],
-    *,
-    bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES,
-) -> None:
-    """Write the full EMA weights to one file for inference. **Collective.**
+def __getattr__(name: str) -> Any:
+    """``dtensor_ema.checkpoint.export_ema`` & co. moved to :mod:`dtensor_ema.export`."""
+    if name in ("export_ema", "convert_checkpoint", "DEFAULT_EXPORT_BUCKET_BYTES"):
+        from dtensor_ema import export
 
-    Every rank of the EMA's mesh (and of every FSDP2 mesh) must call this. The shards travel
-    to rank 0 in flat gathers (``dist.gather``) of at most ``bucket_bytes``: the other ranks
-    receive nothing and hold at most their ``1/W`` share of one bucket; rank 0 assembles one
-    full copy on the CPU, in the model's dtypes, keyed like the unwrapped model's
-    ``state_dict()`` (integer buffers from the model), and writes it to a temporary file
-    that it renames to ``path``. A ``.safetensors`` suffix writes safetensors (needs the
-    ``safetensors`` package; tied weights are stored once: load with
-    ``safetensors.torch.load_model``), any other suffix ``torch.save`` (load with
-    ``torch.load(path, weights_only=True)``).
-
-    Raises:
-        ImportError: a ``.safetensors`` path without the ``safetensors`` package.
-        RuntimeError: writing failed on rank 0 (raised on every rank).
-    """
-    path = Path(path)
-    error: Exception | None = None
-    if path.suffix == ".safetensors":
-        try:
-            import safetensors.torch  # noqa: F401
-        except ImportError as e:
-            error = ImportError(f"writing {path} needs the safetensors package: {e}")
-    group = _group(None)
-    _agree(group, error, f"exporting the EMA to {path}")
-    state = ema.get_ema_state_dict(rank0_only=True, cpu_offload=True, bucket_bytes=bucket_bytes)
-    if _rank(group) == 0:
-        try:
-            _write_file(state, path, {"updates": str(ema.updates)})
-        except (OSError, RuntimeError, ValueError) as e:
-            error = e
-    del state
-    _agree(group, error, f"writing the EMA to {path}")
-
-
-def convert_checkpoint(
-    checkpoint_dir: str | os.PathLike[str],
-    path: str | os.PathLike[str],
-    *,
-    key: str = "ema",
-    dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
-    """Turn the EMA in a DCP checkpoint into one file keyed by the model's fqns. Offline.
-
-    Runs in one process and needs no process group (nor the model); the checkpoint may have
-    been saved at any world size, from DDP or FSDP2. Holds one full copy of the EMA in
-    memory. The file has the averaged tensors only, in the EMA's dtype (or ``dtype``):
-    integer buffers and the duplicate names of tied weights are not averaged, so load it
-    with ``model.load_state_dict(sd, strict=False)`` (or export from a live EMA with
-    :func:`export_ema` for a strict-loadable file). ``.safetensors`` paths are written with
-    safetensors (the saved counter and options go into its metadata), others with
-    ``torch.save``.
-
-    Returns:
-        The ``fqn -> tensor`` dict that was written.
-
-    Raises:
-        FileNotFoundError: no complete checkpoint at ``checkpoint_dir``.
-        ValueError: the checkpoint has no EMA tensors under ``key``.
-    """
-    checkpoint_dir = _existing_checkpoint(Path(checkpoint_dir))
-    metadata = _read_metadata(checkpoint_dir)
-    _check_files(checkpoint_dir, metadata)
-    planner_data = metadata.planner_data or {}
-    tensors: dict[str, torch.Tensor] = {}
-    extras: dict[str, Any] = {}
-    for k, md in _entries_under((key,), metadata).items():
-        where = planner_data.get(k, ())
-        if isinstance(md, TensorStorageMetadata) and tuple(where[:2]) == (key, _EMA_TENSORS):
-            tensors[".".join(str(p) for p in where[2:])] = torch.empty(
-                md.size, dtype=md.properties.dtype
-            )
-        elif len(where) == 2:
-            extras[str(where[1])] = None
-    if not tensors:
-        raise ValueError(
-            f"checkpoint {checkpoint_dir} has no EMA tensors under {key!r}; its top-level "
-            f"entries are {sorted(_top_level_keys(metadata))}"
-        )
-    state = {key: {_EMA_TENSORS: tensors, **extras}}
-    _dcp_load(state, checkpoint_dir, None)
-    tensors = state[key][_EMA_TENSORS]
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    saved = {
-        k: v if isinstance(v, str) else json.dumps(v)
-        for k, v in state[key].items()
-        if k != _EMA_TENSORS
-    }
-    _write_file(tensors, Path(path), saved)
-    return tensors
-
-
-def _write_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write ``state`` to ``path`` by way of a temporary sibling (never a torn file)."""
-    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        unique, aliases = _dedup_shared(state)
-        meta = {"format": "pt", **{f"dtensor_ema.{k}": v for k, v in metadata.items()}}
-        if aliases:
-            meta["dtensor_ema.tied"] = json.dumps(aliases)
-        save_file(unique, str(tmp), metadata=meta)
-    else:
-        torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _dedup_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors refuses tensors that share memory: keep the first name of each."""
-    seen: dict[tuple[int, int], str] = {}
-    unique: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for k, v in state.items():
-        ident = (
-            (v.untyped_storage().data_ptr(), int(v.storage_offset())) if v.numel() else (id(v), 0)
-        )
-        if ident in seen:
-            aliases[k] = seen[ident]
-        else:
-            seen[ident] = k
-            unique[k] = v.contiguous()
-    return unique, aliases
-
-
-# ----------------------------------------------------------------------- process groups
-def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group to coordinate on, or ``None`` for one process with no process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return process_group if process_group is not None else dist.group.WORLD
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def _agree(group: dist.ProcessGroup | None, error: Exception | None, what: str) -> None:
-    """All ranks learn which ranks failed ``what``; every rank raises if any did.
-
-    One all-reduce of a flag per rank (no pickling). A failed rank re-raises its own error;
-    the others raise a ``RuntimeError`` naming the failed ranks.
-    """
-    if group is None:
-        if error is not None:
-            raise error
-        return
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=_device(group))
-    flags[dist.get_rank(group)] = int(error is not None)
-    dist.all_reduce(flags, group=group)
-    failed = flags.nonzero().flatten().tolist()
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on rank(s) {failed}; their errors say why")
-
-
-def _device(group: dist.ProcessGroup) -> torch.device:
-    """A device the group's backend can all-reduce on (CPU for gloo, else the accelerator)."""
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns on every call without a process group; here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*assuming the intent is to", UserWarning)
-        yield
+        return getattr(export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,6 @@ is updated with one ``torch._foreach_lerp_`` (or ``_foreach_copy_``) on cached l
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from dtensor_ema.plan import EmaPlan
 
-__all__ = ["OffloadPipeline", "UpdateGroup", "update_groups"]
+__all__ = ["UpdateGroup", "update_groups"]
 
 
 @dataclass(slots=True)
@@ -140,62 +139,3 @@ def update_groups(plan: EmaPlan) -> list[UpdateGroup]:
         group.ema_locals.append(e.ema_local)
         group.source_locals.append(e.source_local)
     return list(groups.values())
-
-
-class OffloadPipeline:
-    """Updates host-resident EMA shards in a worker thread, behind the training step.
-
-    ``submit(decay)`` snapshots the source locals into host staging buffers (pinned, and an
-    asynchronous device-to-host copy on a side stream when the sources are on CUDA; the
-    current stream then waits for that copy, so the next optimizer step cannot overwrite
-    the sources mid-copy), and hands the lerp to one worker thread. The next ``submit`` or
-    :meth:`wait` joins the previous job first, so updates apply in order and readers see a
-    finished EMA. Host memory: the EMA shards plus one staging copy of the source shards.
-    """
-
-    def __init__(self, groups: list[UpdateGroup]) -> None:
-        self._groups = groups
-        devices = {s.device for g in groups for s in g.source_locals}
-        self._device = next(iter(devices), torch.device("cpu"))
-        self._cuda = self._device.type == "cuda"
-        self._staging = [
-            [
-                torch.empty(s.shape, dtype=s.dtype, device="cpu", pin_memory=self._cuda)
-                for s in g.source_locals
-            ]
-            for g in groups
-        ]
-        self._stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtensor_ema")
-        self._pending: Future[None] | None = None
-
-    def submit(self, decay: float) -> None:
-        """Stage the sources now and apply ``decay`` to the EMA shards in the background."""
-        self.wait()
-        event = None
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._device)
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):
-                for group, staging in zip(self._groups, self._staging, strict=True):
-                    torch._foreach_copy_(staging, group.source_locals, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            current.wait_event(event)
-        else:
-            for group, staging in zip(self._groups, self._staging, strict=True):
-                torch._foreach_copy_(staging, group.source_locals)
-        self._pending = self._executor.submit(self._apply, decay, event)
-
-    def _apply(self, decay: float, event: Any) -> None:
-        if event is not None:
-            event.synchronize()
-        with torch.no_grad():
-            for group, staging in zip(self._groups, self._staging, strict=True):
-                group.apply_(decay, staging)
-
-    def wait(self) -> None:
-        """Block until the submitted update has been applied (re-raises its error)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()

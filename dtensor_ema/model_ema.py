@@ -7,16 +7,25 @@ are about ``1/W`` of a replicated EMA, and ``update()`` never communicates: it i
 ``lerp`` per (device, dtype) group over cached local views. Full weights are materialized
 only on request (evaluation, export), with one flat all-gather per bucket.
 
-The math (yolov5/ultralytics):
+The math: every ``update()`` call counts (``updates += 1``); every ``update_every``-th call
+averages, with ``step = updates - update_after_step``:
 
-    updates += 1
-    d = decay * (1 - exp(-updates / tau))        # tau=None or 0: d = decay
+    d = 0                                        # step <= 0: copy the model
+    d = schedule(step) ** update_every           # otherwise (see dtensor_ema.decay)
     ema = ema.lerp(model.to(ema.dtype), 1 - d)   # i.e. ema = d * ema + (1 - d) * model
 
 for every floating-point entry of the model's state dict (parameters and float buffers
-such as BatchNorm running stats). Integer buffers (``num_batches_tracked``) follow the
-model. Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit for
-bit at every world size.
+such as BatchNorm running stats); ``exclude=`` names and ``buffers="copy"`` copy instead.
+Schedules: the default yolov5 ramp ``decay * (1 - exp(-step / tau))`` (``tau=None``:
+constant), ``half_life`` (``0.5 ** (update_every / half_life)`` per averaging call),
+``WarmupDecay`` (timm/ema-pytorch power warm-up), or any ``step -> decay`` callable.
+Integer buffers (``num_batches_tracked``) follow the model. Because ``lerp`` is
+elementwise, the sharded result equals an unsharded EMA bit for bit at every world size.
+
+Where the work happens: inline (default), on the device with no host sync
+(``capturable=True``), or in a worker thread on host-resident shards (``offload=True``);
+see :mod:`dtensor_ema.updater`. ``state_dict()`` holds this rank's shards only (see
+:mod:`dtensor_ema.state`).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -33,9 +43,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema._collectives import collective
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module
-from dtensor_ema.fused_update import OffloadPipeline, update_groups
+from dtensor_ema.fused_update import update_groups
 from dtensor_ema.layout import resolve_world_mesh
 from dtensor_ema.materialize import (
     DEFAULT_BUCKET_BYTES,
@@ -54,6 +65,16 @@ from dtensor_ema.plan import (
     model_tensors,
     unwrap_model,
 )
+from dtensor_ema.state import (
+    CONFIG,
+    EMA_TENSORS,
+    UPDATES,
+    compare_tensors,
+    local_piece,
+    tag_rank,
+    validate_state,
+)
+from dtensor_ema.updater import DeviceStep, Updater, make_updater
 
 __all__ = ["ModelEMA"]
 
@@ -92,6 +113,15 @@ class ModelEMA:
             from the model instead of averaged.
         ema_dtype: dtype of the EMA tensors. Default: float32 for fp16/bf16 tensors, the
             model's dtype otherwise. A bf16 EMA with decay 0.9999 silently stops moving.
+        capturable: keep the counter and decay on the device, so ``update()`` never
+            synchronizes with the host and compiles with ``torch.compile(ema.update,
+            fullgraph=True)`` / CUDA graphs. The model must not re-allocate its tensors
+            while updates are captured.
+        offload: keep the EMA shards in host memory (pinned for CUDA models); each
+            ``update()`` snapshots the source shards and a worker thread applies the step
+            behind the next training step. Every read waits for it (:meth:`flush`); a step
+            that fails in the worker is not counted and its error is raised by the next
+            call. :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the thread.
         parameters_as_bucket_view: keep this rank's EMA shards as views into one flat
             buffer per (device, dtype), laid out in gather order, so that materializing
             (``get_model_state_dict``, ``export_ema``, ``average_parameters``) all-gathers
@@ -162,6 +192,7 @@ class ModelEMA:
         self._updates = updates
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
+        self._last_decay_from_counter = False  # set by loading a state
         self._plan: EmaPlan = build_plan(
             self.model,
             self.mesh,
@@ -176,7 +207,7 @@ class ModelEMA:
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._groups = update_groups(self._plan)
-        self._offload = OffloadPipeline(self._groups) if offload else None
+        self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
         self._last_decay: float | None = None
         self._swapped = False
         self._module: nn.Module | None = None
@@ -265,8 +296,11 @@ class ModelEMA:
     def updates(self) -> int:
         """Number of ``update()`` calls so far (plus the initial ``updates``).
 
-        With ``capturable=True`` the counter lives on the device and reading it synchronizes.
+        Counts applied steps only: with ``offload=True`` reading it waits for the pending
+        update (and raises its error if the worker failed). With ``capturable=True`` the
+        counter lives on the device and reading it synchronizes.
         """
+        self.flush()
         if self.options.capturable:
             return int(self._step_t.item())
         return self._updates
@@ -282,6 +316,9 @@ class ModelEMA:
     def last_decay(self) -> float | None:
         """Decay used by the most recent averaging ``update()`` (``0.0`` for a copy);
         ``None`` before the first. Reading it synchronizes when ``capturable=True``."""
+        self.flush()
+        if self._last_decay_from_counter:
+            return self._decay_of_last_averaging_call()
         if self.options.capturable:
             value = float(self._last_decay_t.item())
             return None if math.isnan(value) else value
@@ -346,25 +383,47 @@ class ModelEMA:
                 names, shapes or dtypes changed since construction.
         """
         self._check_model_argument(model)
+        # An earlier offloaded update that failed raises here, before this call is counted.
+        self.flush()
         if self.options.capturable:
             self._refuse_while_swapped()
             self._update_capturable()
             return
         self._sync_sources()
-        decay = self._advance()
+        updates, decay = self._next_step()
         if decay is None:
+            self._count(updates, None)
             return
-        if self._offload is not None:
-            self._offload.submit(decay)
-            return
-        for group in self._groups:
-            group.apply_(decay)
+        self._updater.submit(decay, lambda: self._count(updates, decay))
 
     def flush(self) -> None:
         """Wait until every submitted ``update()`` has been applied (``offload=True`` runs
-        them in a worker thread). Every method that reads the EMA calls it. Local."""
-        if self._offload is not None:
-            self._offload.wait()
+        them in a worker thread). Every method that reads the EMA calls it. Local.
+
+        Raises:
+            RuntimeError: an offloaded update failed in the worker thread (chained). That
+                update is lost and not counted; the EMA and ``updates`` stay at the step
+                before it. Raised once, by whichever call comes next.
+        """
+        self._updater.wait()
+
+    def close(self) -> None:
+        """Finish the pending update and stop the ``offload=True`` worker thread. Local.
+
+        Idempotent. Reading the EMA (``state_dict()``, ``get_model_state_dict()``, ...)
+        still works afterwards; ``update()`` and ``set()`` raise. ``with ModelEMA(...) as
+        ema:`` closes on exit.
+
+        Raises:
+            RuntimeError: the pending offloaded update failed (as :meth:`flush`).
+        """
+        self._updater.close()
+
+    def __enter__(self) -> ModelEMA:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _update_capturable(self) -> None:
         """The same update computed on the device: no ``.item()``, no branch on a tensor.
@@ -375,16 +434,16 @@ class ModelEMA:
         in the last bit, as torch's and libm's ``exp`` may). The model must not re-allocate
         its tensors while updates are captured (the host path re-binds; this one cannot).
         """
+        # Counted up front, as in the host path's inline mode: a device step cannot fail
+        # later in a worker. (Counting in a callback after the lerp compiled to wrong values
+        # on torch 2.13.)
         self._step_t += 1
         step = self._step_t - self.options.update_after_step
         decay = self.schedule.decay_tensor_for(step, self.options.update_every)
         decay = torch.where(step <= 0, torch.zeros_like(decay), decay)
         active = torch.remainder(self._step_t, self.options.update_every) == 0
         self._last_decay_t.copy_(torch.where(active, decay, self._last_decay_t))
-        zero = torch.zeros_like(decay)
-        for group in self._groups:
-            weight = 1.0 - decay if group.averaged else torch.ones_like(decay)
-            group.apply_weight_(torch.where(active, weight, zero))
+        self._updater.submit(DeviceStep(decay=decay, active=active))
 
     @torch.no_grad()
     def set(self, model: nn.Module | None = None) -> None:
@@ -396,25 +455,40 @@ class ModelEMA:
         self._check_model_argument(model)
         self.flush()
         self._sync_sources()
+        self._updater._check_open()
         for group in self._groups:
             group.apply_(0.0)
 
+    def _next_step(self) -> tuple[int, float | None]:
+        """The counter after this call, and its decay (``0.0``: copy; ``None``: skipped)."""
+        updates = self._updates + 1
+        if updates % self.options.update_every:
+            return updates, None
+        return updates, self.get_decay(updates)
+
+    def _count(self, updates: int, decay: float | None) -> None:
+        """Record a call once its step has been applied."""
+        self._updates = updates
+        if decay is not None:
+            self._last_decay = decay
+            self._last_decay_from_counter = False
+
     def _advance(self) -> float | None:
-        """Count one call; return the decay to apply, ``0.0`` to copy, ``None`` to skip."""
-        self._updates += 1
-        if self._updates % self.options.update_every:
-            return None
-        decay = self.get_decay(self._updates)
-        self._last_decay = decay
+        """Count one call now (for callers that apply the step themselves); return its
+        decay, ``0.0`` to copy, ``None`` to skip."""
+        updates, decay = self._next_step()
+        self._count(updates, decay)
         return decay
 
     # ------------------------------------------------------------------ materialize
+    @collective("get_model_state_dict")
     def get_model_state_dict(
         self,
         *,
-        rank0_only: bool = False,
+        only_rank0_receives: bool = False,
         cpu_offload: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        rank0_only: bool | None = None,
     ) -> tuple[StateDict, StateDict]:
         """Full EMA weights and a copy of the model's current weights. **Collective.**
 
@@ -422,12 +496,14 @@ class ModelEMA:
         flat buckets: one all-gather per (mesh, dtype) bucket, not one per tensor.
 
         Args:
-            rank0_only: only global rank 0 gets the tensors; other ranks get two empty dicts.
-                The buckets then travel with ``dist.gather`` to rank 0 where the layout
-                allows (plain/DDP models on a 1-D mesh, FSDP2 parameters): the other
-                ranks receive nothing and hold at most their ``1/W`` share of one bucket.
+            only_rank0_receives: every rank still calls; only global rank 0 gets the
+                tensors, the others two empty dicts. The buckets then travel with
+                ``dist.gather`` to rank 0 where the layout allows (plain/DDP models on a 1-D
+                mesh, FSDP2 parameters): the other ranks receive nothing and hold at most
+                their ``1/W`` share of one bucket.
             cpu_offload: return CPU tensors (for export); device memory stays at ~one bucket.
             bucket_bytes: bound on the bytes one all-gather moves.
+            rank0_only: deprecated name of ``only_rank0_receives``.
 
         Returns:
             ``(ema_state_dict, original_state_dict)``: full, contiguous tensors keyed like
@@ -438,7 +514,7 @@ class ModelEMA:
         self.flush()
         self._sync_sources()
         options: dict[str, Any] = {
-            "rank0_only": rank0_only,
+            "rank0_only": _renamed(rank0_only, only_rank0_receives),
             "cpu_offload": cpu_offload,
             "bucket_bytes": bucket_bytes,
         }
@@ -446,28 +522,32 @@ class ModelEMA:
         model_full = self._materialize([_source_piece(e) for e in self._plan], **options)
         return ema_full, model_full
 
+    @collective("get_ema_state_dict")
     def get_ema_state_dict(
         self,
         *,
-        rank0_only: bool = False,
+        only_rank0_receives: bool = False,
         cpu_offload: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        rank0_only: bool | None = None,
     ) -> StateDict:
         """The first half of :meth:`get_model_state_dict` alone. **Collective.**
 
-        For export: no copy of the model's own weights is gathered, so with ``rank0_only``
-        and ``cpu_offload`` rank 0 holds one full copy of the EMA plus one bucket, the other
-        ranks one bucket. Arguments and result as in :meth:`get_model_state_dict`.
+        For export: no copy of the model's own weights is gathered, so with
+        ``only_rank0_receives`` and ``cpu_offload`` rank 0 holds one full copy of the EMA plus
+        one bucket, the other ranks one bucket. Arguments and result as in
+        :meth:`get_model_state_dict`.
         """
         self.flush()
         self._sync_sources()
         return self._materialize(
             [_ema_piece(e) for e in self._plan],
-            rank0_only=rank0_only,
+            rank0_only=_renamed(rank0_only, only_rank0_receives),
             cpu_offload=cpu_offload,
             bucket_bytes=bucket_bytes,
         )
 
+    @collective("average_parameters")
     @contextlib.contextmanager
     def average_parameters(
         self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -553,69 +633,134 @@ class ModelEMA:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> StateDict:
-        """The EMA's own state for DCP: live sharded tensors plus the counter and config.
+        """The EMA's own state for DCP: this rank's live EMA shards, the counter and config.
 
-        Local (no collective). ``{"updates": int, "config": str, "ema": {fqn: DTensor}}``;
-        ``config`` is a JSON string of the options that shape the next update (schedule,
-        ``update_every``, ``update_after_step``, copied fqns, EMA dtype), one leaf so DCP
-        stores it as is. The EMA tensors are the live ones, so ``dcp.load`` fills them in
-        place; they must not be updated while an ``async_save`` of them is pending.
+        Local (no collective), no copy. ``{"updates": int, "config": str, "ema": {fqn:
+        DTensor}}`` (see :mod:`dtensor_ema.state`); ``config`` is a JSON string of the
+        options that shape the next update (schedule, ``update_every``,
+        ``update_after_step``, copied fqns, EMA dtype), one leaf so DCP stores it as is.
+
+        Each DTensor holds **only this rank's piece** of its EMA tensor: save the state with
+        DCP (``save_checkpoint`` or ``dcp.save``, on every rank), not ``torch.save`` on one
+        rank (another rank refuses to load that file; for one file use
+        :meth:`get_ema_state_dict` and :meth:`load_full_state_dict`). The tensors are the
+        live ones, so ``dcp.load`` fills them in place; they must not be updated while an
+        ``async_save`` of them is pending.
         """
         self.flush()
+        for entry in self._plan:
+            tag_rank(entry.ema)
         return {
-            "updates": self.updates,
-            "config": json.dumps(self.options.config(self._copied), sort_keys=True),
-            "ema": {e.fqn: e.ema for e in self._plan},
+            UPDATES: self._counter_no_wait(),
+            CONFIG: json.dumps(self.options.config(self._copied), sort_keys=True),
+            EMA_TENSORS: {e.fqn: e.ema for e in self._plan},
         }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: StateDict) -> None:
-        """Restore from :meth:`state_dict` output, a DCP load, or full (plain) tensors.
+        """Restore from :meth:`state_dict` output (this rank's or a DCP load's).
 
-        Local (no collective). DTensor values with our placements are copied shard by shard;
-        plain full tensors are sliced to this rank's shard.
+        Local: no collective, ever. ``"ema"`` values may be this EMA's own live tensors (a
+        DCP load filled them in place), DTensors holding **this rank's** piece with this
+        EMA's mesh and placements, or full plain tensors (sliced to this rank's piece).
+        Everything is checked before anything is written (:func:`dtensor_ema.state.
+        validate_state`): a refused state leaves the EMA and its counter unchanged.
+        Peak extra memory: none (shards are copied in place).
 
         Raises:
-            KeyError: ``state_dict`` lacks ``"ema"`` or ``"updates"``.
-            ValueError: missing/unexpected fqns, shape or dtype mismatches, or options
-                (schedule, ``update_every``, ...) different from this EMA's: resuming with
-                other options would not continue the saved trajectory.
+            KeyError: ``state_dict`` lacks ``"ema"`` or ``"updates"`` (a full model state
+                dict belongs in :meth:`load_full_state_dict`).
+            ValueError: missing/unexpected fqns, shape or dtype mismatches, options
+                (schedule, ``update_every``, ...) different from this EMA's (resuming with
+                other options would not continue the saved trajectory), or DTensors saved
+                by another rank (``torch.save`` of one rank's ``state_dict()``) or laid out
+                differently (load those through DCP).
         """
         self.flush()
-        for key in ("ema", "updates"):
-            if key not in state_dict:
-                raise KeyError(f"EMA state dict has no {key!r} entry (keys: {list(state_dict)})")
-        values = state_dict["ema"]
-        entries = self._plan.by_fqn()
-        missing = [k for k in entries if k not in values]
-        unexpected = [k for k in values if k not in entries]
-        if missing or unexpected:
-            raise ValueError(
-                f"EMA state dict does not match the model: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                f"{' ...' if len(unexpected) > 5 else ''}"
+        ours = self.state_dict()
+        values = state_dict.get(EMA_TENSORS) if isinstance(state_dict, dict) else None
+        in_place = isinstance(values, dict) and any(values.get(e.fqn) is e.ema for e in self._plan)
+        try:
+            updates = validate_state(state_dict, ours)
+        except ValueError as e:
+            if in_place and "options differ" in str(e):
+                # A plain dcp.load has already written the checkpoint's tensors into ours.
+                raise ValueError(
+                    f"{e} The EMA tensors were already overwritten in place by dcp.load; "
+                    "dtensor_ema.load_checkpoint validates before it writes."
+                ) from None
+            raise
+        assert isinstance(values, dict)
+        pieces = [(e.ema_local, local_piece(e, values[e.fqn])) for e in self._plan]
+        for target, piece in pieces:
+            if piece is not target:
+                target.copy_(piece)
+        self._restore_counter(updates)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: StateDict, *, updates: int | None = None) -> None:
+        """Load full EMA weights keyed like the model: :meth:`get_ema_state_dict` output or
+        an :func:`~dtensor_ema.export_ema` file. Local: no collective.
+
+        Call it on every rank with the same full tensors (e.g. ``torch.load`` of one file
+        on each rank): each rank copies its own piece. Values are cast to the EMA dtype
+        (an export in the model's bf16 loses the fp32 EMA's low bits). Integer buffers
+        (they follow the model) and the duplicate names of tied weights may be present or
+        absent. The counter is set to ``updates`` when given, else left as it is (full
+        state dicts carry none). Peak extra memory: none beyond the given tensors.
+
+        Raises:
+            ValueError: missing or unexpected names, shape mismatches, non-float values for
+                averaged tensors. Nothing is written then.
+        """
+        self.flush()
+        if updates is not None and (
+            isinstance(updates, bool) or not isinstance(updates, int) or updates < 0
+        ):
+            raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+        ours = {e.fqn: e.ema for e in self._plan}
+        saved = {
+            k: (
+                v.to(ours[k].dtype)
+                if isinstance(v, torch.Tensor) and k in ours and v.is_floating_point()
+                else v
             )
-        if "config" in state_dict:
-            in_place = any(values[e.fqn] is e.ema for e in self._plan)
-            self._check_config(state_dict["config"], in_place)
-        updates = state_dict["updates"]
-        if isinstance(updates, torch.Tensor):
-            updates = int(updates.item())
-        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
-            raise ValueError(f"checkpoint 'updates' must be an int >= 0, got {updates!r}")
-        locals_ = [(e, _local_of(e, values[e.fqn])) for e in entries.values()]
-        for entry, local in locals_:
-            if local is not entry.ema_local:
-                entry.ema_local.copy_(local)
-        self.updates = updates
+            for k, v in state_dict.items()
+        }
+        ignore = [*self._plan.followed, *self._plan.aliases]
+        problems = compare_tensors(saved, ours, ignore=ignore)
+        if problems:
+            raise ValueError(f"full EMA state dict does not match the model: {problems}")
+        pieces = [(e.ema_local, ema_local_from_full(e, saved[e.fqn])) for e in self._plan]
+        for target, piece in pieces:
+            target.copy_(piece)
+        if updates is not None:
+            self._restore_counter(updates)
 
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
         return (
             f"{type(self).__name__}({type(self.model).__name__}, {mesh}, "
-            f"decay={self.decay}, tau={self.tau}, updates={self.updates}, "
+            f"decay={self.decay}, tau={self.tau}, updates={self._counter_no_wait()}, "
             f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
         )
+
+    def _restore_counter(self, updates: int) -> None:
+        """Set the counter; ``last_decay`` then follows from it (a state stores only the
+        counter), computed when read: a stateful schedule (``PostHocEMA``'s) may restore
+        its own state after this EMA's."""
+        self.updates = updates
+        self._last_decay_from_counter = True
+
+    def _decay_of_last_averaging_call(self) -> float | None:
+        updates = self._counter_no_wait()
+        last = updates - updates % self.options.update_every
+        return self.get_decay(last) if last > 0 else None
+
+    def _counter_no_wait(self) -> int:
+        if self.options.capturable:
+            return int(self._step_t.item())
+        return self._updates
 
     # ------------------------------------------------------------------ internals
     def _check_model_argument(self, model: nn.Module | None) -> None:
@@ -624,27 +769,6 @@ class ModelEMA:
                 f"got a {type(model).__name__} that is not the model this EMA tracks "
                 f"({type(self.model).__name__} at {id(self.model):#x}); create a new "
                 "ModelEMA for a different model"
-            )
-
-    def _check_config(self, saved: str | dict[str, Any], in_place: bool = False) -> None:
-        theirs = json.loads(saved) if isinstance(saved, str) else saved
-        ours = self.options.config(self._copied)
-        diffs = [
-            f"{k}: checkpoint {theirs.get(k)!r}, this EMA {ours.get(k)!r}"
-            for k in sorted(set(theirs) | set(ours))
-            if theirs.get(k) != ours.get(k)
-        ]
-        if diffs:
-            # A plain dcp.load has already written the checkpoint's tensors into ours.
-            damage = (
-                " The EMA tensors were already overwritten in place by dcp.load; "
-                "dtensor_ema.load_checkpoint validates before it writes."
-                if in_place
-                else ""
-            )
-            raise ValueError(
-                "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
-                f"checkpoint's options to resume): {'; '.join(diffs)}.{damage}"
             )
 
     def _materialize(
@@ -690,8 +814,19 @@ class ModelEMA:
             return
         self.flush()
         self._groups = update_groups(self._plan)
-        if self._offload is not None:
-            self._offload = OffloadPipeline(self._groups)
+        self._updater.rebind(self._groups)
+
+
+def _renamed(rank0_only: bool | None, only_rank0_receives: bool) -> bool:
+    """``rank0_only`` read as "only rank 0 calls", which hangs the collective: renamed."""
+    if rank0_only is None:
+        return only_rank0_receives
+    warnings.warn(
+        "rank0_only= is deprecated: every rank must still call; use only_rank0_receives=",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return rank0_only or only_rank0_receives
 
 
 def _model_device(module: nn.Module) -> torch.device:
@@ -741,25 +876,3 @@ def _source_piece(entry: PlanEntry) -> LocalPiece:
         placements=tuple(source.placements) if isinstance(source, DTensor) else (),
         out_dtype=source.dtype,
     )
-
-
-def _local_of(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a checkpoint value for ``entry``, validated."""
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{entry.fqn}: expected a tensor, got {type(value).__name__}")
-    if value.shape != entry.ema.shape:
-        raise ValueError(
-            f"{entry.fqn}: checkpoint shape {tuple(value.shape)} != EMA shape "
-            f"{tuple(entry.ema.shape)}"
-        )
-    if value.dtype != entry.ema_local.dtype:
-        raise ValueError(
-            f"{entry.fqn}: checkpoint dtype {value.dtype} != EMA dtype {entry.ema_local.dtype}"
-        )
-    if value is entry.ema:
-        return entry.ema_local
-    if isinstance(value, DTensor):
-        if (value.device_mesh, tuple(value.placements)) == (entry.mesh, entry.placements):
-            return value.to_local()
-        value = value.full_tensor()  # a different layout: collective on value's mesh
-    return ema_local_from_full(entry, value)

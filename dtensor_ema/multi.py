@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import ExcludeSpec
+from dtensor_ema.state import validate_state
 
 __all__ = ["MultiModelEMA"]
 
@@ -113,11 +114,20 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         return {name: ema.state_dict() for name, ema in self._emas.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore every EMA; the names must match exactly. Local."""
+        """Restore every EMA; the names must match exactly. Local.
+
+        Every member's state is validated (:func:`dtensor_ema.state.validate_state`) before
+        any is written, so a refused state leaves all of them unchanged.
+        """
         if set(state_dict) != set(self._emas):
             raise ValueError(
                 f"checkpoint EMAs {sorted(state_dict)} != this MultiModelEMA's {sorted(self._emas)}"
             )
+        for name, ema in self._emas.items():
+            try:
+                validate_state(state_dict[name], ema.state_dict())
+            except (KeyError, ValueError) as e:
+                raise type(e)(f"EMA {name!r}: {e}") from e
         for name, ema in self._emas.items():
             ema.load_state_dict(state_dict[name])
 

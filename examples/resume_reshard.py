@@ -108,9 +108,9 @@ def full_ema(ema: ModelEMA, *, rank0_only: bool = False) -> dict[str, torch.Tens
     """The full EMA weights on CPU (on every rank, or rank 0 only). Collective.
 
     Every rank gets them by default so that every rank computes the same fingerprint and
-    takes the same branch; a large model would export with ``rank0_only=True``.
+    takes the same branch; a large model would export with ``only_rank0_receives=True``.
     """
-    return ema.get_ema_state_dict(rank0_only=rank0_only, cpu_offload=True)
+    return ema.get_ema_state_dict(only_rank0_receives=rank0_only, cpu_offload=True)
 
 
 # ---------------------------------------------------------------------------- phases

@@ -12,6 +12,25 @@ import torch
 from torch import nn
 
 
+def _torchvision_works() -> bool:
+    # A torchvision wheel built for another torch fails at import ("operator
+    # torchvision::nms does not exist"), e.g. beside a local CPU build of an older torch.
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+HAS_TORCHVISION = _torchvision_works()
+"""Tests that need torchvision models skip (or leave them out) without it."""
+
+
+def with_torchvision(names: list[str]) -> list[str]:
+    """``names`` without the torchvision models (``resnet*``) when torchvision is unusable."""
+    return names if HAS_TORCHVISION else [n for n in names if "resnet" not in n]
+
+
 class EdgeModel(nn.Module):
     """Every shape that stresses Shard(0): a 0-dim parameter, dim 0 smaller than W (empty
     shards), odd sizes, a zero-size tensor, a frozen parameter, float and integer buffers."""

@@ -53,7 +53,7 @@ def _send_is_a_view(ema: ModelEMA) -> list[bool]:
     materialize._send_buffer = spy
     try:
         ema.get_ema_state_dict()
-        ema.get_ema_state_dict(rank0_only=True)  # the gather to rank 0 (export_ema)
+        ema.get_ema_state_dict(only_rank0_receives=True)  # the gather to rank 0 (export_ema)
     finally:
         materialize._send_buffer = original
     return seen
@@ -83,7 +83,7 @@ def bucket_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out[f"{name}_views"] = _send_is_a_view(flat)
         for label, ema in (("flat", flat), ("packed", packed)):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                on_rank0 = ema.get_ema_state_dict(rank0_only=True, cpu_offload=True)
+                on_rank0 = ema.get_ema_state_dict(only_rank0_receives=True, cpu_offload=True)
             out[f"{name}_{label}_rank0_calls"] = sorted(
                 {e.name for e in prof.events() if e.name.startswith("gloo:")}
             )
@@ -91,7 +91,7 @@ def bucket_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out[f"{name}_{label}_rank0"] = (
                 mismatches(on_rank0, everywhere) if rank == 0 else list(on_rank0)
             )
-            both = ema.get_model_state_dict(rank0_only=True)
+            both = ema.get_model_state_dict(only_rank0_receives=True)
             out[f"{name}_{label}_rank0_model"] = (
                 mismatches(both[1], model.state_dict()) if rank == 0 else [*both[0], *both[1]]
             )

@@ -676,7 +676,7 @@ def test_failed_saves_keep_the_last_good_checkpoint(loaded_w3: Any) -> None:
         got = r["atomic"]
         # DCP gathers the write errors of all ranks and raises them on every rank.
         assert re.search(
-            r"^RuntimeError: saving .*ckpt failed, the checkpoint there is unchanged:.*"
+            r"^CheckpointError: saving .*ckpt failed, the checkpoint there is unchanged:.*"
             r"injected: disk full on rank 2",
             got["write_error"],
             re.S,

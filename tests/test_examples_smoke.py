@@ -19,6 +19,7 @@ from types import ModuleType
 
 import pytest
 from dist_harness import DEVICE_TYPE
+from models import HAS_TORCHVISION
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -64,12 +65,18 @@ def _script(name: str) -> str:
     return str(EXAMPLES / name)
 
 
+def _needs(module: str) -> pytest.MarkDecorator:
+    """Skip where an optional package is missing (an older torch without its extras)."""
+    missing = importlib.util.find_spec(module) is None
+    return pytest.mark.skipif(missing, reason=f"needs {module}")
+
+
 SCRIPTS = [
     "train_ddp_resnet.py",
     "train_fsdp_lm.py",
     "resume_reshard.py",
-    "lightning_ema.py",
-    "hf_trainer_ema.py",
+    pytest.param("lightning_ema.py", marks=_needs("lightning")),
+    pytest.param("hf_trainer_ema.py", marks=_needs("transformers")),
 ]
 
 
@@ -142,6 +149,7 @@ def test_ddp_resnet_one_process_without_process_group(tmp_path: Path) -> None:
     assert re.search(r"EMA updates: 4$", out, re.MULTILINE), out
 
 
+@pytest.mark.skipif(not HAS_TORCHVISION, reason="the --data-dir path needs torchvision")
 def test_ddp_resnet_missing_cifar_is_a_clear_error(tmp_path: Path) -> None:
     args = [_script("train_ddp_resnet.py"), f"--data-dir={tmp_path / 'none'}", "--device=cpu"]
     out = _run(args, tmp_path, nproc=None, expect_ok=False)
@@ -230,6 +238,7 @@ def test_resume_reshard_three_to_two_ranks(parallel: str, tmp_path: Path) -> Non
     assert "loaded with strict=True; bit-identical to the DCP checkpoint's EMA (updates=6)" in out
 
 
+@_needs("lightning")
 def test_lightning_ema_two_ranks_then_resume_in_one_process(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     common = ["--train-size=128", "--val-size=64", "--batch-size=16", f"--ckpt-dir={ckpt}"]
@@ -251,6 +260,7 @@ def test_lightning_ema_two_ranks_then_resume_in_one_process(tmp_path: Path) -> N
     assert re.search(r"EMA updates: 16; this rank holds 1.00 of the EMA", out), out
 
 
+@_needs("transformers")
 def test_hf_trainer_ema_two_ranks(tmp_path: Path) -> None:
     out_dir = tmp_path / "out"
     args = ["--steps=4", "--eval-every=2", "--train-size=64", "--val-size=16"]

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import DEVICE_TYPE, run_ranks
-from models import ReferenceEMA, make_batch, make_model, mismatches
+from models import ReferenceEMA, make_batch, make_model, mismatches, with_torchvision
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -312,7 +312,7 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     out["ori_sd_mismatch"] = mismatches(ori_sd, model_sd)
     out["state_dict_keys"] = list(ema_sd) == list(model_sd)
     out["tied"] = tied
-    ema0, ori0 = ema.get_model_state_dict(rank0_only=True, cpu_offload=True)
+    ema0, ori0 = ema.get_model_state_dict(only_rank0_receives=True, cpu_offload=True)
     if dist.get_rank() == 0:
         out["rank0_only_ok"] = (
             mismatches(ema0, expected) == []
@@ -424,8 +424,8 @@ def fsdp(
 
 def _scenarios(world_size: int) -> list[str]:
     if world_size == 1:  # a one-rank mesh: FSDP2's no-reduction path, every shard full
-        return ["edge", "resnet18", "transformer"]
-    return list(HSDP if world_size == 4 else FSDP_1D)
+        return with_torchvision(["edge", "resnet18", "transformer"])
+    return with_torchvision(list(HSDP if world_size == 4 else FSDP_1D))
 
 
 def _each(fsdp: Any) -> Any:

@@ -28,7 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema.checkpoint import _agree, _group, _quiet_single_process, _rank
+from dtensor_ema._collectives import agree as _agree
+from dtensor_ema._collectives import group_of as _group
+from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
+from dtensor_ema._collectives import rank_of as _rank
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec

@@ -33,7 +33,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_ema.checkpoint import _group, _quiet_single_process, _write_file, save_checkpoint
+from dtensor_ema._collectives import group_of as _group
+from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
+from dtensor_ema.checkpoint import save_checkpoint
+from dtensor_ema.export import _write_file
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.phema_math import (
     DEFAULT_MAX_CONDITION,

@@ -1,0 +1,184 @@
+"""Export the averaged weights for inference: from a live EMA, or offline from a checkpoint.
+
+* :func:`export_ema` gathers the full average to the EMA mesh's first rank on the CPU, one
+  bounded bucket at a time, and writes one ``torch.save`` or ``.safetensors`` file keyed
+  like the model.
+* :func:`convert_checkpoint` turns a DCP checkpoint directory into such a file offline: one
+  process, no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dtensor_ema._collectives import is_mesh_first, mesh_agree
+from dtensor_ema.checkpoint import (
+    PARTIAL_SUFFIX,
+    _check_files,
+    _dcp_load,
+    _entries_under,
+    _existing_checkpoint,
+    _read_metadata,
+    _top_level_keys,
+)
+from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.state import EMA_TENSORS
+
+__all__ = ["DEFAULT_EXPORT_BUCKET_BYTES", "convert_checkpoint", "export_ema"]
+
+DEFAULT_EXPORT_BUCKET_BYTES = 64 * 1024 * 1024
+"""Gathered bytes per all-gather during export: bounds the transient buffers of every rank."""
+
+_EMA_TENSORS = EMA_TENSORS
+
+
+def export_ema(
+    ema: ModelEMA,
+    path: str | os.PathLike[str],
+    *,
+    bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES,
+) -> None:
+    """Write the full EMA weights to one file for inference. **Collective.**
+
+    Every rank of the EMA's mesh (``ema.mesh``, and of every FSDP2 mesh) must call this;
+    ranks outside it need not (pipeline stages export their own EMAs to their own files).
+    The shards travel in flat all-gathers of at most ``bucket_bytes``; the mesh's first rank
+    (coordinate ``(0, ...)``, the "writer") assembles one full copy on the CPU, in the
+    model's dtypes,
+    keyed like the unwrapped model's ``state_dict()`` (integer buffers from the model), and
+    writes it to a temporary file that it renames to ``path``. A ``.safetensors`` suffix
+    writes safetensors (needs the ``safetensors`` package; tied weights are stored once:
+    load with ``safetensors.torch.load_model``), any other suffix ``torch.save`` (load with
+    ``torch.load(path, weights_only=True)``).
+
+    Raises:
+        ImportError: a ``.safetensors`` path without the ``safetensors`` package.
+        RuntimeError: writing failed on the writer (raised on every rank of the mesh).
+
+    Peak extra memory: on the writer one full CPU copy of the EMA plus one bucket; on the
+    others one bucket, when the writer is global rank 0. A mesh that excludes global rank 0
+    (a pipeline stage) gathers the full copy on every rank of it. Communication: one small
+    all-reduce per mesh dim before and after, plus the gathers.
+    """
+    path = Path(path)
+    error: Exception | None = None
+    if path.suffix == ".safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError as e:
+            error = ImportError(f"writing {path} needs the safetensors package: {e}")
+    mesh = ema.mesh
+    writer = is_mesh_first(mesh)
+    mesh_agree(mesh, error, f"exporting the EMA to {path}")
+    # get_ema_state_dict's only_rank0_receives keeps the result on *global* rank 0; a mesh
+    # without it (a pipeline stage) gathers everywhere and only its first rank writes.
+    global_first = mesh is None or mesh.mesh.flatten()[0].item() == 0
+    state = ema.get_ema_state_dict(
+        only_rank0_receives=global_first, cpu_offload=True, bucket_bytes=bucket_bytes
+    )
+    updates = ema.updates
+    if writer:
+        try:
+            _write_file(state, path, {"updates": str(updates)})
+        except (OSError, RuntimeError, ValueError) as e:
+            error = e
+    del state
+    mesh_agree(mesh, error, f"writing the EMA to {path}")
+
+
+def convert_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    key: str = "ema",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Turn the EMA in a DCP checkpoint into one file keyed by the model's fqns. Offline.
+
+    Runs in one process and needs no process group (nor the model); the checkpoint may have
+    been saved at any world size, from DDP or FSDP2. Holds one full copy of the EMA in
+    memory. The file has the averaged tensors only, in the EMA's dtype (or ``dtype``):
+    integer buffers and the duplicate names of tied weights are not averaged, so load it
+    with ``model.load_state_dict(sd, strict=False)`` (or export from a live EMA with
+    :func:`export_ema` for a strict-loadable file). ``.safetensors`` paths are written with
+    safetensors (the saved counter and options go into its metadata), others with
+    ``torch.save``.
+
+    Returns:
+        The ``fqn -> tensor`` dict that was written.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``checkpoint_dir``.
+        ValueError: the checkpoint has no EMA tensors under ``key``.
+    """
+    checkpoint_dir = _existing_checkpoint(Path(checkpoint_dir))
+    metadata = _read_metadata(checkpoint_dir)
+    _check_files(checkpoint_dir, metadata)
+    planner_data = metadata.planner_data or {}
+    tensors: dict[str, torch.Tensor] = {}
+    extras: dict[str, Any] = {}
+    for k, md in _entries_under((key,), metadata).items():
+        where = planner_data.get(k, ())
+        if isinstance(md, TensorStorageMetadata) and tuple(where[:2]) == (key, _EMA_TENSORS):
+            tensors[".".join(str(p) for p in where[2:])] = torch.empty(
+                md.size, dtype=md.properties.dtype
+            )
+        elif len(where) == 2:
+            extras[str(where[1])] = None
+    if not tensors:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} has no EMA tensors under {key!r}; its top-level "
+            f"entries are {sorted(_top_level_keys(metadata))}"
+        )
+    state = {key: {_EMA_TENSORS: tensors, **extras}}
+    _dcp_load(state, checkpoint_dir, None)
+    tensors = state[key][_EMA_TENSORS]
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    saved = {
+        k: v if isinstance(v, str) else json.dumps(v)
+        for k, v in state[key].items()
+        if k != _EMA_TENSORS
+    }
+    _write_file(tensors, Path(path), saved)
+    return tensors
+
+
+def _write_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write ``state`` to ``path`` by way of a temporary sibling (never a torn file)."""
+    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        unique, aliases = _dedup_shared(state)
+        meta = {"format": "pt", **{f"dtensor_ema.{k}": v for k, v in metadata.items()}}
+        if aliases:
+            meta["dtensor_ema.tied"] = json.dumps(aliases)
+        save_file(unique, str(tmp), metadata=meta)
+    else:
+        torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _dedup_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses tensors that share memory: keep the first name of each."""
+    seen: dict[tuple[int, int], str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for k, v in state.items():
+        ident = (
+            (v.untyped_storage().data_ptr(), int(v.storage_offset())) if v.numel() else (id(v), 0)
+        )
+        if ident in seen:
+            aliases[k] = seen[ident]
+        else:
+            seen[ident] = k
+            unique[k] = v.contiguous()
+    return unique, aliases

@@ -1,0 +1,241 @@
+"""What an EMA's checkpoint state holds, and the one place that checks a state against an EMA.
+
+``ModelEMA.state_dict()`` (the schema, :data:`STATE_KEYS`)::
+
+    {
+        "updates": int,          # the update counter (>= 0)
+        "config": str,           # JSON of the options that shape the next update
+        "ema": {fqn: tensor},    # this rank's pieces: DTensors (sharded), or plain tensors
+    }
+
+The ``"ema"`` tensors are the live, sharded EMA tensors: on each rank a DTensor holds only
+that rank's piece. The state is meant for ``torch.distributed.checkpoint`` (every rank writes
+its own piece, and DCP reshards on load). ``torch.save`` of it on one rank captures one
+rank's piece only: loading that file on another rank is refused (:func:`local_piece` checks
+which rank a DTensor came from), never silently filled with the wrong rows.
+
+:func:`validate_state` checks a candidate state (live tensors, tensors read from a file, or
+shapes and dtypes read from a checkpoint's metadata) against the EMA's own state without
+touching anything, and :func:`format_mismatch` words every mismatch the same way, so
+``load_state_dict``, ``load_checkpoint`` and ``MultiModelEMA`` refuse alike and validate
+before they write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.plan import PlanEntry, ema_local_from_full
+
+__all__ = [
+    "CONFIG",
+    "EMA_TENSORS",
+    "STATE_KEYS",
+    "UPDATES",
+    "TensorSpec",
+    "compare_tensors",
+    "format_mismatch",
+    "local_piece",
+    "tag_rank",
+    "validate_state",
+]
+
+UPDATES = "updates"
+CONFIG = "config"
+EMA_TENSORS = "ema"
+STATE_KEYS = (UPDATES, CONFIG, EMA_TENSORS)
+"""The keys of ``ModelEMA.state_dict()``; ``config`` may be absent (older states)."""
+
+_RANK_TAG = "_dtensor_ema_coordinate"
+"""Attribute set on each live EMA DTensor: the saving rank's coordinate in its mesh. Tensor
+subclasses pickle their ``__dict__``, so ``torch.save`` keeps it and a load can tell whose
+piece a DTensor holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype of a saved tensor whose values are not at hand (checkpoint metadata)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(value: Any) -> TensorSpec | None:
+    if isinstance(value, TensorSpec):
+        return value
+    if isinstance(value, torch.Tensor):
+        return TensorSpec(tuple(value.shape), value.dtype)
+    return None
+
+
+def _listed(names: Sequence[str], limit: int) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{list(names[:limit])}{more}"
+
+
+def format_mismatch(
+    missing: Sequence[str] = (),
+    unexpected: Sequence[str] = (),
+    mismatched: Sequence[str] = (),
+    *,
+    limit: int = 5,
+) -> str:
+    """``"missing [...]; unexpected [...]; mismatched [...]"``, at most ``limit`` names each,
+    empty parts left out (``""`` when nothing differs)."""
+    parts = [
+        f"{label} {_listed(names, limit)}"
+        for label, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mismatched", mismatched),
+        )
+        if names
+    ]
+    return "; ".join(parts)
+
+
+def compare_tensors(
+    saved: Mapping[str, Any], ours: Mapping[str, Any], *, ignore: Sequence[str] = ()
+) -> str:
+    """Compare two ``fqn -> tensor or TensorSpec`` maps by names, shapes and dtypes.
+
+    Returns :func:`format_mismatch`'s wording, ``""`` when they match. Names in ``ignore``
+    are neither missing nor unexpected.
+    """
+    missing = [k for k in ours if k not in saved and k not in ignore]
+    unexpected = [k for k in saved if k not in ours and k not in ignore]
+    mismatched = []
+    for k, value in ours.items():
+        if k not in saved:
+            continue
+        theirs, mine = _spec(saved[k]), _spec(value)
+        if theirs is None and mine is not None:
+            mismatched.append(f"{k}: saved a non-tensor, this EMA has a tensor")
+        elif theirs is not None and mine is not None and theirs != mine:
+            mismatched.append(
+                f"{k}: saved {theirs.shape} {theirs.dtype}, this EMA {mine.shape} {mine.dtype}"
+            )
+    return format_mismatch(missing, unexpected, mismatched)
+
+
+def _config_diffs(saved: str | Mapping[str, Any], ours: str | Mapping[str, Any]) -> list[str]:
+    theirs = json.loads(saved) if isinstance(saved, str) else dict(saved)
+    mine = json.loads(ours) if isinstance(ours, str) else dict(ours)
+    return [
+        f"{k}: checkpoint {theirs.get(k)!r}, this EMA {mine.get(k)!r}"
+        for k in sorted(set(theirs) | set(mine))
+        if theirs.get(k) != mine.get(k)
+    ]
+
+
+def validate_state(state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
+    """Check a saved EMA state against this EMA's own ``state_dict()``; touch nothing.
+
+    Args:
+        state: a state in the :data:`STATE_KEYS` schema; its ``"ema"`` values may be
+            tensors (DTensors or full plain tensors) or :class:`TensorSpec` (a checkpoint's
+            metadata). Plain full tensors are compared by their global shape.
+        ours: the EMA's own ``state_dict()``.
+
+    Returns:
+        The saved update counter.
+
+    Raises:
+        KeyError: ``state`` lacks ``"ema"`` or ``"updates"`` (with a hint when it looks like
+            a full model state dict, which :meth:`ModelEMA.load_full_state_dict` loads).
+        ValueError: missing/unexpected fqns, shape or dtype mismatches, a counter that is
+            not an int >= 0, or options (schedule, ``update_every``, ...) different from
+            this EMA's: resuming with other options would not continue the saved trajectory.
+    """
+    for key in (EMA_TENSORS, UPDATES):
+        if key not in state:
+            hint = ""
+            if all(isinstance(v, torch.Tensor) for v in state.values()) and state:
+                hint = (
+                    "; it looks like a full model state dict (get_ema_state_dict(), an "
+                    "export_ema file): load those with ema.load_full_state_dict(...)"
+                )
+            raise KeyError(f"EMA state dict has no {key!r} entry (keys: {list(state)[:5]}){hint}")
+    values = state[EMA_TENSORS]
+    if not isinstance(values, Mapping):
+        raise ValueError(f"EMA state dict's 'ema' must map fqns to tensors, got {type(values)}")
+    problems = compare_tensors(values, ours[EMA_TENSORS])
+    if problems:
+        raise ValueError(f"EMA state dict does not match the model: {problems}")
+    if CONFIG in state:
+        diffs = _config_diffs(state[CONFIG], ours[CONFIG])
+        if diffs:
+            raise ValueError(
+                "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
+                f"checkpoint's options to resume): {'; '.join(diffs)}."
+            )
+    updates = state[UPDATES]
+    if isinstance(updates, torch.Tensor) and updates.numel() == 1:
+        updates = int(updates.item())
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+        raise ValueError(f"checkpoint 'updates' must be an int >= 0, got {updates!r}")
+    return updates
+
+
+def tag_rank(ema: torch.Tensor) -> None:
+    """Mark a live EMA DTensor with this rank's mesh coordinate (see :func:`local_piece`)."""
+    if isinstance(ema, DTensor):
+        coordinate = ema.device_mesh.get_coordinate()
+        if coordinate is not None:
+            ema.__dict__[_RANK_TAG] = tuple(coordinate)
+
+
+def local_piece(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
+    """This rank's EMA rows of a saved value for ``entry``. Local: no collective.
+
+    ``value`` is ``entry.ema`` itself (a DCP load filled it in place), a DTensor holding
+    this rank's rows with the EMA's mesh and placements (another live EMA's, or a file this
+    rank saved), or a full plain tensor (this rank's rows are cut out, no copy).
+
+    Raises:
+        ValueError: a DTensor that another rank saved (``torch.save`` of ``state_dict()`` on
+            one rank), or one on another mesh or with other placements; the message names
+            the ways to load that do work.
+    """
+    ema, ema_local, fqn = entry.ema, entry.ema_local, entry.fqn
+    if value is ema:
+        return ema_local
+    if isinstance(value, DTensor):
+        if not isinstance(ema, DTensor) or (value.device_mesh, tuple(value.placements)) != (
+            ema.device_mesh,
+            tuple(ema.placements),
+        ):
+            raise ValueError(
+                f"{fqn}: a DTensor with placements {tuple(value.placements)} on mesh "
+                f"{tuple(value.device_mesh.shape)} cannot be loaded locally into this EMA "
+                f"({_layout(ema)}); load checkpoints with dtensor_ema.load_checkpoint or "
+                "dcp.load (they reshard), or full tensors with ema.load_full_state_dict()"
+            )
+        saved_by = value.__dict__.get(_RANK_TAG)
+        coordinate = ema.device_mesh.get_coordinate()
+        mine = None if coordinate is None else tuple(coordinate)
+        local = value.to_local()
+        if (saved_by is not None and saved_by != mine) or local.shape != ema_local.shape:
+            whose = f"the rank at mesh coordinate {saved_by}" if saved_by else "another rank"
+            raise ValueError(
+                f"{fqn}: this state holds the piece of {whose}, not this rank's (mesh "
+                f"coordinate {mine}): ModelEMA.state_dict() holds only the saving rank's "
+                "shards, so torch.save of it on one rank cannot be loaded on the others. Save "
+                "with dtensor_ema.save_checkpoint (or dcp.save) on every rank and load with "
+                "load_checkpoint, or save the full EMA (ema.get_ema_state_dict() / "
+                "export_ema) and load it on every rank with ema.load_full_state_dict()"
+            )
+        return local
+    return ema_local_from_full(entry, value)
+
+
+def _layout(ema: torch.Tensor) -> str:
+    if isinstance(ema, DTensor):
+        return f"placements {tuple(ema.placements)} on mesh {tuple(ema.device_mesh.shape)}"
+    return "unsharded"
