@@ -84,6 +84,8 @@ class ModelEMA:
             from the model instead of averaged.
         ema_dtype: dtype of the EMA tensors. Default: float32 for fp16/bf16 tensors, the
             model's dtype otherwise. A bf16 EMA with decay 0.9999 silently stops moving.
+        kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``: see
+            :attr:`dtensor_ema.options.EmaOptions.kernel`. Same results bit for bit.
 
     Construction is local (no collective) but must happen on every rank of the mesh, on
     models whose tensors are identical across ranks where they are replicated (DDP
@@ -113,6 +115,7 @@ class ModelEMA:
         ema_dtype: torch.dtype | None = None,
         capturable: bool = False,
         offload: bool = False,
+        kernel: Literal["eager", "compiled", "auto"] = "auto",
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -123,6 +126,7 @@ class ModelEMA:
             ema_dtype=ema_dtype,
             capturable=capturable,
             offload=offload,
+            kernel=kernel,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
@@ -145,7 +149,7 @@ class ModelEMA:
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._keys = list(model_tensors(self.module))
-        self._groups = update_groups(self._plan)
+        self._groups = update_groups(self._plan, self.options.kernel)
         self._offload = OffloadPipeline(self._groups) if offload else None
         self._source_ptrs = _source_ptrs(self._plan)
         self._epoch = registration_epoch()
@@ -559,7 +563,7 @@ class ModelEMA:
         self.flush()
         for entry in moved:
             entry.source_local = source_local_view(entry.source, self.mesh)
-        self._groups = update_groups(self._plan)
+        self._groups = update_groups(self._plan, self.options.kernel)
         if self._offload is not None:
             self._offload = OffloadPipeline(self._groups)
         self._source_ptrs = _source_ptrs(self._plan)
