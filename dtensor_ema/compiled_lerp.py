@@ -38,7 +38,11 @@ logger = logging.getLogger(__name__)
 COMPILED_EMA_DTYPES = (torch.float32, torch.float64)
 """EMA dtypes the compiled kernel covers; other EMA dtypes (a bf16 EMA) stay eager."""
 
-_CPP_OPTIONS: dict[str, Any] = {"cpp.enable_floating_point_contract_flag": "fast"}
+INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
+    "cpu": {"cpp.enable_floating_point_contract_flag": "fast"},
+    "cuda": {},
+}
+"""Inductor options per device type, read when a kernel is built (benchmarks vary them)."""
 _ids = itertools.count()
 _broken: dict[str, str] = {}
 """Device type -> why compiling failed there; later groups go eager without retrying."""
@@ -93,7 +97,7 @@ class CompiledLerp:
         # A fresh code object per kernel: Dynamo keys its cache (and its recompile limit) on
         # the code object, so groups with other shapes never count as recompiles.
         fn = types.FunctionType(_lerp_body.__code__.replace(co_name=name), _lerp_body.__globals__)
-        options = _CPP_OPTIONS if self.device.type == "cpu" else None
+        options = dict(INDUCTOR_OPTIONS.get(self.device.type, {})) or None
         self._fn: Callable[..., None] = torch.compile(
             fn, fullgraph=True, dynamic=True, options=options
         )
