@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPILED_EMA_DTYPES", "CompiledLerp", "compile_unavailable_reason"]
+__all__ = [
+    "COMPILED_EMA_DTYPES",
+    "CompiledLerp",
+    "compile_unavailable_reason",
+    "warn_unavailable",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,20 @@ INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
 _ids = itertools.count()
 _broken: dict[str, str] = {}
 """Device type -> why compiling failed there; later groups go eager without retrying."""
+_warned: set[str] = set()
+
+
+def warn_unavailable(device_type: str, reason: str) -> None:
+    """The one-line notice that a device falls back to eager, once per device type."""
+    if device_type in _warned:
+        return
+    _warned.add(device_type)
+    warnings.warn(
+        f"dtensor_ema: compiled update unavailable on {device_type} ({reason}); "
+        "using the eager kernel",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _lerp_body(
@@ -93,49 +112,51 @@ class CompiledLerp:
         self.device = self._emas[0][0].device
         self.compile_seconds: float | None = None
         self._args: dict[int, tuple[list[torch.Tensor], list[list[torch.Tensor]], Any]] = {}
+        self._fn: Callable[..., None] | None = None
+
+    def _compile(self) -> Callable[..., None]:
         name = f"_dtensor_ema_lerp_{next(_ids)}"
         # A fresh code object per kernel: Dynamo keys its cache (and its recompile limit) on
         # the code object, so groups with other shapes never count as recompiles.
         fn = types.FunctionType(_lerp_body.__code__.replace(co_name=name), _lerp_body.__globals__)
         options = dict(INDUCTOR_OPTIONS.get(self.device.type, {})) or None
-        self._fn: Callable[..., None] = torch.compile(
-            fn, fullgraph=True, dynamic=True, options=options
-        )
+        return torch.compile(fn, fullgraph=True, dynamic=True, options=options)
 
     def __call__(self, sources: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
         if torch.compiler.is_compiling():  # inside the caller's torch.compile: inline the body
             _lerp_body(self._emas, sources, weights)
             return True
         emas, flat_sources = self._flat_args(sources)
-        if self.compile_seconds is not None:
+        if self._fn is not None and self.compile_seconds is not None:
             self._fn(emas, flat_sources, weights)
             return True
         reason = compile_unavailable_reason(self.device)
-        if reason is None:
-            start = time.perf_counter()
-            try:
-                # Compilation finishes before the graph runs: a failure leaves EMAs as they were.
-                self._fn(emas, flat_sources, weights)
-            except Exception as err:  # any compile failure means: go eager
-                reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                _broken[self.device.type] = reason
-                warnings.warn(
-                    f"dtensor_ema: compiled update unavailable on {self.device.type} ({reason}); "
-                    "using the eager kernel",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return False
-            self.compile_seconds = time.perf_counter() - start
-            logger.info(
-                "dtensor_ema: compiled the update of %d tensors x %d EMAs on %s in %.1f s",
-                len(sources),
-                len(emas),
-                self.device,
-                self.compile_seconds,
-            )
-            return True
-        return False
+        if reason is not None:
+            return False
+        start = time.perf_counter()
+        try:
+            self._fn = self._compile()
+            # Dynamo and Inductor raise TorchDynamoException subclasses for anything that
+            # fails while tracing or compiling, i.e. before the graph writes an EMA value;
+            # errors while the kernel runs propagate, so an EMA is never updated twice.
+            self._fn(emas, flat_sources, weights)
+        except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
+            if not isinstance(err, torch._dynamo.exc.TorchDynamoException) and self._fn:
+                raise
+            first_line = str(err).splitlines()[0] if str(err) else ""
+            reason = f"{type(err).__name__}: {first_line[:120]}"
+            _broken[self.device.type] = reason
+            warn_unavailable(self.device.type, reason)
+            return False
+        self.compile_seconds = time.perf_counter() - start
+        logger.info(
+            "dtensor_ema: compiled the update of %d tensors x %d EMAs on %s in %.1f s",
+            len(sources),
+            len(emas),
+            self.device,
+            self.compile_seconds,
+        )
+        return True
 
     def _flat_args(
         self, sources: list[torch.Tensor]

@@ -21,7 +21,12 @@ from typing import Any, Literal
 
 import torch
 
-from dtensor_ema.compiled_lerp import COMPILED_EMA_DTYPES, CompiledLerp, compile_unavailable_reason
+from dtensor_ema.compiled_lerp import (
+    COMPILED_EMA_DTYPES,
+    CompiledLerp,
+    compile_unavailable_reason,
+    warn_unavailable,
+)
 from dtensor_ema.plan import EmaPlan
 
 __all__ = [
@@ -54,14 +59,7 @@ def resolve_kernel(kernel: str, device: torch.device, ema_dtype: torch.dtype) ->
     if kernel == "compiled":
         reason = compile_unavailable_reason(device)
         if reason is not None:
-            import warnings
-
-            warnings.warn(
-                f"dtensor_ema: compiled update unavailable on {device.type} ({reason}); "
-                "using the eager kernel",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warn_unavailable(device.type, reason)
             return "eager"
     return kernel
 
