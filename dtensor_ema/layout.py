@@ -1,26 +1,48 @@
-"""Where each rank's piece of a tensor lives: dim-0 chunk ranges, meshes, placements.
+"""Which piece of each model tensor this rank averages, and over which ranks it is replicated.
 
-DTensor's ``Shard(0)`` splits dim 0 like :func:`torch.chunk`: every rank gets
-``ceil(n / W)`` rows except the last ones, which get fewer or none. FSDP2 uses the same
-layout. The torch helpers that compute it are private and were renamed between releases,
-so we keep our own three-line version (checked against DTensor for n = 0..64, W = 1..9).
+The rule: **every EMA element lives on exactly one rank**. A tensor's *local piece* is what
+this rank holds of it in the model (``to_local()`` of an FSDP2/TP DTensor parameter, or the
+whole tensor for plain/DDP tensors). That piece is identical on every rank that differs
+from this one only along a *replica dim*: a mesh dim where the parameter is ``Replicate()``
+(the HSDP replicate dim, ``tp`` for a TP-replicated norm weight) or a dim of the world mesh
+that the parameter's own mesh does not cover (``tp`` for FSDP-only parameters in a 2-D world,
+``dp`` for a TP-only model, every dim for a plain tensor). The EMA splits the local piece
+further along its dim 0 over every replica dim, nested like ``torch.chunk`` (outer replica
+dim first), so the update reads a contiguous slice of the local piece and never communicates.
+
+The EMA stays a ``DTensor``: its mesh is the world mesh with the dims permuted so that the
+parameter's sharding dims come first and the replica dims last (built from existing process
+groups with ``DeviceMesh.from_group``: no new groups), and its placements are the
+parameter's own followed by ``Shard(0)`` on each replica dim. DTensor applies placements in
+mesh-dim order, so this is exactly "the parameter's local piece, then chunked over the
+replicas", and DCP, ``full_tensor()`` and resharding see an ordinary DTensor.
+
+``chunk_range`` is our own three-line version of DTensor's private ``Shard(0)`` helper
+(checked against DTensor for n = 0..64, W = 1..9).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 __all__ = [
+    "LayoutBuilder",
+    "ReplicaLevel",
+    "TensorLayout",
+    "agree_on_structure",
     "chunk_range",
     "contiguous_stride",
     "cpu_mesh_like",
-    "resolve_mesh",
+    "resolve_world_mesh",
     "shard_mesh_dim",
 ]
 
@@ -65,47 +87,349 @@ def shard_mesh_dim(placements: Sequence[Placement]) -> int | None:
     return found
 
 
-def resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh | None:
-    """Validate the user's mesh, or build the default one.
+@dataclass(frozen=True, slots=True)
+class ReplicaLevel:
+    """One replica dim the local piece is split over: ``rows`` rows of the piece (at this
+    nesting level) are chunked over the ``size`` ranks of ``group``; this rank is ``rank``."""
 
-    ``mesh=None`` means the whole default process group when one is initialized, and no
-    sharding at all otherwise (one plain process). Building the default mesh is local
-    (``init_device_mesh`` over an existing group does not communicate on CPU/gloo).
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    rows: int
+
+    @property
+    def key(self) -> str:
+        return self.group.group_name
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where this rank's EMA piece of one model tensor lives.
+
+    ``mesh``/``placements``: the EMA DTensor's (``None``/``()`` without a world mesh).
+    ``offset``/``length``: the rows of the local piece (dim 0) this rank averages.
+    ``levels``: the replica dims the piece is split over, outermost first; gathering over
+    them innermost first rebuilds the local piece from the EMA shards.
+    """
+
+    mesh: DeviceMesh | None
+    placements: tuple[Placement, ...]
+    offset: int
+    length: int
+    levels: tuple[ReplicaLevel, ...]
+
+
+def resolve_world_mesh(
+    mesh: DeviceMesh | None, tensors: Iterable[torch.Tensor], device: torch.device
+) -> DeviceMesh | None:
+    """The mesh whose ranks share the EMA: the user's, or a default. Local (no collective).
+
+    ``mesh=None``: the root mesh of the model's DTensor parameters when it has any (the
+    N-D world FSDP2/TP were built on), else the whole default process group as a 1-D mesh,
+    else (no process group) ``None``: plain, unsharded EMA tensors.
 
     Raises:
-        ValueError: the mesh is not 1-D, or its device type is not the parameters'.
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        ValueError: its device type is not the model's, or the DTensor parameters live on
+            meshes with different roots (pass ``mesh=`` explicitly).
     """
     if mesh is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)]
+        roots = {id(_root_mesh(m)): m for m in meshes}
+        if len(roots) > 1:
+            raise ValueError(
+                "the model's DTensor parameters live on meshes with different roots "
+                f"({[tuple(m.shape) for m in roots.values()]}); pass mesh= the world mesh "
+                "that covers all of them"
+            )
+        if roots:
+            return _root_mesh(next(iter(roots.values())))
+        return init_device_mesh(device.type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"mesh must be 1-D (the ranks the EMA is sharded over), got a {mesh.ndim}-D mesh "
-            f"of shape {tuple(mesh.shape)}; pass e.g. init_device_mesh(device, (world_size,)). "
-            "FSDP2/HSDP parameters always keep their own mesh."
-        )
     if mesh.device_type != device.type:
         raise ValueError(
             f"mesh device type {mesh.device_type!r} does not match the model's tensors on "
             f"{device.type!r}; build the mesh with init_device_mesh({device.type!r}, ...)"
         )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; every "
+            "rank that constructs the EMA must be part of its mesh"
+        )
     return mesh
 
 
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The N-D mesh a submesh was sliced from. Torch has no public accessor; the private
+    one has existed since 2.4 (``_get_root_mesh``); without it the mesh is its own root."""
+    getter = getattr(mesh, "_get_root_mesh", None)
+    root = getter() if callable(getter) else None
+    return root if isinstance(root, DeviceMesh) else mesh
+
+
+def _ranks_along(mesh_ranks: torch.Tensor, coordinate: Sequence[int], dims: Sequence[int]) -> list:
+    """Global ranks of the sub-grid over ``dims`` through ``coordinate``, row-major."""
+    index: list[Any] = list(coordinate)
+    for dim in dims:
+        index[dim] = slice(None)
+    return mesh_ranks[tuple(index)].reshape(-1).tolist()
+
+
+class LayoutBuilder:
+    """Computes :class:`TensorLayout` for the tensors of one model on one world mesh.
+
+    One instance per plan, so tensors with the same layout share one EMA mesh object.
+    Local: no collective (EMA meshes reuse the world's and the parameters' process groups).
+    """
+
+    def __init__(self, world: DeviceMesh | None) -> None:
+        self.world = world
+        self._meshes: dict[tuple[object, ...], DeviceMesh] = {}
+
+    def layout(self, fqn: str, tensor: torch.Tensor, piece_shape: Sequence[int]) -> TensorLayout:
+        """Layout of ``tensor`` (a plain tensor or a DTensor parameter) whose local piece on
+        this rank has ``piece_shape``.
+
+        The geometry is the world mesh when the parameter's mesh is a sub-grid of it, else
+        the parameter's root mesh (the user passed a submesh of it, e.g. HSDP's shard dim or
+        a pipeline stage's ``dp``): then only the root dims the world spans are split over,
+        and the parameter's other replicate dims stay ``Replicate()``.
+
+        Raises:
+            ValueError: a ``Partial`` or unknown placement, a parameter mesh that is not a
+                sub-grid of the world mesh or of a mesh containing it, or a layout torch
+                computes differently.
+        """
+        world = self.world
+        if world is None:
+            return TensorLayout(None, (), 0, piece_shape[0] if piece_shape else 0, ())
+        pmesh: DeviceMesh | None = None
+        placements: tuple[Placement, ...] = ()
+        param_dims: list[list[int]] | None = []
+        geometry = world
+        if isinstance(tensor, DTensor):
+            pmesh, placements = tensor.device_mesh, tuple(tensor.placements)
+            for placement in placements:
+                if placement.is_partial():
+                    raise ValueError(
+                        f"cannot average {fqn!r}: placement {placement} is Partial (a pending "
+                        "reduction); the EMA needs the parameter's actual values"
+                    )
+            param_dims = _sub_grid_dims(pmesh, geometry)
+            if param_dims is None:
+                geometry = _root_mesh(pmesh)
+                param_dims = _sub_grid_dims(pmesh, geometry)
+            if param_dims is None:
+                raise ValueError(
+                    f"cannot average {fqn!r}: its mesh {pmesh.mesh.tolist()} is not a sub-grid "
+                    f"of the EMA's mesh {world.mesh.tolist()}; pass mesh= the world mesh the "
+                    "model was parallelized on"
+                )
+        world_dims = _sub_grid_dims(world, geometry)
+        if world_dims is None:
+            raise ValueError(
+                f"cannot average {fqn!r}: the EMA's mesh {world.mesh.tolist()} is not a sub-grid "
+                f"of its parameter's root mesh {geometry.mesh.tolist()}"
+            )
+        allowed = {d for dims in world_dims for d in dims}
+        # EMA mesh dims (group, geometry dims, placement): the parameter's sharding dims in
+        # its order, its replicate dims outside the world (kept), then the split dims.
+        kept: list[tuple[dist.ProcessGroup, list[int], Placement, str]] = []
+        split: list[tuple[dist.ProcessGroup, list[int], str]] = []
+        covered: set[int] = set()
+        assert param_dims is not None
+        for i, dims in enumerate(param_dims):
+            covered.update(dims)
+            if not dims:
+                continue  # a size-1 parameter mesh dim: nothing is split or replicated
+            assert pmesh is not None
+            name = _dim_name(pmesh, i, "param")
+            if not placements[i].is_replicate():
+                kept.append((pmesh.get_group(i), dims, placements[i], name))
+            elif set(dims) <= allowed:
+                split.append((pmesh.get_group(i), dims, name))
+            else:
+                kept.append((pmesh.get_group(i), dims, Replicate(), name))
+        for j, dims in enumerate(world_dims):
+            if dims and not set(dims) & covered:
+                split.append((world.get_group(j), dims, _dim_name(world, j, "world")))
+            elif dims and not set(dims) <= covered:
+                raise ValueError(
+                    f"cannot average {fqn!r}: dim {j} of the EMA's mesh is only partly covered "
+                    "by the parameter's mesh; pass mesh= the world mesh the model was "
+                    "parallelized on"
+                )
+        coord = geometry.get_coordinate()
+        assert coord is not None
+        # Nested chunks of dim 0 over the split dims, outermost first.
+        offset, length = 0, piece_shape[0] if piece_shape else 0
+        levels = []
+        for group, dims, _ in split:
+            size = math.prod(geometry.size(j) for j in dims)
+            rank = _ranks_along(geometry.mesh, coord, dims).index(dist.get_rank())
+            if dist.get_rank(group) != rank:
+                raise ValueError(
+                    f"cannot average {fqn!r}: process group {group.group_name} orders its ranks "
+                    f"{dist.get_process_group_ranks(group)} unlike the mesh; build meshes with "
+                    "init_device_mesh"
+                )
+            if piece_shape:
+                levels.append(ReplicaLevel(group, size, rank, length))
+                chunk_offset, length = chunk_range(length, size, rank)
+                offset += chunk_offset
+        if not split:
+            if pmesh is not None:
+                return TensorLayout(pmesh, placements, 0, length, ())
+            return TensorLayout(world, _default_placements(world, piece_shape), 0, length, ())
+        # Plain tensors split over the world's dims in its own order keep the world mesh.
+        is_world = (
+            geometry is world
+            and not kept
+            and [d for _, d, _ in split] == [[j] for j in range(world.ndim) if world.size(j) > 1]
+        )
+        if is_world and world.ndim == len(split):
+            mesh = world
+        else:
+            mesh = self._ema_mesh(geometry, kept, split)
+        tail: Placement = Shard(0) if piece_shape else Replicate()
+        ema_placements = tuple(p for _, _, p, _ in kept) + (tail,) * len(split)
+        layout = TensorLayout(mesh, ema_placements, offset, length, tuple(levels))
+        _check_with_torch(fqn, tensor.shape, layout, piece_shape)
+        return layout
+
+    def _ema_mesh(
+        self,
+        geometry: DeviceMesh,
+        kept: list[tuple[dist.ProcessGroup, list[int], Placement, str]],
+        split: list[tuple[dist.ProcessGroup, list[int], str]],
+    ) -> DeviceMesh:
+        """The sub-grid of ``geometry`` through this rank over the EMA dims, in EMA order,
+        as a DeviceMesh over existing groups (no new process group)."""
+        dims = [(g, d, n) for g, d, _, n in kept] + split
+        order = [j for _, geometry_dims, _ in dims for j in geometry_dims]
+        coord = geometry.get_coordinate()
+        assert coord is not None
+        index: list[Any] = list(coord)
+        for j in order:
+            index[j] = slice(None)
+        sub = geometry.mesh[tuple(index)]  # remaining dims in geometry order
+        position = {j: k for k, j in enumerate(sorted(order))}
+        shape = [math.prod(geometry.size(j) for j in gdims) for _, gdims, _ in dims]
+        ranks = sub.permute([position[j] for j in order]).reshape(shape)
+        groups = [g for g, _, _ in dims]
+        names = tuple(f"ema_{n}_{k}" for k, (_, _, n) in enumerate(dims))
+        key = (tuple(g.group_name for g in groups), tuple(ranks.reshape(-1).tolist()), tuple(shape))
+        if key not in self._meshes:
+            self._meshes[key] = DeviceMesh.from_group(
+                groups, geometry.device_type, ranks, mesh_dim_names=names
+            )
+        return self._meshes[key]
+
+
+def _sub_grid_dims(mesh: DeviceMesh, geometry: DeviceMesh) -> list[list[int]] | None:
+    """For each dim of ``mesh``, the dims of ``geometry`` it spans (row-major, size-1 dims
+    left out), or ``None`` if ``mesh`` is not a sub-grid of ``geometry`` through this rank."""
+    coord, gcoord = mesh.get_coordinate(), geometry.get_coordinate()
+    if coord is None or gcoord is None:
+        return None
+    out: list[list[int]] = []
+    for i in range(mesh.ndim):
+        group_ranks = _ranks_along(mesh.mesh, coord, [i])
+        if len(group_ranks) == 1:
+            out.append([])
+            continue
+        dims = [
+            j
+            for j in range(geometry.ndim)
+            if geometry.size(j) > 1
+            and set(_ranks_along(geometry.mesh, gcoord, [j])) <= set(group_ranks)
+        ]
+        if _ranks_along(geometry.mesh, gcoord, dims) != group_ranks:
+            return None
+        out.append(dims)
+    return out
+
+
+def _default_placements(world: DeviceMesh, piece_shape: Sequence[int]) -> tuple[Placement, ...]:
+    """A plain tensor on a world whose dims are all size 1: nothing to split."""
+    return tuple(Shard(0) if piece_shape else Replicate() for _ in range(world.ndim))
+
+
+def _dim_name(mesh: DeviceMesh, dim: int, prefix: str) -> str:
+    names = mesh.mesh_dim_names
+    return names[dim] if names else f"{prefix}{dim}"
+
+
+def _check_with_torch(
+    fqn: str, shape: torch.Size, layout: TensorLayout, piece_shape: Sequence[int]
+) -> None:
+    """Refuse a layout whose local shape torch's DTensor computes differently from ours.
+
+    Nested sharding (``_StridedShard`` from FSDP2 over TP, then our ``Shard(0)`` split) is
+    read through torch's own helper; a torch release that changed its semantics would
+    otherwise give DCP wrong offsets silently.
+    """
+    assert layout.mesh is not None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - renamed in a future torch: skip the check
+        return
+    local_shape, _ = compute_local_shape_and_global_offset(shape, layout.mesh, layout.placements)
+    ours = (layout.length, *piece_shape[1:]) if piece_shape else ()
+    if tuple(local_shape) != tuple(ours):
+        raise ValueError(
+            f"cannot average {fqn!r}: splitting its local piece {tuple(piece_shape)} over the "
+            f"replica dims gives {ours}, but DTensor computes {tuple(local_shape)} for "
+            f"placements {layout.placements}; please report this layout"
+        )
+
+
+def agree_on_structure(world: DeviceMesh | None, fingerprint: Sequence[str]) -> None:
+    """Refuse a world mesh whose ranks do not track the same model. **Collective**: one
+    all-gather of one integer over each world mesh dim's group (size > 1).
+
+    Pipeline stages hold different layers: an EMA whose mesh spans stages would split a
+    stage's tensors over ranks that do not hold them and silently drop shards.
+
+    Raises:
+        ValueError: on every rank of a group whose ranks disagree, naming the dim.
+    """
+    if world is None:
+        return
+    digest = zlib.crc32("\n".join(fingerprint).encode())
+    device = (
+        torch.device(world.device_type, torch.cuda.current_device())
+        if (world.device_type == "cuda")
+        else torch.device(world.device_type)
+    )
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    for j in range(world.ndim):
+        if world.size(j) == 1:
+            continue
+        group = world.get_group(j)
+        everyone = torch.empty(world.size(j), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+        if len(set(everyone.tolist())) > 1:
+            ranks = dist.get_process_group_ranks(group)
+            raise ValueError(
+                f"the EMA's mesh dim {_dim_name(world, j, 'dim')!r} spans ranks {ranks} that track "
+                "different models (different parameter names, shapes or dtypes): pipeline "
+                "stages need one ModelEMA per stage over that stage's own mesh, e.g. "
+                "ModelEMA(stage_module, mesh=world['dp'])"
+            )
+
+
 def cpu_mesh_like(mesh: DeviceMesh) -> DeviceMesh:
-    """The same ranks and shape as ``mesh``, with device type ``cpu`` (for host-resident EMA
-    shards). A CUDA mesh's twin needs a CPU backend in the process group
-    (``init_process_group("cpu:gloo,cuda:nccl")``); building one is collective where the
-    mesh has sub-groups, so every rank must build the same meshes in the same order."""
+    """The same ranks, shape and process groups as ``mesh``, with device type ``cpu`` (for
+    host-resident EMA shards). Reuses ``mesh``'s groups, so they need a CPU backend
+    (``init_process_group("cpu:gloo,cuda:nccl")``). Local: no new process group."""
     if mesh.device_type == "cpu":
         return mesh
-    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names)
-    if key not in _CPU_MESHES:
-        _CPU_MESHES[key] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
-    return _CPU_MESHES[key]
-
-
-_CPU_MESHES: dict[tuple[object, ...], DeviceMesh] = {}
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    if mesh.ndim == 1:
+        return DeviceMesh.from_group(groups[0], "cpu", mesh.mesh, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, "cpu", mesh.mesh, mesh_dim_names=names)

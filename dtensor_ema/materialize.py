@@ -2,15 +2,24 @@
 
 ``DTensor.full_tensor()`` issues one all-gather per tensor and pads uneven shards (161
 collectives for ResNet-50). Here every rank packs its local shards of many tensors into one
-flat buffer, a single ``all_gather_into_tensor`` per bucket moves them, and each full tensor
-is cut back out of the gathered rows. The layout of every rank's buffer is computed from the
-global shapes alone (``Shard(0)`` chunk semantics), so nothing but the payload is exchanged.
+flat buffer, a single ``all_gather_into_tensor`` per bucket moves them, and each tensor is
+cut back out of the gathered rows. The layout of every rank's buffer is computed from the
+shapes alone (``Shard(0)`` chunk semantics), so nothing but the payload is exchanged.
+
+Two stages, each bucketed:
+
+1. :func:`iter_unsplit` undoes the replica split of :mod:`dtensor_ema.layout`: one flat
+   all-gather per replica dim, innermost first, rebuilds each tensor's *local piece* (what
+   the rank holds of it in the model). This is all the evaluation swap needs.
+2. :func:`gather_full_tensors` then gathers pieces that are themselves sharded (FSDP2/TP
+   parameters) over their own mesh: one flat all-gather for ``Shard(0)`` on one mesh dim,
+   ``DTensor.full_tensor()`` for any other layout.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +28,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from dtensor_ema.layout import chunk_range, contiguous_stride, shard_mesh_dim
+from dtensor_ema.layout import ReplicaLevel, chunk_range, contiguous_stride, shard_mesh_dim
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "LocalPiece", "gather_full_tensors"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "LocalPiece",
+    "SplitPiece",
+    "gather_full_tensors",
+    "iter_unsplit",
+]
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """Upper bound on one gathered bucket (``W`` ranks' padded rows together)."""
@@ -31,10 +46,26 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 @dataclass(frozen=True, slots=True)
-class LocalPiece:
-    """This rank's local piece of a global tensor, and how the pieces are laid out.
+class SplitPiece:
+    """This rank's rows of a tensor's local piece, split over replica ``levels``.
 
-    ``mesh=None`` or all-``Replicate`` placements mean ``local`` already is the full tensor.
+    ``piece_shape``: the local piece's shape once every level is gathered back;
+    ``dtype``: the dtype the rows travel in and the result has.
+    """
+
+    local: torch.Tensor
+    piece_shape: torch.Size
+    levels: tuple[ReplicaLevel, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPiece:
+    """This rank's EMA (or model) rows of a global tensor, and how they are laid out.
+
+    ``levels``: replica dims to undo first (see :class:`SplitPiece`); the result is the
+    local piece of ``shape`` under ``mesh``/``placements`` (the model tensor's own layout;
+    ``mesh=None`` or all-``Replicate`` mean the piece already is the full tensor).
     """
 
     fqn: str
@@ -43,6 +74,111 @@ class LocalPiece:
     mesh: DeviceMesh | None
     placements: tuple[Placement, ...]
     out_dtype: torch.dtype
+    levels: tuple[ReplicaLevel, ...] = ()
+    piece_shape: torch.Size | None = None
+
+
+def iter_unsplit(
+    pieces: Sequence[SplitPiece], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    """Rebuild local pieces from their replica-split rows, one bucket at a time.
+
+    **Collective** over each replica level's process group: every rank of those groups
+    must iterate to the end with the same sequence of pieces (fqns, shapes, levels).
+    Pieces without levels are yielded as they are (no copy).
+
+    Yields:
+        Lists of ``(index into pieces, tensor of piece_shape)``; tensors of a bucket are
+        fresh and contiguous, in ``piece.dtype``. Peak extra memory: about one bucket
+        (at most ``bucket_bytes`` gathered, plus the bucket's outputs).
+    """
+    plain: list[tuple[int, torch.Tensor]] = []
+    grouped: dict[tuple[Any, ...], list[int]] = {}
+    for i, piece in enumerate(pieces):
+        if not piece.levels:
+            plain.append((i, piece.local))
+            continue
+        key = (tuple(level.key for level in piece.levels), piece.local.device, piece.dtype)
+        grouped.setdefault(key, []).append(i)
+    if plain:
+        yield plain
+    for indices in grouped.values():
+        for bucket in _buckets(indices, pieces, bucket_bytes):
+            yield list(zip(bucket, _unsplit_bucket([pieces[i] for i in bucket]), strict=True))
+
+
+def _buckets(
+    indices: list[int], pieces: Sequence[SplitPiece], bucket_bytes: int
+) -> Iterable[list[int]]:
+    """Consecutive runs of pieces whose gathered (piece-sized) bytes stay under the bound."""
+    bucket: list[int] = []
+    size = 0
+    for i in indices:
+        piece = pieces[i]
+        piece_bytes = math.prod(piece.piece_shape) * piece.local.element_size()
+        if bucket and size + piece_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(i)
+        size += piece_bytes
+    if bucket:
+        yield bucket
+
+
+def _row_numel(shape: Sequence[int]) -> int:
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+def _unsplit_bucket(pieces: list[SplitPiece]) -> list[torch.Tensor]:
+    """Gather the pieces' rows level by level (innermost first); they share their levels."""
+    current = [p.local for p in pieces]
+    depth = len(pieces[0].levels)
+    for k in reversed(range(depth)):
+        level = pieces[0].levels[k]
+        rows = [p.levels[k].rows for p in pieces]
+        shapes = [(r, *p.piece_shape[1:]) for r, p in zip(rows, pieces, strict=True)]
+        current = _gather_rows(current, shapes, level, pieces[0].dtype)
+    return current
+
+
+def _gather_rows(
+    locals_: list[torch.Tensor],
+    shapes: list[tuple[int, ...]],
+    level: ReplicaLevel,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """One flat all-gather over ``level.group``: each output of ``shapes[i]`` is the
+    concatenation of every rank's dim-0 chunk (``Shard(0)`` semantics) of it."""
+    size, me = level.size, level.rank
+    segments = [
+        [chunk_range(shape[0], size, r)[1] * _row_numel(shape) for shape in shapes]
+        for r in range(size)
+    ]
+    padded = max(sum(row) for row in segments)
+    device = locals_[0].device
+    outputs = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    if padded == 0:  # every rank derives the same zero: all skip the collective together
+        return outputs
+    send = torch.empty(padded, dtype=dtype, device=device)
+    cursor = 0
+    for local, numel in zip(locals_, segments[me], strict=True):
+        assert local.numel() == numel, (tuple(local.shape), numel)
+        send[cursor : cursor + numel].view(local.shape).copy_(local)
+        cursor += numel
+    recv = torch.empty(size * padded, dtype=dtype, device=device)
+    _all_gather_flat(recv, send, group=level.group)
+    del send
+    rows = recv.view(size, padded)
+    cursors = [0] * size
+    for i, out in enumerate(outputs):
+        flat = out.view(-1)
+        start = 0
+        for r in range(size):
+            numel = segments[r][i]
+            flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
+            start += numel
+            cursors[r] += numel
+    return outputs
 
 
 def gather_full_tensors(
@@ -52,17 +188,14 @@ def gather_full_tensors(
     cpu_offload: bool = False,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> dict[str, torch.Tensor]:
-    """Materialize full tensors from local pieces. **Collective** on every mesh involved.
-
-    Pieces sharded on dim 0 over one mesh dim (``Shard(0)``, HSDP ``(Replicate, Shard(0))``)
-    travel in flat buckets: one all-gather per (process group, device, dtype) bucket of at
-    most ``bucket_bytes``. Any other sharded layout falls back to ``full_tensor()``.
+    """Materialize full tensors from local pieces. **Collective** on every group involved
+    (the replica levels' groups and the pieces' meshes).
 
     Args:
-        pieces: identical sequence (fqns, shapes, placements) on every rank.
+        pieces: identical sequence (fqns, shapes, placements, levels) on every rank.
         rank0_only: only global rank 0 keeps the result; other ranks return ``{}`` but must
             still call (they take part in the collectives).
-        cpu_offload: results live on the CPU; the gathered buckets are freed as they go, so
+        cpu_offload: results live on the CPU; gathered buckets are freed as they go, so
             peak device memory is about one bucket.
         bucket_bytes: bound on one bucket's gathered bytes (at least one tensor per bucket).
 
@@ -72,13 +205,28 @@ def gather_full_tensors(
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
+    sharded: list[LocalPiece] = []
+    split = [
+        SplitPiece(
+            p.local,
+            p.piece_shape if p.piece_shape is not None else p.local.shape,
+            p.levels,
+            p.out_dtype if _is_full(p) else p.local.dtype,
+        )
+        for p in pieces
+    ]
+    for bucket in iter_unsplit(split, bucket_bytes=bucket_bytes):
+        for i, piece_tensor in bucket:
+            piece = pieces[i]
+            if _is_full(piece):
+                if keep:
+                    out[piece.fqn] = _to_output(piece_tensor, piece.out_dtype, cpu_offload)
+            else:
+                sharded.append(_replace_local(piece, piece_tensor))
     flat_groups: dict[tuple[Any, ...], list[LocalPiece]] = {}
-    for piece in pieces:
-        mesh_dim = shard_mesh_dim(piece.placements) if piece.mesh is not None else None
-        if piece.mesh is None or not piece.placements or _all_replicate(piece.placements):
-            if keep:
-                out[piece.fqn] = _to_output(piece.local, piece.out_dtype, cpu_offload)
-        elif mesh_dim is None:
+    for piece in sharded:  # the same order on every rank: iter_unsplit's is deterministic
+        mesh_dim = shard_mesh_dim(piece.placements)
+        if mesh_dim is None:
             full = DTensor.from_local(
                 piece.local,
                 piece.mesh,
@@ -95,9 +243,18 @@ def gather_full_tensors(
     for (mesh, mesh_dim, _, _), group_pieces in flat_groups.items():
         assert isinstance(mesh, DeviceMesh)
         assert isinstance(mesh_dim, int)
-        for bucket in _buckets(group_pieces, mesh.size(mesh_dim), bucket_bytes):
-            out.update(_gather_bucket(bucket, mesh, mesh_dim, keep=keep, cpu=cpu_offload))
+        for full_bucket in _full_buckets(group_pieces, mesh.size(mesh_dim), bucket_bytes):
+            out.update(_gather_bucket(full_bucket, mesh, mesh_dim, keep=keep, cpu=cpu_offload))
     return {p.fqn: out[p.fqn] for p in pieces if p.fqn in out}
+
+
+def _is_full(piece: LocalPiece) -> bool:
+    """The local piece is the whole tensor (no mesh, or replicated on every mesh dim)."""
+    return piece.mesh is None or not piece.placements or _all_replicate(piece.placements)
+
+
+def _replace_local(piece: LocalPiece, local: torch.Tensor) -> LocalPiece:
+    return LocalPiece(piece.fqn, local, piece.shape, piece.mesh, piece.placements, piece.out_dtype)
 
 
 def _all_replicate(placements: Iterable[Placement]) -> bool:
@@ -109,11 +266,7 @@ def _to_output(tensor: torch.Tensor, dtype: torch.dtype, cpu: bool) -> torch.Ten
     return tensor.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-def _row_numel(shape: torch.Size) -> int:
-    return math.prod(shape[1:]) if len(shape) > 1 else 1
-
-
-def _buckets(
+def _full_buckets(
     pieces: list[LocalPiece], world_size: int, bucket_bytes: int
 ) -> Iterable[list[LocalPiece]]:
     """Consecutive runs of pieces whose gathered size stays under ``bucket_bytes``."""

@@ -35,18 +35,23 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.fused_update import OffloadPipeline, update_groups
-from dtensor_ema.layout import chunk_range, resolve_mesh, shard_mesh_dim
-from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES, LocalPiece, gather_full_tensors
+from dtensor_ema.layout import resolve_world_mesh
+from dtensor_ema.materialize import (
+    DEFAULT_BUCKET_BYTES,
+    LocalPiece,
+    SplitPiece,
+    gather_full_tensors,
+    iter_unsplit,
+)
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
 from dtensor_ema.plan import (
     EmaPlan,
     PlanEntry,
     build_plan,
+    ema_local_from_full,
     model_tensors,
-    source_local_view,
     unwrap_model,
 )
-from dtensor_ema.watch import registration_epoch
 
 __all__ = ["ModelEMA"]
 
@@ -130,17 +135,18 @@ class ModelEMA:
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-        self.module = unwrap_model(model)
-        _reshard_fsdp(self.module)
-        device = _model_device(self.module)
-        self.mesh = resolve_mesh(mesh, device)
+        self.model = unwrap_model(model)
+        self.module = self.model  # the tracked model; ``ema.model`` is the preferred name
+        _reshard_fsdp(self.model)
+        device = _model_device(self.model)
+        self.mesh = resolve_world_mesh(mesh, model_tensors(self.model).values(), device)
         # Capturable updates keep the counter on the device (float64 counts exactly up to
         # 2**53) so that nothing in update() reads a tensor back to the host.
         self._updates = updates
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
         self._plan: EmaPlan = build_plan(
-            self.module, self.mesh, ema_dtype=ema_dtype, offload=offload
+            self.model, self.mesh, ema_dtype=ema_dtype, offload=offload
         )
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
@@ -148,12 +154,10 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._keys = list(model_tensors(self.module))
         self._groups = update_groups(self._plan, self.options.kernel)
         self._offload = OffloadPipeline(self._groups) if offload else None
-        self._source_ptrs = _source_ptrs(self._plan)
-        self._epoch = registration_epoch()
         self._last_decay: float | None = None
+        self._swapped = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -242,6 +246,7 @@ class ModelEMA:
         """
         self._check_model_argument(model)
         if self.options.capturable:
+            self._refuse_while_swapped()
             self._update_capturable()
             return
         self._sync_sources()
@@ -360,43 +365,87 @@ class ModelEMA:
         )
 
     @contextlib.contextmanager
-    def average_parameters(self) -> Iterator[nn.Module]:
+    def average_parameters(
+        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[nn.Module]:
         """Swap the EMA weights into the model for evaluation; restore them on exit.
 
-        Yields the unwrapped model. Tensors of FSDP2 (DTensor) parameters are swapped shard
-        by shard with **no collective** (FSDP's own all-gather in forward serves the
-        evaluation). Replicated tensors (plain/DDP models, and plain buffers under FSDP2)
-        need the full EMA on every rank: **collective**, one flat all-gather per bucket.
-        Every rank of the mesh must enter the context, between training steps (FSDP2
-        modules are resharded on entry and exit, so entering between a forward and its
-        backward would make the backward all-gather the EMA weights).
+        Yields the unwrapped model. Each rank rebuilds only its own local piece of every
+        tensor: for an FSDP2/TP parameter the EMA shard is gathered over the replica dims
+        only (none on a 1-D FSDP mesh), so the full model is never gathered on a rank
+        (FSDP's own all-gather in forward serves the evaluation); replicated (plain/DDP)
+        tensors are gathered in buckets straight into the model's tensors.
 
-        Peak extra memory: one full copy of the swapped replicated tensors (the backup) plus
-        the gathered EMA, or the local shards for FSDP2 parameters.
+        **Collective** over the groups of the replica dims (the whole mesh for plain/DDP
+        models, the HSDP replicate dim, ``tp`` for TP-replicated weights; nothing for 1-D
+        FSDP2 parameters), on entry and on exit: every rank of the mesh must enter the
+        context, between training steps (FSDP2 modules are resharded on entry and exit).
+
+        Peak extra memory: this rank's EMA-sized slice of the raw parameters (the backup,
+        ``1/W`` of the swapped bytes), full copies of plain buffers (which DDP does not keep
+        identical across ranks), plus one gathered bucket (at most ``bucket_bytes``, twice:
+        the received rows and the rebuilt tensors).
+
+        Raises:
+            RuntimeError: the context is entered again while it is active. Any error while
+                swapping in restores the raw weights before it propagates; calling
+                :meth:`update` inside the context raises.
         """
+        if self._swapped:
+            raise RuntimeError(
+                "average_parameters() is already active for this EMA; exit it before "
+                "entering it again"
+            )
         self.flush()
         self._sync_sources()
-        sharded = [e for e in self._plan if e.is_dtensor_source]
-        replicated = [e for e in self._plan if not e.is_dtensor_source]
-        _reshard_fsdp(self.module)
-        with torch.no_grad():
-            ema_full = gather_full_tensors([_ema_piece(e) for e in replicated])
-            backups = [e.source_local.clone() for e in sharded]
-            backups += [e.source.detach().clone() for e in replicated]
-            for e in sharded:
-                e.source_local.copy_(e.ema_local)
-            for e in replicated:
-                e.source.detach().copy_(ema_full.pop(e.fqn))
-            del ema_full
+        _reshard_fsdp(self.model)
+        backups = [_backup(e) for e in self._plan]
+        self._swapped = True
         try:
-            yield self.module
-        finally:
-            _reshard_fsdp(self.module)
             with torch.no_grad():
-                targets = [e.source_local for e in sharded]
-                targets += [e.source.detach() for e in replicated]
-                for target, backup in zip(targets, backups, strict=True):
-                    target.copy_(backup)
+                self._write_pieces([e.ema_local for e in self._plan], bucket_bytes)
+        except BaseException:
+            with torch.no_grad():
+                self._restore(backups, bucket_bytes)
+            self._swapped = False
+            raise
+        try:
+            yield self.model
+        finally:
+            _reshard_fsdp(self.model)
+            try:
+                with torch.no_grad():
+                    self._restore(backups, bucket_bytes)
+            finally:
+                self._swapped = False
+
+    def _write_pieces(self, rows: list[torch.Tensor], bucket_bytes: int) -> None:
+        """Rebuild every tensor's local piece from ``rows`` (this rank's EMA-sized rows, one
+        per plan entry) and copy it into the model. Collective over the replica dims."""
+        entries = self._plan.entries
+        split = [
+            SplitPiece(r, e.source_piece.shape, e.levels, e.source_piece.dtype)
+            for r, e in zip(rows, entries, strict=True)
+        ]
+        for bucket in iter_unsplit(split, bucket_bytes=bucket_bytes):
+            for i, piece in bucket:
+                entries[i].source_piece.copy_(piece)
+
+    def _restore(self, backups: list[tuple[bool, torch.Tensor]], bucket_bytes: int) -> None:
+        """Put the raw weights back from :func:`_backup`'s copies (collective for the
+        entries backed up by their EMA-sized rows only)."""
+        rows = [b for full, b in backups if not full]
+        entries = [e for e, (full, _) in zip(self._plan, backups, strict=True) if not full]
+        split = [
+            SplitPiece(r, e.source_piece.shape, e.levels, e.source_piece.dtype)
+            for r, e in zip(rows, entries, strict=True)
+        ]
+        for bucket in iter_unsplit(split, bucket_bytes=bucket_bytes):
+            for i, piece in bucket:
+                entries[i].source_piece.copy_(piece)
+        for entry, (full, backup) in zip(self._plan, backups, strict=True):
+            if full:
+                entry.source_piece.copy_(backup)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> StateDict:
@@ -459,17 +508,17 @@ class ModelEMA:
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
         return (
-            f"{type(self).__name__}({type(self.module).__name__}, {mesh}, "
+            f"{type(self).__name__}({type(self.model).__name__}, {mesh}, "
             f"decay={self.decay}, tau={self.tau}, updates={self.updates}, "
             f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
         )
 
     # ------------------------------------------------------------------ internals
     def _check_model_argument(self, model: nn.Module | None) -> None:
-        if model is not None and unwrap_model(model) is not self.module:
+        if model is not None and unwrap_model(model) is not self.model:
             raise ValueError(
                 f"got a {type(model).__name__} that is not the model this EMA tracks "
-                f"({type(self.module).__name__} at {id(self.module):#x}); create a new "
+                f"({type(self.model).__name__} at {id(self.model):#x}); create a new "
                 "ModelEMA for a different model"
             )
 
@@ -512,7 +561,7 @@ class ModelEMA:
 
     def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:
         out: StateDict = {}
-        for key in self._keys:
+        for key in self._plan.keys:
             if key in tensors:
                 out[key] = tensors[key]
             elif key in followed:
@@ -521,52 +570,23 @@ class ModelEMA:
                 out[key] = tensors[self._plan.aliases[key]]
         return out
 
-    def _sync_sources(self) -> None:
-        """Re-bind the cached views if the model re-registered or re-allocated tensors.
-
-        Cost when nothing changed: one integer compare and one ``data_ptr`` per plain
-        tensor. Raises ``ValueError`` if names, shapes or dtypes changed.
-        """
-        if self._epoch == registration_epoch() and _source_ptrs(self._plan) == self._source_ptrs:
-            return
-        current = model_tensors(self.module)
-        problems = []
-        for entry in self._plan:
-            tensor = current.get(entry.fqn)
-            if tensor is None:
-                problems.append(f"{entry.fqn}: missing from the model")
-            elif tensor.shape != entry.source.shape or tensor.dtype != entry.source.dtype:
-                problems.append(
-                    f"{entry.fqn}: was {tuple(entry.source.shape)} {entry.source.dtype}, "
-                    f"now {tuple(tensor.shape)} {tensor.dtype}"
-                )
-            elif tensor.device != entry.source.device:
-                problems.append(f"{entry.fqn}: moved from {entry.source.device} to {tensor.device}")
-        known = set(self._keys)
-        problems += [f"{k}: new in the model" for k in current if k not in known]
-        if problems:
-            raise ValueError(
-                "the model's tensors changed since the EMA was created (create a new ModelEMA "
-                f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
+    def _refuse_while_swapped(self) -> None:
+        if self._swapped:
+            raise RuntimeError(
+                "the EMA weights are swapped into the model (inside average_parameters()); "
+                "update, set or materialize the EMA after the context exits"
             )
-        self._plan.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
-        self._epoch = registration_epoch()
-        moved = [
-            e
-            for e, cached in zip(self._plan, self._source_ptrs, strict=True)
-            if _local_data_ptr(current[e.fqn]) != cached
-        ]
-        for entry in self._plan:
-            entry.source = current[entry.fqn]
-        if not moved:  # a registration elsewhere: the cached views still see the same memory
+
+    def _sync_sources(self) -> None:
+        """Let the plan re-bind its views after model surgery; rebuild the update groups
+        when a tensor moved. Raises ``ValueError`` (EMA untouched) if the model changed."""
+        self._refuse_while_swapped()
+        if not self._plan.sync():
             return
         self.flush()
-        for entry in moved:
-            entry.source_local = source_local_view(entry.source, self.mesh)
         self._groups = update_groups(self._plan, self.options.kernel)
         if self._offload is not None:
             self._offload = OffloadPipeline(self._groups)
-        self._source_ptrs = _source_ptrs(self._plan)
 
 
 def _model_device(module: nn.Module) -> torch.device:
@@ -583,55 +603,37 @@ def _reshard_fsdp(module: nn.Module) -> None:
             sub.reshard()
 
 
-def _source_ptrs(plan: EmaPlan) -> list[int]:
-    """Where each tracked tensor's data lives; a change means the cached views are stale.
-
-    FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
-    backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
-    (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
-    registering anything, so DTensor sources are checked through their local tensor.
-    """
-    return [_local_data_ptr(e.source) for e in plan]
-
-
-def _local_data_ptr(tensor: torch.Tensor) -> int:
-    if isinstance(tensor, DTensor):
-        # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
-        # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
-        # the public call if a torch release renames it.
-        local = getattr(tensor, "_local_tensor", None)
-        return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
-    return tensor.data_ptr()
+def _backup(entry: PlanEntry) -> tuple[bool, torch.Tensor]:
+    """What the swap saves of one tensor: ``(True, full local piece)`` for buffers, which
+    ranks need not hold identically (BatchNorm statistics under DDP), ``(False, this rank's
+    EMA-sized rows)`` for parameters, whose replicas are identical by construction."""
+    if entry.levels and not entry.is_parameter:
+        return True, entry.source_piece.clone()
+    return False, entry.source_local.clone()
 
 
 def _ema_piece(entry: PlanEntry) -> LocalPiece:
+    source = entry.source
     return LocalPiece(
         fqn=entry.fqn,
         local=entry.ema_local,
-        shape=entry.ema.shape,
-        mesh=entry.mesh,
-        placements=entry.placements,
-        out_dtype=entry.source.dtype,
+        shape=source.shape,
+        mesh=source.device_mesh if isinstance(source, DTensor) else None,
+        placements=tuple(source.placements) if isinstance(source, DTensor) else (),
+        out_dtype=source.dtype,
+        levels=entry.levels,
+        piece_shape=entry.source_piece.shape,
     )
 
 
 def _source_piece(entry: PlanEntry) -> LocalPiece:
     source = entry.source
-    if isinstance(source, DTensor):
-        return LocalPiece(
-            fqn=entry.fqn,
-            local=entry.source_local,
-            shape=source.shape,
-            mesh=source.device_mesh,
-            placements=tuple(source.placements),
-            out_dtype=source.dtype,
-        )
     return LocalPiece(
         fqn=entry.fqn,
-        local=source.detach(),
+        local=entry.source_piece,
         shape=source.shape,
-        mesh=None,
-        placements=(),
+        mesh=source.device_mesh if isinstance(source, DTensor) else None,
+        placements=tuple(source.placements) if isinstance(source, DTensor) else (),
         out_dtype=source.dtype,
     )
 
@@ -655,14 +657,4 @@ def _local_of(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
         if (value.device_mesh, tuple(value.placements)) == (entry.mesh, entry.placements):
             return value.to_local()
         value = value.full_tensor()  # a different layout: collective on value's mesh
-    mesh, placements = entry.mesh, entry.placements
-    if mesh is None or all(p.is_replicate() for p in placements):
-        return value
-    mesh_dim = shard_mesh_dim(placements)
-    if mesh_dim is None:
-        raise ValueError(
-            f"{entry.fqn}: cannot slice a full tensor into placements {placements}; load it "
-            "through torch.distributed.checkpoint instead"
-        )
-    offset, length = chunk_range(value.shape[0], mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
-    return value.narrow(0, offset, length)
+    return ema_local_from_full(entry, value)

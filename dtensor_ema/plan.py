@@ -1,19 +1,22 @@
 """The sharding plan: which model tensors the EMA tracks, and each rank's piece of them.
 
-Built once per :class:`~dtensor_ema.ModelEMA`. For every floating-point entry of the
-unwrapped model's state dict it records
+The plan is the single owner of the model-to-EMA binding. Built once per
+:class:`~dtensor_ema.ModelEMA`; for every floating-point entry of the unwrapped model's
+state dict it records
 
-* ``source``: the model's own tensor object (a ``Parameter``, a buffer, or for FSDP2 the
+* ``source``: the model's own tensor object (a ``Parameter``, a buffer, or for FSDP2/TP the
   sharded ``DTensor`` parameter),
-* ``source_local``: the piece of it this rank averages, read as a **view** (no copy): the
-  dim-0 slice of a replicated tensor, or ``to_local()`` of a DTensor parameter,
-* ``ema``: the EMA tensor, a ``DTensor`` (``Shard(0)`` over the EMA mesh for replicated
-  tensors, ``Replicate()`` for 0-dim ones, the parameter's own mesh and placements for
-  DTensor parameters), or a plain tensor when there is no mesh,
-* ``ema_local``: ``ema.to_local()``, cached so the update touches no DTensor machinery.
+* ``source_piece``: this rank's local piece of it, as a **view**: ``to_local()`` of a
+  DTensor parameter, the whole tensor otherwise,
+* ``source_local``: the rows of ``source_piece`` this rank averages (a dim-0 view, see
+  :mod:`dtensor_ema.layout` for the rule),
+* ``ema``: the EMA ``DTensor`` (or a plain tensor when there is no mesh),
+* ``ema_local``: ``ema.to_local()``, cached so the update touches no DTensor machinery,
+* ``levels``: the replica dims ``source_local`` was split over, to rebuild the piece.
 
 Non-floating-point buffers (``num_batches_tracked``) are not averaged; they are listed in
-``followed`` and always read from the model.
+``followed`` and always read from the model. :meth:`EmaPlan.sync` re-binds the views after
+model surgery and refuses changes that would make the EMA silently wrong.
 """
 
 from __future__ import annotations
@@ -24,16 +27,25 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 
-from dtensor_ema.layout import chunk_range, contiguous_stride, cpu_mesh_like
+from dtensor_ema.layout import (
+    LayoutBuilder,
+    ReplicaLevel,
+    TensorLayout,
+    agree_on_structure,
+    contiguous_stride,
+    cpu_mesh_like,
+)
+from dtensor_ema.watch import ModuleWatch
 
 __all__ = [
     "EmaPlan",
     "PlanEntry",
     "build_plan",
     "default_ema_dtype",
-    "source_local_view",
+    "ema_local_from_full",
+    "model_tensors",
     "unwrap_model",
 ]
 
@@ -42,14 +54,18 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @dataclass(slots=True)
 class PlanEntry:
-    """One averaged tensor: the model's tensor, this rank's view of it, and its EMA."""
+    """One averaged tensor: the model's tensor, this rank's views of it, and its EMA."""
 
     fqn: str
     source: torch.Tensor
+    source_piece: torch.Tensor
     source_local: torch.Tensor
     ema: torch.Tensor
     ema_local: torch.Tensor
+    layout: TensorLayout
     is_parameter: bool
+    signature: tuple[torch.Size, torch.dtype, torch.device]
+    """Global shape, dtype and device of the source when the plan was built."""
     averaged: bool = True
     """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
 
@@ -65,21 +81,96 @@ class PlanEntry:
     def placements(self) -> tuple[Placement, ...]:
         return tuple(self.ema.placements) if isinstance(self.ema, DTensor) else ()
 
+    @property
+    def levels(self) -> tuple[ReplicaLevel, ...]:
+        return self.layout.levels
+
 
 @dataclass(slots=True)
 class EmaPlan:
     """All averaged entries in state-dict order, plus the buffers that follow the model."""
 
+    module: nn.Module
+    world: DeviceMesh | None
     entries: list[PlanEntry]
+    keys: list[str]
+    """Every state-dict key of the model, in order (averaged, followed and tied)."""
     followed: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     """Tied weights: extra fqn -> the fqn of the entry that holds the shared tensor."""
+    watch: ModuleWatch | None = None
+    _seen_epoch: int = 0
+    _pointers: list[int] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
 
     def by_fqn(self) -> dict[str, PlanEntry]:
         return {e.fqn: e for e in self.entries}
+
+    def sync(self) -> bool:
+        """Re-bind the cached views if the model re-registered or re-allocated tensors.
+
+        Local. Cost when nothing changed: one integer compare and one ``data_ptr`` per
+        tensor. Returns ``True`` when views were re-bound (update groups must be rebuilt).
+
+        Raises:
+            ValueError: names, global shapes, dtypes or devices changed, or tied weights
+                were untied, since the plan was built. The EMA is left untouched.
+        """
+        assert self.watch is not None
+        if self.watch.epoch == self._seen_epoch and _pointers(self.entries) == self._pointers:
+            return False
+        current = model_tensors(self.module)
+        problems = []
+        for entry in self.entries:
+            tensor = current.get(entry.fqn)
+            if tensor is None:
+                problems.append(f"{entry.fqn}: missing from the model")
+                continue
+            shape, dtype, device = entry.signature
+            if (tensor.shape, tensor.dtype) != (shape, dtype):
+                problems.append(
+                    f"{entry.fqn}: was {tuple(shape)} {dtype}, now {tuple(tensor.shape)} "
+                    f"{tensor.dtype}"
+                )
+            elif tensor.device != device:
+                problems.append(f"{entry.fqn}: moved from {device} to {tensor.device}")
+            elif isinstance(tensor, DTensor) and (
+                tensor.device_mesh != entry.source.device_mesh  # type: ignore[attr-defined]
+                or tuple(tensor.placements) != tuple(entry.source.placements)  # type: ignore[attr-defined]
+            ):
+                problems.append(f"{entry.fqn}: its mesh or placements changed")
+            elif isinstance(tensor, DTensor) != isinstance(entry.source, DTensor):
+                problems.append(f"{entry.fqn}: changed between DTensor and plain tensor")
+        for alias, target in self.aliases.items():
+            if alias in current and target in current and current[alias] is not current[target]:
+                problems.append(f"{alias}: was tied to {target}, now a separate tensor")
+        known = set(self.keys)
+        problems += [f"{k}: new in the model" for k in current if k not in known]
+        if problems:
+            raise ValueError(
+                "the model's tensors changed since the EMA was created (create a new ModelEMA "
+                f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
+            )
+        self.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
+        self.watch.rewatch()
+        self._seen_epoch = self.watch.epoch
+        moved = False
+        for entry in self.entries:
+            tensor = current[entry.fqn]
+            entry.source = tensor
+            if _local_data_ptr(tensor) == _local_data_ptr_of_piece(entry):
+                continue
+            moved = True
+            entry.source_piece = _piece(tensor)
+            entry.source_local = _narrow(entry.source_piece, entry.layout)
+        self._pointers = _pointers(self.entries)
+        return moved
+
+    def local_nbytes(self) -> int:
+        """Bytes of EMA storage held by this rank."""
+        return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self.entries)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -119,31 +210,46 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def build_plan(
     module: nn.Module,
-    mesh: DeviceMesh | None,
+    world: DeviceMesh | None,
     *,
     ema_dtype: torch.dtype | None = None,
     offload: bool = False,
 ) -> EmaPlan:
-    """Create the EMA tensors for ``module`` (already unwrapped). Local only: no collective.
+    """Create the EMA tensors for ``module`` (already unwrapped).
+
+    **Collective** when ``world`` has a dim of size > 1: one all-gather of one integer per
+    world mesh dim (:func:`~dtensor_ema.layout.agree_on_structure`), so every rank of
+    ``world`` must build its plan together. Peak extra memory: the EMA shards themselves.
 
     Args:
         module: the unwrapped model; FSDP2 modules must be resharded by the caller.
-        mesh: 1-D mesh that replicated tensors are sharded over, or ``None`` for plain
-            (unsharded) EMA tensors. DTensor parameters ignore it and keep their own mesh.
+        world: the mesh whose ranks share the EMA (see
+            :func:`~dtensor_ema.layout.resolve_world_mesh`), or ``None`` for plain,
+            unsharded EMA tensors.
         ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
         offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
             a CPU twin of each mesh.
 
     Raises:
-        ValueError: the model has no floating-point state, or a DTensor uses a placement
-            the EMA cannot mirror.
+        ValueError: the model has no floating-point state, has tensors on the meta device,
+            a DTensor uses a placement the EMA cannot mirror, or ``world``'s ranks track
+            different models.
     """
+    tensors = model_tensors(module)
+    on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
+    if on_meta:
+        raise ValueError(
+            f"{type(module).__name__} has tensors on the meta device ({on_meta[:5]}): "
+            "materialize the model (module.to_empty(device=...) and initialize it) before "
+            "creating its EMA"
+        )
     entries: list[PlanEntry] = []
     followed: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
     parameter_ids = {id(p) for p in module.parameters()}
-    for fqn, tensor in model_tensors(module).items():
+    builder = LayoutBuilder(world)
+    for fqn, tensor in tensors.items():
         if not torch.is_floating_point(tensor):
             followed[fqn] = tensor
             continue
@@ -152,19 +258,21 @@ def build_plan(
             continue
         seen[id(tensor)] = fqn
         dtype = ema_dtype or default_ema_dtype(tensor.dtype)
-        if isinstance(tensor, DTensor):
-            source_local, ema = _ema_for_dtensor(fqn, tensor, dtype, offload)
-        else:
-            source_local, ema = _ema_for_replicated(tensor, mesh, dtype, offload)
-        ema_local = ema.to_local() if isinstance(ema, DTensor) else ema
+        piece = _piece(tensor)
+        layout = builder.layout(fqn, tensor, piece.shape)
+        source_local = _narrow(piece, layout)
+        ema = _ema_tensor(tensor, source_local, layout, dtype, offload)
         entries.append(
             PlanEntry(
                 fqn=fqn,
                 source=tensor,
+                source_piece=piece,
                 source_local=source_local,
                 ema=ema,
-                ema_local=ema_local,
+                ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
+                layout=layout,
                 is_parameter=id(tensor) in parameter_ids,
+                signature=(tensor.shape, tensor.dtype, tensor.device),
             )
         )
     if not entries:
@@ -172,65 +280,87 @@ def build_plan(
             f"{type(module).__name__} has no floating-point parameters or buffers to average "
             f"(state dict keys: {list(followed)[:5]})"
         )
-    return EmaPlan(entries=entries, followed=followed, aliases=aliases)
-
-
-def _ema_for_dtensor(
-    fqn: str, param: DTensor, dtype: torch.dtype, offload: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mirror an FSDP2/TP parameter: same mesh, placements, global shape and stride."""
-    for placement in param.placements:
-        if isinstance(placement, Partial) or not isinstance(placement, (Shard, Replicate)):
-            raise ValueError(
-                f"cannot average {fqn!r}: placement {placement} is not Shard or Replicate"
-            )
-    source_local = source_local_view(param, None)
-    mesh = cpu_mesh_like(param.device_mesh) if offload else param.device_mesh
-    ema = DTensor.from_local(
-        _fresh_copy(source_local, dtype, offload),
-        mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
+    agree_on_structure(world, [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()])
+    plan = EmaPlan(
+        module=module,
+        world=world,
+        entries=entries,
+        keys=list(tensors),
+        followed=followed,
+        aliases=aliases,
+        watch=ModuleWatch(module),
     )
-    return source_local, ema
+    plan._pointers = _pointers(entries)
+    return plan
 
 
-def _ema_for_replicated(
-    tensor: torch.Tensor, mesh: DeviceMesh | None, dtype: torch.dtype, offload: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shard a tensor every rank holds in full: this rank keeps its dim-0 chunk."""
-    full = tensor.detach()
-    source_local = source_local_view(full, mesh)
-    if mesh is None:
-        return source_local, _fresh_copy(full, dtype, offload)
-    placements: list[Placement] = [Replicate()] if full.dim() == 0 else [Shard(0)]
-    ema = DTensor.from_local(
-        _fresh_copy(source_local, dtype, offload),
-        cpu_mesh_like(mesh) if offload else mesh,
-        placements,
-        run_check=False,
-        shape=full.shape,
-        stride=contiguous_stride(full.shape),
-    )
-    return source_local, ema
+def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
+    """This rank's EMA rows of a full (global-shape) tensor, as a view. Local.
 
+    For a DTensor source, the rank's local piece is cut out at the global offset torch's
+    DTensor computes for the source's placements, then the replica split is applied.
 
-def source_local_view(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """This rank's piece of a model tensor, as a view (never a copy).
-
-    DTensor (FSDP2/TP) parameters: ``to_local()``. Replicated tensors: the dim-0 chunk of
-    this rank on ``mesh`` (``Shard(0)`` semantics), or the whole tensor for 0-dim tensors
-    and without a mesh.
+    Raises:
+        ValueError: ``full`` has another shape than the source, or the source's layout
+            has no contiguous local piece (``_StridedShard`` layouts torch places apart).
     """
+    source = entry.source
+    if full.shape != source.shape:
+        raise ValueError(
+            f"{entry.fqn}: full tensor of shape {tuple(full.shape)}, expected {tuple(source.shape)}"
+        )
+    piece = full
+    if isinstance(source, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            source.shape, source.device_mesh, source.placements
+        )
+        if tuple(shape) != tuple(entry.source_piece.shape):
+            raise ValueError(
+                f"{entry.fqn}: cannot cut the local piece of placements {source.placements} "
+                "out of a full tensor; load it through torch.distributed.checkpoint instead"
+            )
+        for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
+            piece = piece.narrow(dim, start, length)
+    return _narrow(piece, entry.layout)
+
+
+def _piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
+    the whole (detached) tensor otherwise."""
     if isinstance(tensor, DTensor):
         return tensor.to_local().detach()
-    full = tensor.detach()
-    if mesh is None or full.dim() == 0:
-        return full
-    offset, length = chunk_range(full.shape[0], mesh.size(), mesh.get_local_rank())
-    return full.narrow(0, offset, length)
+    return tensor.detach()
+
+
+def _narrow(piece: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """The rows of ``piece`` this rank averages (a view)."""
+    if piece.dim() == 0 or (layout.offset == 0 and layout.length == piece.shape[0]):
+        return piece
+    return piece.narrow(0, layout.offset, layout.length)
+
+
+def _ema_tensor(
+    source: torch.Tensor,
+    source_local: torch.Tensor,
+    layout: TensorLayout,
+    dtype: torch.dtype,
+    offload: bool,
+) -> torch.Tensor:
+    """A fresh EMA shard, wrapped as a DTensor of the source's global shape."""
+    local = _fresh_copy(source_local, dtype, offload)
+    if layout.mesh is None:
+        return local
+    stride = source.stride() if isinstance(source, DTensor) else contiguous_stride(source.shape)
+    return DTensor.from_local(
+        local,
+        cpu_mesh_like(layout.mesh) if offload else layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=source.shape,
+        stride=stride,
+    )
 
 
 def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
@@ -242,3 +372,28 @@ def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False)
         tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
     )
     return out.copy_(tensor)
+
+
+def _pointers(entries: list[PlanEntry]) -> list[int]:
+    """Where each tracked tensor's data lives; a change means the cached views are stale.
+
+    FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
+    backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
+    (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
+    registering anything, so DTensor sources are checked through their local tensor.
+    """
+    return [_local_data_ptr(e.source) for e in entries]
+
+
+def _local_data_ptr_of_piece(entry: PlanEntry) -> int:
+    return entry.source_piece.data_ptr()
+
+
+def _local_data_ptr(tensor: torch.Tensor) -> int:
+    if isinstance(tensor, DTensor):
+        # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
+        # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
+        # the public call if a torch release renames it.
+        local = getattr(tensor, "_local_tensor", None)
+        return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
+    return tensor.data_ptr()

@@ -1,21 +1,25 @@
 """Per-rank EMA memory of models too large to build: the real plan, on the ``meta`` device.
 
-``ModelEMA`` refuses a meta model (its EMA would hold no values). :func:`plan_bytes` builds
-the same sharding plan on purpose from a meta model, so the bytes it reports are the
-library's own layout, not arithmetic. Pair it with a fake process group
+``ModelEMA`` refuses a meta model (its EMA would hold no values). :func:`plan_bytes` runs
+the plan's own layout rule (:class:`~dtensor_ema.layout.LayoutBuilder`: which rows of each
+tensor's local piece this rank averages) on a meta model on purpose, so the bytes it reports
+are the library's layout, not arithmetic. Pair it with a fake process group
 (``torch.testing._internal.distributed.fake_pg``) to be any rank of any world size in one
 process, and with ``fully_shard`` on the meta model for FSDP2/HSDP layouts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from dtensor_ema.plan import build_plan, default_ema_dtype, model_tensors, unwrap_model
+from dtensor_ema.layout import LayoutBuilder, resolve_world_mesh
+from dtensor_ema.plan import default_ema_dtype, model_tensors, unwrap_model
 
 __all__ = ["PlanBytes", "plan_bytes"]
 
@@ -37,15 +41,16 @@ class PlanBytes:
 def plan_bytes(
     model: nn.Module, mesh: DeviceMesh | None = None, *, ema_dtype: torch.dtype | None = None
 ) -> PlanBytes:
-    """Build the EMA plan for a ``meta``-device ``model`` and count this rank's bytes.
+    """Lay out the EMA of a ``meta``-device ``model`` and count this rank's bytes.
 
     Args:
         model: every tensor on the ``meta`` device (plain, or ``fully_shard``-ed on meta).
-        mesh: as for :class:`~dtensor_ema.ModelEMA` (``None``: no sharding of plain
-            tensors).
+        mesh: as for :class:`~dtensor_ema.ModelEMA` (``None``: the DTensor parameters'
+            root mesh, else the default process group, else no sharding).
         ema_dtype: as for :class:`~dtensor_ema.ModelEMA`.
 
-    Local: no collective, no memory beyond the plan's bookkeeping (meta tensors hold none).
+    Local: no collective (``ModelEMA`` also all-gathers a structure fingerprint; the
+    layout does not depend on it), and no memory: meta tensors hold none.
 
     Raises:
         ValueError: a tensor of ``model`` is not on the meta device.
@@ -58,11 +63,24 @@ def plan_bytes(
             f"plan_bytes needs a meta-device model (no memory); {real[:3]} are on "
             f"{tensors[real[0]].device}: build it under `with torch.device('meta'):`"
         )
-    plan = build_plan(module, mesh, ema_dtype=ema_dtype)
-    local = sum(e.ema_local.numel() * e.ema_local.element_size() for e in plan)
-    numel = sum(e.ema_local.numel() for e in plan)
-    replicated = 0
-    for e in plan:
-        dtype = ema_dtype or default_ema_dtype(e.source.dtype)
-        replicated += e.source.numel() * torch.empty((), dtype=dtype).element_size()
-    return PlanBytes(local, numel, replicated, len(plan.entries))
+    # Meta tensors carry no device type: take the mesh's (the parameters' or the default
+    # group's, "cpu" when there is none to copy).
+    meshes = [mesh] + [t.device_mesh for t in tensors.values() if isinstance(t, DTensor)]
+    device_type = next((m.device_type for m in meshes if m is not None), "cpu")
+    world = resolve_world_mesh(mesh, tensors.values(), torch.device(device_type))
+    builder = LayoutBuilder(world)
+    seen: set[int] = set()
+    local = numel = replicated = count = 0
+    for fqn, tensor in tensors.items():
+        if not tensor.is_floating_point() or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        size = torch.empty((), dtype=ema_dtype or default_ema_dtype(tensor.dtype)).element_size()
+        piece = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        layout = builder.layout(fqn, tensor, piece.shape)
+        n = piece.numel() if piece.dim() == 0 else layout.length * math.prod(piece.shape[1:])
+        numel += n
+        local += n * size
+        replicated += tensor.numel() * size
+        count += 1
+    return PlanBytes(local, numel, replicated, count)

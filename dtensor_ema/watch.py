@@ -1,36 +1,73 @@
-"""A cheap way for ``update()`` to notice that some model changed its structure.
+"""A cheap way for the plan to notice that the tracked model changed its structure.
 
 Walking a model's state dict costs ~0.3 ms for ResNet-50, more than a sharded update on a
-GPU. Instead, global module registration hooks bump a counter whenever any module
-registers a parameter, buffer or submodule (``model.fc = nn.Linear(...)``,
-``load_state_dict(assign=True)``); ``update()`` compares one integer and re-walks only when
-it moved. FSDP2 swaps sharded/unsharded parameters through ``module._parameters`` directly,
-which does not fire these hooks.
+GPU. Instead, global module registration hooks bump the counter of the :class:`ModuleWatch`
+that tracks the registering module, whenever a *tracked* module registers a parameter,
+buffer or submodule (``model.fc = nn.Linear(...)``, ``load_state_dict(assign=True)``);
+``update()`` compares one integer and re-walks only when it moved. Modules built elsewhere
+in the process (a loss module inside the training step) cost one weak-set lookup per
+registration and never trigger a walk. The hooks are removed when the last watch is
+garbage-collected. FSDP2 swaps sharded/unsharded parameters through ``module._parameters``
+directly, which does not fire these hooks.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+from torch import nn
 from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["registration_epoch"]
+__all__ = ["ModuleWatch"]
 
-_epoch = 0
-_installed = False
-
-
-def _bump(*_args: Any) -> None:
-    global _epoch
-    _epoch += 1
+_watches: weakref.WeakSet[ModuleWatch] = weakref.WeakSet()
+_handles: list[RemovableHandle] = []
 
 
-def registration_epoch() -> int:
-    """A counter that grows whenever any ``nn.Module`` registers a tensor or submodule."""
-    global _installed
-    if not _installed:
-        _module.register_module_parameter_registration_hook(_bump)
-        _module.register_module_buffer_registration_hook(_bump)
-        _module.register_module_module_registration_hook(_bump)
-        _installed = True
-    return _epoch
+def _on_registration(module: nn.Module, *_args: Any) -> None:
+    for watch in list(_watches):
+        if module in watch._modules:
+            watch.epoch += 1
+
+
+def _install() -> None:
+    if not _handles:
+        _handles.append(_module.register_module_parameter_registration_hook(_on_registration))
+        _handles.append(_module.register_module_buffer_registration_hook(_on_registration))
+        _handles.append(_module.register_module_module_registration_hook(_on_registration))
+
+
+def _uninstall_if_unused() -> None:
+    if not list(_watches):  # iterating skips references that are dying right now
+        for handle in _handles:
+            handle.remove()
+        _handles.clear()
+
+
+def hooks_installed() -> bool:
+    """Whether the global registration hooks are installed (for tests)."""
+    return bool(_handles)
+
+
+class ModuleWatch:
+    """Counts registrations on the modules of one model (weakly referenced).
+
+    ``epoch`` grows whenever one of ``root``'s modules registers a tensor or submodule.
+    :meth:`rewatch` re-reads the module tree after a walk, so new submodules are watched.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.epoch = 0
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet(root.modules())
+        self._root = weakref.ref(root)
+        _install()
+        _watches.add(self)
+        weakref.finalize(self, _uninstall_if_unused)
+
+    def rewatch(self) -> None:
+        """Watch the root's current module tree (after a structural change)."""
+        root = self._root()
+        if root is not None:
+            self._modules = weakref.WeakSet(root.modules())

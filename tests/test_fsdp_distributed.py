@@ -240,12 +240,22 @@ def _scenario(cfg: dict[str, Any], fsdp_mesh: DeviceMesh, world_size: int) -> di
     for fqn, e in ema.ema_tensors().items():
         src = sharded_params[fqn]
         if isinstance(src, DTensor):
-            same = (e.device_mesh, e.placements, e.shape, e.stride()) == (
-                src.device_mesh,
-                src.placements,
-                src.shape,
-                src.stride(),
-            )
+            # Mirrored where the parameter is sharded over the whole EMA world; on HSDP
+            # with the 2-D world the EMA is split over the replicate dim too (issue 10).
+            split_over_replicas = fsdp_mesh.ndim == 2 and cfg.get("ema_mesh") != "shard"
+            if split_over_replicas:
+                same = (str(e.placements), e.shape, e.stride()) == (
+                    "(Shard(dim=0), Shard(dim=0))",
+                    src.shape,
+                    src.stride(),
+                )
+            else:
+                same = (e.device_mesh, e.placements, e.shape, e.stride()) == (
+                    src.device_mesh,
+                    src.placements,
+                    src.shape,
+                    src.stride(),
+                )
             if not same:
                 layout_bad.append(fqn)
         else:
@@ -361,6 +371,13 @@ def _follows_module_to(fsdp_mesh: DeviceMesh) -> list[str]:
     ema = ModelEMA(model, decay=0.5, tau=None)
     start = {k: _full(v) for k, v in ema.ema_tensors().items()}
     model.to(torch.float64)
+    try:  # a dtype change is model surgery the EMA refuses (issue 15), naming the tensors
+        ema.update()
+        return ["a float64 model was accepted"]
+    except ValueError as e:
+        if "now (6, 4) torch.float64" not in str(e):
+            return [f"unexpected error: {e}"]
+    model.to(torch.float32)  # back to the EMA's dtype, in new storage: the views must follow
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(3.0)
@@ -369,15 +386,17 @@ def _follows_module_to(fsdp_mesh: DeviceMesh) -> list[str]:
     return mismatches(got, {k: v.lerp(torch.full_like(v, 3.0), 0.5) for k, v in start.items()})
 
 
-def _hsdp_errors(fsdp_mesh: DeviceMesh) -> dict[str, str]:
-    """Passing the 2-D HSDP mesh itself is refused: the EMA mesh is for plain tensors."""
+def _hsdp_errors(fsdp_mesh: DeviceMesh) -> dict[str, int]:
+    """The 2-D HSDP mesh itself, ``None`` and the shard submesh as the EMA mesh: the first
+    two split the EMA over the replicate dim too (total / W per rank), the shard submesh
+    keeps it replicated there (total / shard size, as the parameters)."""
     model = _base_model({"model": "transformer"}, _device())
     _shard(model, {"model": "transformer"}, fsdp_mesh)
-    try:
-        ModelEMA(model, mesh=fsdp_mesh)
-    except ValueError as e:
-        return {"mesh_2d": str(e)}
-    return {}
+    return {
+        "hsdp_mesh": ModelEMA(model, mesh=fsdp_mesh).local_nbytes(),
+        "default": ModelEMA(model).local_nbytes(),
+        "shard_submesh": ModelEMA(model, mesh=fsdp_mesh["shard"]).local_nbytes(),
+    }
 
 
 def fsdp_body(rank: int, world_size: int) -> dict[str, Any]:
@@ -442,9 +461,13 @@ def test_plain_buffers_use_the_given_mesh(fsdp: Any) -> None:
         r = results[0][name]
         cfg = {**FSDP_1D, **HSDP}[name]
         shard_submesh = cfg.get("ema_mesh") == "shard"
-        assert r["ema_mesh_shape"] == ((2,) if shard_submesh else (world_size,)), name
+        hsdp_world = world_size == 4 and not shard_submesh  # the root 2-D mesh (issue 10)
+        expected_shape = (2,) if shard_submesh else (2, 2) if hsdp_world else (world_size,)
+        assert r["ema_mesh_shape"] == expected_shape, name
         if cfg["model"] == "transformer":
             assert r["buffer_meshes"] == set(), name
+        elif hsdp_world:
+            assert r["buffer_meshes"] == {(True, "(Shard(dim=0), Shard(dim=0))")}, name
         else:
             assert r["buffer_meshes"] == {(True, "(Shard(dim=0),)")}, name
 
@@ -490,11 +513,22 @@ def test_tied_weights_survive_fsdp(fsdp: Any) -> None:
 
 
 def test_swap_issues_no_collective_for_fsdp_parameters(fsdp: Any) -> None:
-    for where, r in _each(fsdp):
-        assert r["swap_exit_comms"] == 0, where
-        has_plain_buffers = r["model"] != "transformer"
-        # Only plain float buffers (BatchNorm stats) need a gather: one per dtype bucket.
-        assert r["swap_enter_comms"] == (1 if has_plain_buffers else 0), (where, r)
+    """1-D FSDP2 parameters swap with no collective; plain float buffers (BatchNorm stats)
+    need one gather per replica dim. On HSDP with the 2-D world the EMA of each parameter
+    is split over the replicate dim: one gather over that dim on entry and one on exit
+    (the backup is this rank's slice only), never a gather of the full model."""
+    world_size, _ = fsdp
+    for name in _scenarios(world_size):
+        cfg = {**FSDP_1D, **HSDP}[name]
+        has_plain_buffers = cfg["model"] != "transformer"
+        hsdp_world = world_size == 4 and cfg.get("ema_mesh") != "shard"
+        buffer_levels = 0 if world_size == 1 else 2 if hsdp_world else 1
+        enter = (buffer_levels if has_plain_buffers else 0) + (1 if hsdp_world else 0)
+        exit_ = 1 if hsdp_world else 0
+        for rank, r in enumerate(fsdp[1]):
+            where = f"W={world_size} rank {rank} {name}"
+            assert r[name]["swap_enter_comms"] == enter, (where, r[name]["swap_enter_comms"])
+            assert r[name]["swap_exit_comms"] == exit_, (where, r[name]["swap_exit_comms"])
 
 
 def test_swap_evaluates_the_ema_and_restores_the_model(fsdp: Any) -> None:
@@ -516,11 +550,14 @@ def test_update_follows_module_to_after_construction(fsdp: Any) -> None:
         assert r["module_to"] == []
 
 
-def test_hsdp_refuses_its_2d_mesh_as_ema_mesh(fsdp: Any) -> None:
+def test_hsdp_mesh_choices_split_the_ema_as_documented(fsdp: Any) -> None:
     world_size, results = fsdp
     if world_size != 4:
         pytest.skip("HSDP runs at W=4")
-    assert "mesh must be 1-D" in results[0]["errors"]["mesh_2d"]
+    for r in results:
+        sizes = r["errors"]
+        assert sizes["hsdp_mesh"] == sizes["default"], sizes
+        assert 1.7 < sizes["shard_submesh"] / sizes["default"] <= 2.3, sizes
 
 
 def test_fsdp_training_matches_an_unsharded_twin(fsdp: Any) -> None:
