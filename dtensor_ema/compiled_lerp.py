@@ -123,8 +123,13 @@ class CompiledLerp:
         return torch.compile(fn, fullgraph=True, dynamic=True, options=options)
 
     def __call__(self, sources: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
-        if torch.compiler.is_compiling():  # inside the caller's torch.compile: inline the body
-            _lerp_body(self._emas, sources, weights)
+        if torch.compiler.is_compiling():
+            # Inside the caller's torch.compile (a captured capturable update): trace what the
+            # eager kernel does, which the caller's Inductor lowers with eager's bits; our
+            # body would be compiled without our options (no FMA contraction on CPU).
+            ends = [s.to(self._emas[0][0].dtype) for s in sources]
+            for emas, weight in zip(self._emas, weights, strict=True):
+                torch._foreach_lerp_(emas, ends, [weight] * len(emas))
             return True
         emas, flat_sources = self._flat_args(sources)
         if self._fn is not None and self.compile_seconds is not None:

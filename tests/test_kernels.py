@@ -239,3 +239,18 @@ def test_kernel_option_is_validated() -> None:
     assert {g.kernel for g in ModelEMA(model, kernel="auto")._groups} == {"eager"}  # CPU default
     bf16_ema = ModelEMA(model, kernel="compiled", ema_dtype=torch.bfloat16)
     assert {g.kernel for g in bf16_ema._groups} == {"eager"}  # not covered: stays eager
+
+
+def test_compiled_capturable_update_inside_the_callers_compile() -> None:
+    """``torch.compile(ema.update, fullgraph=True)`` with ``kernel="compiled"`` traces the
+    kernel into the caller's graph and keeps eager's bits (no FMA contraction is lost)."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5)
+    graphed = ModelEMA(model, decay=DECAY, tau=TAU, capturable=True, kernel="compiled")
+    host = ModelEMA(model, decay=DECAY, tau=TAU, kernel="eager")
+    update = torch.compile(graphed.update, fullgraph=True)
+    for step in range(3):
+        _perturb(model, step)
+        update()
+        host.update()
+    assert _mismatches(_full(graphed), _full(host)) == []
