@@ -58,24 +58,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int, reps: int) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def interleave(
-    impls: dict[str, Callable[[], object]], device: torch.device, *, warmup: int, reps: int
+    impls: dict[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    warmup: int,
+    reps: int,
+    clock: str = "wall",
 ) -> dict[str, float]:
-    """Median seconds per call of each implementation, taking turns every repeat."""
+    """Median seconds per call of each implementation, taking turns every repeat.
+
+    ``clock="cpu"``: this thread's CPU time (with one torch thread, the work itself; on a
+    shared CPU it leaves out the time other processes hold the core).
+    """
+    timer = time.thread_time if clock == "cpu" else time.perf_counter
     for fn in impls.values():
         for _ in range(warmup):
             fn()
@@ -86,10 +82,10 @@ def interleave(
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             _sync(device)
-            start = time.perf_counter()
+            start = timer()
             impls[name]()
             _sync(device)
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(timer() - start)
     return {n: statistics.median(s) for n, s in samples.items()}
 
 
@@ -354,12 +350,16 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
     models = args.speed_models or (SPEED_MODELS_CPU if args.device == "cpu" else SPEED_MODELS_GPU)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
-    reps = 5 if args.device == "cpu" else 20
+    reps = 7 if args.device == "cpu" else 20
+    # CPU: one thread and thread CPU time, so a shared machine's load cancels in the ratios.
+    clock = "cpu" if args.device == "cpu" else "wall"
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     for name in models:
         for dt in ("fp32", "bf16"):
             dtype = torch.float32 if dt == "fp32" else torch.bfloat16
             try:
-                timm_s, total = _timm_replicated(name, dtype, device, reps)
+                timm_s, total = _timm_replicated(name, dtype, device, reps, clock)
             except Exception as err:
                 timm_s, total = None, None
                 errors.append(f"timm {name} {dt}: {type(err).__name__}: {err}")
@@ -416,12 +416,14 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
                             device,
                             warmup=2,
                             reps=reps,
+                            clock=clock,
                         )
                         copy_bw = 2 * src.numel() * 4 / times["copy"]
                         row = {
                             "model": name,
                             "dtype": dt,
                             "world": world,
+                            "clock": clock,
                             "local_values": numel,
                             "params_total": count_params(model),
                             "first_compiled_update_s": round(first, 2),
@@ -454,7 +456,7 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _timm_replicated(
-    name: str, dtype: torch.dtype, device: torch.device, reps: int
+    name: str, dtype: torch.dtype, device: torch.device, reps: int, clock: str
 ) -> tuple[float, int]:
     """timm ModelEmaV3 on a full replica (what every rank updates without sharding)."""
     from shapes import count_params, meta_model
@@ -466,7 +468,9 @@ def _timm_replicated(
             if t.is_floating_point():
                 t.normal_()
     ema = ModelEmaV3(model, decay=DECAY, dtype=torch.float32)
-    seconds = time_fn(lambda: ema.update(model), device, warmup=2, reps=reps)
+    seconds = interleave(
+        {"timm": lambda: ema.update(model)}, device, warmup=2, reps=reps, clock=clock
+    )["timm"]
     return seconds, count_params(model)
 
 

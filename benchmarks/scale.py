@@ -42,6 +42,8 @@ from dtensor_ema import ModelEMA  # noqa: E402
 from dtensor_ema.simulate import plan_bytes  # noqa: E402
 
 GB = 1e9
+CLOCK = {"cpu": "cpu", "cuda": "wall"}
+"""CPU: one torch thread, thread CPU time (a shared machine's load cancels in the ratios)."""
 DECAY = 0.9999
 MODELS = ("llama3-8b", "llama3-70b", "llama3-405b")
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -91,7 +93,9 @@ def timm_ns_per_value(device: torch.device, reps: int) -> float:
         for p in model.parameters():
             p.normal_()
     ema = ModelEmaV3(model, decay=DECAY, dtype=torch.float32)
-    seconds = interleave({"timm": lambda: ema.update(model)}, device, warmup=1, reps=reps)
+    seconds = interleave(
+        {"timm": lambda: ema.update(model)}, device, warmup=1, reps=reps, clock=CLOCK[device.type]
+    )
     return seconds["timm"] / count_params(model) * 1e9
 
 
@@ -120,6 +124,7 @@ def time_rows(points: tuple[tuple[str, int], ...], device: torch.device, reps: i
                 device,
                 warmup=1,
                 reps=reps,
+                clock=CLOCK[device.type],
             )
             copy_bw = nbytes / t["copy"]
             params = count_params(meta_model(name))
@@ -129,6 +134,7 @@ def time_rows(points: tuple[tuple[str, int], ...], device: torch.device, reps: i
                 {
                     "model": name,
                     "world": world,
+                    "clock": CLOCK[device.type],
                     "local_values_M": round(numel / 1e6, 1),
                     "eager_ms": round(t["eager"] * 1e3, 2),
                     "compiled_ms": round(t["compiled"] * 1e3, 2),
@@ -222,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     worlds = (8, 1024) if args.quick else WORLDS
     points = (("llama3-8b", 1024),) if args.quick else TIME_POINTS
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     results: dict[str, Any] = {
         "env": {
             "torch": torch.__version__,

@@ -14,9 +14,9 @@ the same multiply-add (off by default: without it about a quarter of the values 
 last bit). The upcast is exact.
 
 The weight goes in as a 0-dim tensor (data, not a constant), so changing the decay never
-recompiles. Each kernel object compiles its own function (a fresh code object, hence its
-own Dynamo cache), with dynamic shapes over flat views of contiguous tensors: one graph per
-group of tensors, one generated loop reused for every tensor size.
+recompiles. Each graph is its own function (a fresh code object, hence its own Dynamo
+cache) over flat views of contiguous tensors, at most :data:`CHUNK_TENSORS` tensors per
+graph so compile time stays linear in the number of tensors.
 """
 
 from __future__ import annotations
@@ -94,6 +94,17 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+CHUNK_TENSORS = 32
+"""Tensors per compiled graph. Inductor's scheduler tries fusions pairwise, so one graph of
+n independent tensors costs O(n^2) to compile (ResNet-50's 267 tensors: minutes on CPU);
+graphs of <= 32 keep compile time linear, and repeated layers hit Inductor's caches."""
+
+DYNAMIC = False
+"""Static shapes: one kernel per distinct tensor size, deduplicated by Inductor (a
+transformer has a handful); symbolic sizes would share one kernel but make every graph pay
+for symbolic shape reasoning."""
+
+
 class CompiledLerp:
     """``emas[k][i].lerp_(sources[i], weights[k])`` for all k and i in one compiled pass.
 
@@ -111,16 +122,16 @@ class CompiledLerp:
         self._emas = [list(e) for e in emas]
         self.device = self._emas[0][0].device
         self.compile_seconds: float | None = None
-        self._args: dict[int, tuple[list[torch.Tensor], list[list[torch.Tensor]], Any]] = {}
-        self._fn: Callable[..., None] | None = None
+        self._args: dict[int, tuple[list[tuple[Any, Any]], list[torch.Tensor]]] = {}
+        self._fns: list[Callable[..., None]] = []
 
     def _compile(self) -> Callable[..., None]:
         name = f"_dtensor_ema_lerp_{next(_ids)}"
-        # A fresh code object per kernel: Dynamo keys its cache (and its recompile limit) on
-        # the code object, so groups with other shapes never count as recompiles.
+        # A fresh code object per graph: Dynamo keys its cache (and its recompile limit) on
+        # the code object, so graphs of other shapes never count as recompiles.
         fn = types.FunctionType(_lerp_body.__code__.replace(co_name=name), _lerp_body.__globals__)
         options = dict(INDUCTOR_OPTIONS.get(self.device.type, {})) or None
-        return torch.compile(fn, fullgraph=True, dynamic=True, options=options)
+        return torch.compile(fn, fullgraph=True, dynamic=DYNAMIC, options=options)
 
     def __call__(self, sources: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
         if torch.compiler.is_compiling():
@@ -128,25 +139,31 @@ class CompiledLerp:
             # eager kernel does, which the caller's Inductor lowers with eager's bits; our
             # body would be compiled without our options (no FMA contraction on CPU).
             ends = [s.to(self._emas[0][0].dtype) for s in sources]
-            for emas, weight in zip(self._emas, weights, strict=True):
-                torch._foreach_lerp_(emas, ends, [weight] * len(emas))
+            for ema_list, weight in zip(self._emas, weights, strict=True):
+                torch._foreach_lerp_(ema_list, ends, [weight] * len(ema_list))
             return True
-        emas, flat_sources = self._flat_args(sources)
-        if self._fn is not None and self.compile_seconds is not None:
-            self._fn(emas, flat_sources, weights)
+        chunks = self._chunked_args(sources)
+        if self.compile_seconds is not None:
+            for fn, (emas, flat_sources) in zip(self._fns, chunks, strict=True):
+                fn(emas, flat_sources, weights)
             return True
-        reason = compile_unavailable_reason(self.device)
-        if reason is not None:
+        if compile_unavailable_reason(self.device) is not None:
             return False
         start = time.perf_counter()
         try:
-            self._fn = self._compile()
-            # Dynamo and Inductor raise TorchDynamoException subclasses for anything that
-            # fails while tracing or compiling, i.e. before the graph writes an EMA value;
-            # errors while the kernel runs propagate, so an EMA is never updated twice.
-            self._fn(emas, flat_sources, weights)
+            # Compile (and run) every chunk's graph. Dynamo and Inductor raise
+            # TorchDynamoException subclasses for anything that fails while tracing or
+            # compiling, i.e. before a graph writes an EMA value; a failure after some chunks
+            # ran is re-raised (never silently applied twice), as are errors while running.
+            for emas, flat_sources in chunks:
+                fn = self._compile()
+                fn(emas, flat_sources, weights)
+                self._fns.append(fn)
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
-            if not isinstance(err, torch._dynamo.exc.TorchDynamoException) and self._fn:
+            compile_error = isinstance(err, torch._dynamo.exc.TorchDynamoException) or (
+                "option" in str(err)  # torch.compile(options=...) rejected before tracing
+            )
+            if self._fns or not compile_error:
                 raise
             first_line = str(err).splitlines()[0] if str(err) else ""
             reason = f"{type(err).__name__}: {first_line[:120]}"
@@ -157,20 +174,21 @@ class CompiledLerp:
         logger.info(
             "dtensor_ema: compiled the update of %d tensors x %d EMAs on %s in %.1f s",
             len(sources),
-            len(emas),
+            len(self._emas),
             self.device,
             self.compile_seconds,
         )
         return True
 
-    def _flat_args(
+    def _chunked_args(
         self, sources: list[torch.Tensor]
-    ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-        """Flat views where the source and every EMA are contiguous (so one generated loop
-        serves every size), the tensors themselves otherwise. Cached per sources list."""
+    ) -> list[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]:
+        """Per chunk of <= :data:`CHUNK_TENSORS` tensors: flat views where the source and
+        every EMA are contiguous, the tensors themselves otherwise. Cached per sources list
+        (the list object is kept, so its ``id`` cannot be reused while cached)."""
         cached = self._args.get(id(sources))
-        if cached is not None and cached[2] is sources:
-            return cached[1], cached[0]
+        if cached is not None and cached[1] is sources:
+            return cached[0]
         flat_sources: list[torch.Tensor] = []
         emas: list[list[torch.Tensor]] = [[] for _ in self._emas]
         for i, source in enumerate(sources):
@@ -180,5 +198,9 @@ class CompiledLerp:
             flat_sources.append(source)
             for out, ema in zip(emas, column, strict=True):
                 out.append(ema)
-        self._args[id(sources)] = (flat_sources, emas, sources)
-        return emas, flat_sources
+        chunks = [
+            ([e[i : i + CHUNK_TENSORS] for e in emas], flat_sources[i : i + CHUNK_TENSORS])
+            for i in range(0, len(flat_sources), CHUNK_TENSORS)
+        ]
+        self._args[id(sources)] = (chunks, sources)
+        return chunks
