@@ -50,9 +50,7 @@ WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 # (model, W) whose rank-0 tensors fit a laptop-class host: <= ~2 GB of EMA + source.
 TIME_POINTS = (
     ("llama3-8b", 64),
-    ("llama3-8b", 256),
     ("llama3-8b", 1024),
-    ("llama3-70b", 512),
     ("llama3-70b", 1024),
     ("llama3-405b", 1024),
 )
@@ -177,8 +175,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                 marker=marker,
                 linestyle="-" if layout == "fsdp2" else "none",
                 color=color,
-                label=f"{name} dtensor_ema ({layout})" if i == 0 or layout == "fsdp2" else None,
-                markersize=5,
+                markerfacecolor=color if layout == "fsdp2" else "none",
+                markersize={"ddp": 10, "hsdp": 7, "fsdp2": 4}[layout],
+                label=f"{name} dtensor_ema"
+                if layout == "fsdp2"
+                else (f"{layout} (all models)" if i == 0 else None),
             )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -215,18 +216,32 @@ def bytes_summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_markdown(results: dict[str, Any], out: Path) -> None:
+    md = ["# Scale simulation\n", f"`{json.dumps(results['env'])}`\n", "## EMA GB per rank\n"]
+    md += [bytes_summary(results["bytes"]), "\n### All rows\n", table(results["bytes"])]
+    if "time" in results:
+        md += ["\n## Per-rank update time (rank 0's real tensors)\n", table(results["time"])]
+    (out / "scale.md").write_text("\n".join(md))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("scale_out"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="8B only, W = 8, 1024; one time point")
     p.add_argument("--skip-time", action="store_true")
+    p.add_argument("--from-json", type=Path, help="re-render scale.md and the plot only")
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     models = MODELS[:1] if args.quick else MODELS
     worlds = (8, 1024) if args.quick else WORLDS
     points = (("llama3-8b", 1024),) if args.quick else TIME_POINTS
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        plot(results["bytes"], args.out / "scale_bytes.png")
+        write_markdown(results, args.out)
+        return 0
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -242,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_time:
         results["time"] = time_rows(points, device, 3 if args.quick else args.reps)
     (args.out / "scale.json").write_text(json.dumps(results, indent=1))
-    md = ["# Scale simulation\n", f"`{json.dumps(results['env'])}`\n", "## EMA GB per rank\n"]
-    md += [bytes_summary(results["bytes"]), "\n### All rows\n", table(results["bytes"])]
-    if "time" in results:
-        md += ["\n## Per-rank update time (rank 0's real tensors)\n", table(results["time"])]
-    (args.out / "scale.md").write_text("\n".join(md))
+    write_markdown(results, args.out)
     print(f"wrote {args.out}/scale.md, scale.json, scale_bytes.png")
     return 0
 
