@@ -29,7 +29,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
-    _install(session, "test")
+    _install(session, "test,lightning,transformers")
     _pytest(session)
 
 
@@ -60,7 +60,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy on the package."""
-    _install(session, "test")
+    _install(session, "test,lightning,transformers")
     session.install("mypy>=1.10")
     session.run("mypy", "dtensor_ema")
 
@@ -83,4 +83,8 @@ def gpu(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Run every example end to end under torchrun with tiny settings (add -- -s to watch)."""
     _install(session, "examples,test")
-    _pytest(session, "tests/test_examples_smoke.py")
+    _pytest(
+        session,
+        "tests/test_examples_smoke.py",
+        "tests/test_posthoc_single.py::test_example_runs",
+    )

@@ -24,7 +24,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 from workloads import DECAY, GPT, ModelSpec, build_model, get_spec, replicated_baselines
 
 from dtensor_ema import ModelEMA
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 
 GiB = 1024**3
 # Per-process footprint of torch + timm + torchvision before any model (measured ~0.4 GiB).
@@ -95,25 +94,6 @@ def _nbytes(tensors: Any) -> int:
 def _unique_float(model: nn.Module) -> list[torch.Tensor]:
     unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
     return [t for t in unique.values() if t.is_floating_point()]
-
-
-def _ema_pieces(ema: ModelEMA, model: nn.Module) -> list[LocalPiece]:
-    """The EMA's local shards as the library's gather input (EMA only, no model copy)."""
-    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
-    pieces = []
-    for fqn, t in ema.ema_tensors().items():
-        assert isinstance(t, DTensor)
-        pieces.append(
-            LocalPiece(
-                fqn=fqn,
-                local=t.to_local(),
-                shape=t.shape,
-                mesh=t.device_mesh,
-                placements=tuple(t.placements),
-                out_dtype=dtypes[fqn],
-            )
-        )
-    return pieces
 
 
 COPY_REF_CAP = 256 * 1024**2
@@ -227,7 +207,6 @@ def bench_update_and_materialize(
     if skip:
         out["materialize_skipped"] = skip
         return out
-    pieces = _ema_pieces(ema, model)
     dtensors = [t for t in ema.ema_tensors().values() if isinstance(t, DTensor)]
     chunk = -(-ema_total // 4 // world_size)  # fp32 elements per rank, padded
     send = torch.zeros(chunk, dtype=torch.float32, device=device)
@@ -242,7 +221,7 @@ def bench_update_and_materialize(
 
     mat_impls: dict[str, Callable[[], object]] = {
         "get_model_state_dict": ema.get_model_state_dict,
-        "ema_flat_buckets": lambda: gather_full_tensors(pieces),
+        "ema_flat_buckets": ema.get_ema_state_dict,  # the EMA half alone
         "full_tensor_each": lambda: [t.full_tensor() for t in dtensors],
         "all_gather_flat_ref": flat_all_gather,
         # What the two numbers above are made of: the wire alone, and fresh memory alone

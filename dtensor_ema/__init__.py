@@ -24,6 +24,7 @@ from dtensor_ema.decay import (
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
+from dtensor_ema.posthoc import PostHocEMA, merge_snapshots, synthesize
 
 try:
     __version__ = version("dtensor_ema")
@@ -37,6 +38,7 @@ __all__ = [
     "HalfLifeDecay",
     "ModelEMA",
     "MultiModelEMA",
+    "PostHocEMA",
     "RampDecay",
     "WarmupDecay",
     "__version__",
@@ -44,5 +46,7 @@ __all__ = [
     "convert_checkpoint",
     "export_ema",
     "load_checkpoint",
+    "merge_snapshots",
     "save_checkpoint",
+    "synthesize",
 ]

@@ -137,7 +137,8 @@ def resolve_world_mesh(
         if not (dist.is_available() and dist.is_initialized()):
             return None
         meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)]
-        roots = {id(_root_mesh(m)): m for m in meshes}
+        # By value: fully_shard() without mesh= builds an equal new default mesh per call.
+        roots = {_mesh_key(_root_mesh(m)): m for m in meshes}
         if len(roots) > 1:
             raise ValueError(
                 "the model's DTensor parameters live on meshes with different roots "
@@ -160,6 +161,10 @@ def resolve_world_mesh(
             "rank that constructs the EMA must be part of its mesh"
         )
     return mesh
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
+    return (mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh.reshape(-1).tolist()))
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -103,8 +103,32 @@ def iter_unsplit(
     if plain:
         yield plain
     for indices in grouped.values():
-        for bucket in _buckets(indices, pieces, bucket_bytes):
+        direct = [i for i in indices if _direct(pieces[i])]
+        for i in direct:  # large, evenly split: gathered straight into their output
+            yield [(i, _gather_direct(pieces[i]))]
+        bucketed = [i for i in indices if not _direct(pieces[i])]
+        for bucket in _buckets(bucketed, pieces, bucket_bytes):
             yield list(zip(bucket, _unsplit_bucket([pieces[i] for i in bucket]), strict=True))
+
+
+DIRECT_BYTES = 1 << 20
+"""Pieces at least this large whose rows split evenly skip the flat buffers (one
+all-gather each, straight into the output: no packing, no unpacking, no extra memory)."""
+
+
+def _direct(piece: SplitPiece) -> bool:
+    if len(piece.levels) != 1:
+        return False
+    level = piece.levels[0]
+    nbytes = math.prod(piece.piece_shape) * piece.local.element_size()
+    return level.rows % level.size == 0 and nbytes >= DIRECT_BYTES
+
+
+def _gather_direct(piece: SplitPiece) -> torch.Tensor:
+    out = torch.empty(piece.piece_shape, dtype=piece.dtype, device=piece.local.device)
+    send = piece.local.to(piece.dtype, memory_format=torch.contiguous_format)
+    _all_gather_flat(out.view(-1), send.reshape(-1), group=piece.levels[0].group)
+    return out
 
 
 def _buckets(
@@ -219,8 +243,10 @@ def gather_full_tensors(
         for i, piece_tensor in bucket:
             piece = pieces[i]
             if _is_full(piece):
-                if keep:
+                if keep and piece_tensor is piece.local:  # not gathered: still ours
                     out[piece.fqn] = _to_output(piece_tensor, piece.out_dtype, cpu_offload)
+                elif keep:  # a fresh gathered tensor already in out_dtype: no second copy
+                    out[piece.fqn] = piece_tensor.to("cpu") if cpu_offload else piece_tensor
             else:
                 sharded.append(_replace_local(piece, piece_tensor))
     flat_groups: dict[tuple[Any, ...], list[LocalPiece]] = {}

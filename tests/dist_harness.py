@@ -150,3 +150,16 @@ def _rank_entry(
         pickle.dump(result, f)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def require_extra(module: str, extra: str) -> None:
+    """Skip the calling test module when ``module`` is not installed, except under CI
+    (``CI`` set), where a missing extra must fail rather than hide the tests."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        return
+    message = f"needs the {extra!r} extra: pip install -e '.[test,{extra}]'"
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{message} (CI must run these tests, not skip them)")
+    pytest.skip(message, allow_module_level=True)

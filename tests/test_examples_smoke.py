@@ -64,7 +64,13 @@ def _script(name: str) -> str:
     return str(EXAMPLES / name)
 
 
-SCRIPTS = ["train_ddp_resnet.py", "train_fsdp_lm.py", "resume_reshard.py"]
+SCRIPTS = [
+    "train_ddp_resnet.py",
+    "train_fsdp_lm.py",
+    "resume_reshard.py",
+    "lightning_ema.py",
+    "hf_trainer_ema.py",
+]
 
 
 def _load(name: str) -> ModuleType:
@@ -222,3 +228,37 @@ def test_resume_reshard_three_to_two_ranks(parallel: str, tmp_path: Path) -> Non
 
     out = _run([script, "--phase=load", *common], tmp_path, nproc=None)
     assert "loaded with strict=True; bit-identical to the DCP checkpoint's EMA (updates=6)" in out
+
+
+def test_lightning_ema_two_ranks_then_resume_in_one_process(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = ["--train-size=128", "--val-size=64", "--batch-size=16", f"--ckpt-dir={ckpt}"]
+    out = _run([_script("lightning_ema.py"), "--epochs=2", *common], tmp_path)
+    assert "ddp on 2 x cpu" in out, out
+    rows = re.findall(r"^epoch\s+(\d+) \| step\s+(\d+) \|", out, re.MULTILINE)
+    assert rows == [("0", "4"), ("1", "8")], out  # 128 samples / 2 ranks / 16 per step
+    final = re.search(
+        r"final: raw val loss ([\d.]+)  EMA val loss ([\d.]+)  \(EMA updates: 8; "
+        r"this rank holds (\d\.\d\d) of the EMA\)",
+        out,
+    )
+    assert final and 0.4 <= float(final[3]) <= 0.6, out
+    assert (ckpt / "last.ckpt").is_file()
+    # The 2-rank checkpoint resumes in one process, EMA counter and all.
+    args = ["--epochs=3", f"--resume={ckpt / 'last.ckpt'}", *common]
+    out = _run([_script("lightning_ema.py"), *args], tmp_path, nproc=None)
+    assert "ddp on 1 x cpu" in out, out
+    assert re.search(r"EMA updates: 16; this rank holds 1.00 of the EMA", out), out
+
+
+def test_hf_trainer_ema_two_ranks(tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    args = ["--steps=4", "--eval-every=2", "--train-size=64", "--val-size=16"]
+    args += ["--batch-size=4", "--context=8", "--dim=16", "--layers=1", f"--output-dir={out_dir}"]
+    out = _run([_script("hf_trainer_ema.py"), *args], tmp_path)
+    assert "on 2 rank(s)" in out, out
+    assert re.search(r"final: raw val loss [\d.]+  EMA val loss [\d.]+  .*EMA updates: 4\)", out)
+    assert "logits identical to the EMA's: True" in out, out
+    for step in (2, 4):
+        assert (out_dir / f"checkpoint-{step}" / "ema" / ".metadata").is_file()
+    assert (out_dir / "ema" / "config.json").is_file()

@@ -500,8 +500,10 @@ def test_get_model_state_dict_is_full_exact_and_coalesced(fsdp: Any) -> None:
     for where, r in _each(fsdp):
         assert r["state_dict_plain"] and r["state_dict_keys"], where
         assert r["ema_sd_mismatch"] == [] and r["ori_sd_mismatch"] == [], where
-        # EMA + model: one all-gather per (mesh, dtype) bucket, not one per tensor.
-        assert 1 <= r["state_dict_comms"] <= 4, (where, r["state_dict_comms"])
+        # EMA + model: one all-gather per (mesh, dtype) bucket, not one per tensor; on
+        # the HSDP world, one more per split dim (the replicate dim; both for buffers).
+        bound = 6 if where.startswith("W=4") else 4
+        assert 1 <= r["state_dict_comms"] <= bound, (where, r["state_dict_comms"])
         assert r["rank0_only_ok"], where
 
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_ema import ModelEMA
+from dtensor_ema import ModelEMA, convert_checkpoint, export_ema, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -170,7 +170,10 @@ def _tp_only(world: DeviceMesh) -> Net:
 
 
 def _save(ema: ModelEMA, ref: dict[str, torch.Tensor], path: Path) -> None:
+    """A plain DCP save, the library's atomic save and an export, all of one N-D EMA."""
     dcp.save({"ema": ema}, checkpoint_id=str(path))
+    save_checkpoint({"ema": ema}, path.with_name(path.name + "_atomic"))
+    export_ema(ema, path.with_suffix(".export.pt"))
     if dist.get_rank() == 0:
         torch.save(ref, path.with_suffix(".ref.pt"))
 
@@ -219,7 +222,19 @@ def nd_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
             return model
 
-        for name, build in [("ddp", Net), ("fsdp_shard1", shard1), ("fsdp_cpu_offload", offload)]:
+        def default_meshes() -> Net:
+            model = Net()  # fully_shard() without mesh=: an equal new mesh object per call
+            for layer in model.layers.values():
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+
+        for name, build in [
+            ("ddp", Net),
+            ("fsdp_shard1", shard1),
+            ("fsdp_cpu_offload", offload),
+            ("fsdp_default_meshes", default_meshes),
+        ]:
             results[name] = _scenario(name, mesh, build, None, seed=11)[3]
         results["reload_into_ddp"] = _reload_into_ddp(tmp_path)
     return results
@@ -229,11 +244,15 @@ def _reload_into_ddp(tmp_path: Path) -> dict[str, list[str]]:
     """The W=4 N-D checkpoints load exactly into a plain model's EMA at W=3."""
     out = {}
     for name in ("hsdp", "fsdp_tp"):
+        ref = torch.load(tmp_path / f"ckpt_{name}.ref.pt")
         ema = ModelEMA(Net(), decay=DECAY, tau=None)
         dcp.load({"ema": ema}, checkpoint_id=str(tmp_path / f"ckpt_{name}"))
-        ref = torch.load(tmp_path / f"ckpt_{name}.ref.pt")
         got = ema.get_ema_state_dict()
         out[name] = [k for k in ref if not torch.equal(got[k], ref[k])]
+        validated = ModelEMA(Net(), decay=DECAY, tau=None)
+        load_checkpoint({"ema": validated}, tmp_path / f"ckpt_{name}_atomic")
+        got = validated.get_ema_state_dict()
+        out[f"{name}_load_checkpoint"] = [k for k in ref if not torch.equal(got[k], ref[k])]
     return out
 
 
@@ -292,6 +311,7 @@ SCENARIOS = [
     (3, "ddp"),
     (3, "fsdp_shard1"),
     (3, "fsdp_cpu_offload"),
+    (3, "fsdp_default_meshes"),
 ]
 
 
@@ -321,7 +341,18 @@ def test_pipeline_mesh_spanning_stages_is_refused(nd_results: Any) -> None:
 
 def test_nd_checkpoints_reload_into_ddp_at_another_world_size(nd_results: Any) -> None:
     for result in nd_results[3]:
-        assert result["reload_into_ddp"] == {"hsdp": [], "fsdp_tp": []}
+        assert all(v == [] for v in result["reload_into_ddp"].values()), result
+        assert len(result["reload_into_ddp"]) == 4
+
+
+@pytest.mark.parametrize("name", ["hsdp", "fsdp_tp"])
+def test_nd_export_and_convert_give_the_full_ema(nd_results: Any, name: str) -> None:
+    tmp = nd_results[0]["tmp"]
+    ref = torch.load(tmp / f"ckpt_{name}.ref.pt")
+    exported = torch.load(tmp / f"ckpt_{name}.export.pt")
+    assert [k for k in ref if not torch.equal(exported[k], ref[k])] == []
+    converted = convert_checkpoint(tmp / f"ckpt_{name}_atomic", tmp / f"{name}_converted.pt")
+    assert [k for k in ref if not torch.equal(converted[k], ref[k])] == []
 
 
 @pytest.mark.parametrize("name", ["hsdp", "fsdp_tp", "pp"])

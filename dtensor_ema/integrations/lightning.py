@@ -1,0 +1,367 @@
+"""A Lightning ``Callback`` that keeps a sharded EMA of the ``LightningModule``'s weights.
+
+Two lines::
+
+    from dtensor_ema.integrations.lightning import EMACallback
+
+    trainer = Trainer(..., callbacks=[EMACallback(decay=0.9999)])
+
+What it does, per trainer event (every rank runs every hook):
+
+* ``on_fit_start``: builds a :class:`~dtensor_ema.ModelEMA` of the module once the
+  strategy has set it up (DDP-wrapped, or sharded by ``configure_model`` under
+  ``ModelParallelStrategy``), so each rank holds ``1/W`` of the EMA;
+* ``on_train_batch_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer
+  step (local, no communication), from ``start_step`` / ``start_epoch`` on;
+* validation and test run with the EMA weights (``evaluate_with_ema=True``, the default,
+  like Lightning's ``WeightAveraging``), through :meth:`ModelEMA.average_parameters`;
+* checkpoints carry the EMA (see :meth:`EMACallback.on_save_checkpoint`), and ``ckpt_path``
+  resumes it exactly, at the same or another number of devices;
+* ``copy_to_model_on_train_end=True`` leaves the final EMA weights in the module.
+
+Requires the ``lightning`` package (``pip install "dtensor_ema[lightning]"``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.integrations._common import (
+    EvalSwap,
+    StepGate,
+    check_ema_options,
+    copy_ema_into_model,
+    full_ema_tensors,
+)
+from dtensor_ema.model_ema import ModelEMA
+
+__all__ = ["EMA_KEY_PREFIX", "EMACallback"]
+
+EMA_KEY_PREFIX = "_dtensor_ema."
+"""Prefix of the EMA tensors' keys inside a sharded checkpoint's ``state_dict`` entry."""
+
+_STATE_VERSION = 1
+_UNSUPPORTED_STRATEGIES = {
+    "FSDPStrategy": "FSDP1 flattens parameters; use ModelParallelStrategy with fully_shard "
+    "(FSDP2) in configure_model()",
+    "DeepSpeedStrategy": "DeepSpeed partitions parameters outside torch's DTensor",
+}
+
+MeshSpec = DeviceMesh | Callable[["pl.Trainer"], DeviceMesh | None] | None
+
+
+class EMACallback(Callback):
+    """Sharded EMA of the module's weights, updated after optimizer steps, used for
+    validation/test, and saved in Lightning checkpoints.
+
+    Args:
+        name: identifies this callback's state in checkpoints; give each ``EMACallback``
+            of a trainer its own name (several EMAs with different decays).
+        update_every_n_steps: call ``ema.update()`` after every ``N``-th optimizer step
+            only (as Lightning's ``EMAWeightAveraging``: the decay applies per call). For
+            an EMA whose memory in *steps* does not depend on ``N``, pass ModelEMA's
+            ``update_every=N`` instead (the call is then made every step and is free on
+            skipped ones).
+        start_step: no update during the first ``start_step`` optimizer steps; the EMA
+            restarts from the model's weights at its first update.
+        start_epoch: no update before epoch ``start_epoch`` (0-based); same restart.
+        evaluate_with_ema: run ``validate`` and ``test`` (including the validation inside
+            ``fit`` and the sanity check) with the EMA weights swapped in. Before the EMA
+            has started (``start_step``/``start_epoch``) the module's own weights are used.
+        copy_to_model_on_train_end: at ``on_train_end`` leave the EMA weights in the module
+            (the training weights are then gone from it; the last checkpoint keeps them).
+        mesh: passed to ``ModelEMA``: ``None`` (the whole default process group), a
+            ``DeviceMesh``, or a function ``trainer -> mesh`` called once the strategy is
+            set up (e.g. ``lambda t: t.strategy.device_mesh``).
+        **ema_options: ``ModelEMA``'s keywords (``decay``, ``tau``, ``schedule``,
+            ``half_life``, ``update_every``, ``update_after_step``, ``buffers``,
+            ``exclude``, ``ema_dtype``, ``capturable``, ``offload``, ``updates``), checked
+            here.
+
+    Raises:
+        TypeError: an unknown ``ModelEMA`` keyword.
+        ValueError: a value out of range (``update_every_n_steps=0``, ``decay=2``, ...).
+
+    Communication: ``update()`` none; the swap for evaluation is collective for replicated
+    (DDP) tensors and free for FSDP2 parameters; saving a DDP checkpoint gathers the EMA
+    (one ``full_tensor()`` per EMA tensor, on every rank); loading is local for DDP
+    checkpoints and DCP's collectives for sharded ones.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "ema",
+        update_every_n_steps: int = 1,
+        start_step: int = 0,
+        start_epoch: int = 0,
+        evaluate_with_ema: bool = True,
+        copy_to_model_on_train_end: bool = False,
+        mesh: MeshSpec = None,
+        **ema_options: Any,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        for flag, value in (
+            ("evaluate_with_ema", evaluate_with_ema),
+            ("copy_to_model_on_train_end", copy_to_model_on_train_end),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        if mesh is not None and not (isinstance(mesh, DeviceMesh) or callable(mesh)):
+            raise TypeError(
+                f"mesh must be None, a DeviceMesh or a function trainer -> mesh, got "
+                f"{type(mesh).__name__}"
+            )
+        check_ema_options(ema_options)
+        self.name = name
+        self.gate = StepGate(update_every_n_steps, start_step, start_epoch)
+        self.evaluate_with_ema = evaluate_with_ema
+        self.copy_to_model_on_train_end = copy_to_model_on_train_end
+        self.ema_options = ema_options
+        self._mesh = mesh
+        self._ema: ModelEMA | None = None
+        self._module: torch.nn.Module | None = None
+        self._swap = EvalSwap()
+        self._last_step = 0
+        self._started = False
+        self._pending: dict[str, Any] | None = None
+        self._ckpt_path: str | None = None
+        self._warned_no_ema = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def ema(self) -> ModelEMA:
+        """The :class:`~dtensor_ema.ModelEMA` (exists from ``on_fit_start`` on)."""
+        if self._ema is None:
+            raise RuntimeError(
+                f"{type(self).__name__}({self.name!r}) has no EMA yet: it is created when "
+                "trainer.fit() starts (or when validate/test loads one from ckpt_path)"
+            )
+        return self._ema
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__name__}[{self.name}]"
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse configurations that cannot work, on every rank, before anything runs."""
+        strategy = type(trainer.strategy).__name__
+        if strategy in _UNSUPPORTED_STRATEGIES:
+            raise ValueError(
+                f"EMACallback does not support {strategy}: {_UNSUPPORTED_STRATEGIES[strategy]}"
+            )
+        # Lightning itself refuses two callbacks with one state_key (the same name=).
+        ours = [cb for cb in trainer.callbacks if isinstance(cb, EMACallback)]  # type: ignore[attr-defined]
+        evaluating = [cb.name for cb in ours if cb.evaluate_with_ema]
+        if len(evaluating) > 1:
+            raise ValueError(
+                f"EMACallbacks {evaluating} all have evaluate_with_ema=True: only one EMA can "
+                "be swapped into the module at a time; set evaluate_with_ema=False on the others"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ensure_ema(trainer, pl_module)
+
+    def _ensure_ema(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._ema is not None:
+            if self._module is not pl_module:
+                raise ValueError(
+                    f"EMACallback({self.name!r}) tracks another LightningModule "
+                    f"({type(self._module).__name__} at {id(self._module):#x}); use a new "
+                    "EMACallback for a new module"
+                )
+            self._apply_pending()
+            return
+        mesh = self._mesh(trainer) if callable(self._mesh) else self._mesh
+        self._ema = ModelEMA(pl_module, mesh=mesh, **self.ema_options)
+        self._module = pl_module
+        self._started = not self.gate.delayed
+        self._apply_pending()
+
+    # ------------------------------------------------------------------ training
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Update after an optimizer step (not after accumulation-only batches)."""
+        step = trainer.global_step
+        if step <= self._last_step:
+            return
+        self._last_step = step
+        if not self.gate.should_update(step, trainer.current_epoch):
+            return
+        ema = self.ema
+        if not self._started:
+            ema.set()  # a delayed start averages from the weights at the start, not at init
+            self._started = True
+        ema.update()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.copy_to_model_on_train_end and self._ema is not None and self._started:
+            copy_ema_into_model(self._ema, pl_module)
+
+    # ------------------------------------------------------------------ evaluation
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_in(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap.exit()
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_in(trainer, pl_module)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap.exit()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._swap.exit()  # never leave the EMA weights in the module
+
+    def _swap_in(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.evaluate_with_ema:
+            return
+        if self._ema is None and self._pending is not None:
+            self._ensure_ema(trainer, pl_module)  # validate/test(ckpt_path=...) without fit
+        if self._ema is None:
+            if not self._warned_no_ema:
+                self._warned_no_ema = True
+                warnings.warn(
+                    f"EMACallback({self.name!r}): no EMA to evaluate with (none trained in this "
+                    "process and none in the checkpoint); evaluating the module's own weights",
+                    stacklevel=2,
+                )
+            return
+        self._ensure_ema(trainer, pl_module)
+        if self._started:
+            self._swap.enter(self._ema)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Counter, options and step bookkeeping (local). The tensors are added by
+        :meth:`on_save_checkpoint`, which sees the checkpoint."""
+        if self._ema is None:
+            return {}
+        ema_state = self._ema.state_dict()
+        return {
+            "version": _STATE_VERSION,
+            "updates": ema_state["updates"],
+            "config": ema_state["config"],
+            "last_step": self._last_step,
+            "started": self._started,
+        }
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Put the EMA tensors into the checkpoint. Every rank runs this.
+
+        * Sharded checkpoints (``ModelParallelStrategy``: the module's ``state_dict`` holds
+          DTensors and every rank writes its shards with DCP): the EMA's DTensors go into
+          the same ``state_dict`` under ``_dtensor_ema.<fqn>``, so each rank writes its own
+          EMA shards next to the model's; nothing is gathered.
+        * Otherwise (DDP, one device: rank 0 alone writes the file): the EMA is gathered
+          into full CPU tensors in its own dtype (**collective**) and stored in this
+          callback's state on rank 0.
+        """
+        if self._ema is None:
+            return
+        if self._swap.active:
+            raise RuntimeError(
+                f"EMACallback({self.name!r}): a checkpoint is being saved while the EMA "
+                "weights are swapped into the module, so it would store them as the training "
+                "weights; save outside validation/test (ModelCheckpoint does)"
+            )
+        state = checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})
+        model_state = checkpoint.get("state_dict", {})
+        if any(isinstance(v, DTensor) for v in model_state.values()):
+            for fqn, tensor in self._ema.state_dict()["ema"].items():
+                key = EMA_KEY_PREFIX + fqn
+                if key in model_state:
+                    raise ValueError(f"the module's state_dict already has a key {key!r}")
+                model_state[key] = tensor
+            state["format"] = "dcp"
+        else:
+            state["format"] = "full"
+            state["ema"] = full_ema_tensors(self._ema)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._ckpt_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            warnings.warn(
+                f"EMACallback({self.name!r}): the checkpoint has no state for this callback "
+                f"(its callbacks: {sorted(checkpoint.get('callbacks', {}))}); the EMA starts "
+                "from the restored weights",
+                stacklevel=2,
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the saved state; it is applied as soon as the EMA exists (right away under
+        ``ModelParallelStrategy``, which restores after setup; at ``on_fit_start`` for DDP,
+        which restores before the module is wrapped)."""
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"EMACallback({self.name!r}): checkpoint state version "
+                f"{state_dict.get('version')!r}, expected {_STATE_VERSION}"
+            )
+        self._pending = dict(state_dict)
+        if self._ema is not None:
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        ema = self.ema
+        saved = {"updates": state["updates"], "config": state["config"]}
+        if state.get("format") == "dcp":
+            saved["ema"] = self._read_sharded(ema)
+        elif state.get("format") == "full":
+            saved["ema"] = state["ema"]
+        else:
+            raise ValueError(
+                f"EMACallback({self.name!r}): checkpoint has EMA format "
+                f"{state.get('format')!r}, expected 'full' or 'dcp'"
+            )
+        ema.load_state_dict(saved)  # refuses other options/names/shapes before writing
+        self._last_step = int(state["last_step"])
+        self._started = bool(state["started"])
+
+    def _read_sharded(self, ema: ModelEMA) -> dict[str, torch.Tensor]:
+        """This rank's EMA shards from the DCP checkpoint being restored (collective)."""
+        if self._ckpt_path is None or not Path(self._ckpt_path).is_dir():
+            raise ValueError(
+                f"EMACallback({self.name!r}): the checkpoint's EMA is sharded (DCP) but the "
+                f"checkpoint path {self._ckpt_path!r} is not a directory"
+            )
+        fresh = {fqn: torch.empty_like(t) for fqn, t in ema.state_dict()["ema"].items()}
+        try:
+            dcp.load(
+                {"state_dict": {EMA_KEY_PREFIX + k: v for k, v in fresh.items()}},
+                checkpoint_id=self._ckpt_path,
+            )
+        except CheckpointException as e:
+            raise ValueError(
+                f"EMACallback({self.name!r}): cannot read the EMA shards from "
+                f"{self._ckpt_path} (a different model, or a checkpoint without them): {e}"
+            ) from e
+        return fresh

@@ -1,0 +1,528 @@
+"""Combine post-hoc EMA snapshots into new averages, streaming tensor bucket by bucket.
+
+:func:`synthesize` reconstructs the power-function EMA of any ``sigma_rel`` from the
+snapshots' least-squares weights (:func:`~dtensor_ema.phema_math.solve_coefficients`);
+:func:`merge_snapshots` averages snapshots with explicit weights (the last ``K`` uniformly, or
+warmup-stable-merge style weights). Both run on one engine:
+
+* Tensors are processed in buckets of at most ``bucket_bytes`` (float64 accumulators): for
+  each bucket, each snapshot's slice of those tensors is read with DCP and added with its
+  weight. Peak memory: one copy of the output plus a few buckets (the accumulator, one
+  bucket read from disk, DCP's read buffers), never one copy per snapshot.
+* In one process (no process group) the output is full tensors. With a process group every
+  rank reads and builds only its ``Shard(0)`` piece of each tensor (DCP reads only the
+  saved chunks that overlap it) and the output is a sharded DCP checkpoint that loads into
+  a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from dtensor_ema.checkpoint import _group, _quiet_single_process, _write_file, save_checkpoint
+from dtensor_ema.layout import chunk_range
+from dtensor_ema.phema_math import (
+    DEFAULT_MAX_CONDITION,
+    check_sigma_rel,
+    profile_fit_error,
+    sigma_rel_to_gamma,
+    solve_coefficients,
+)
+from dtensor_ema.posthoc.snapshots import Snapshot, check_compatible, dtype_from_str, list_snapshots
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Term", "merge_snapshots", "plan_synthesis", "synthesize"]
+
+DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
+"""Bytes of float64 accumulator per bucket."""
+
+Format = Literal["safetensors", "pt", "dcp"]
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Term:
+    """One snapshot's profile and the weight it gets in the combination."""
+
+    snapshot: Snapshot
+    key: str
+    """Where the profile lives in the snapshot checkpoint (``"p0"``)."""
+    sigma_rel: float
+    gamma: float
+    weight: float
+
+    @property
+    def step(self) -> int:
+        return self.snapshot.step
+
+    @property
+    def t(self) -> float:
+        return self.snapshot.t
+
+
+# ------------------------------------------------------------------------- selection
+def _select(
+    snapshot_dir: str | os.PathLike[str], step: int | None, steps: Sequence[int] | None
+) -> list[Snapshot]:
+    """Snapshots with ``step`` at most ``step`` (default: the latest), optionally only those
+    listed in ``steps``; checked to describe one model."""
+    available = list_snapshots(snapshot_dir)
+    by_step = {s.step: s for s in available}
+    if steps is not None:
+        missing = [s for s in steps if s not in by_step]
+        if missing:
+            raise ValueError(
+                f"no snapshot at step(s) {missing} in {snapshot_dir}; available: {sorted(by_step)}"
+            )
+        available = [by_step[s] for s in sorted(set(steps))]
+    if step is not None:
+        if step not in by_step:
+            raise ValueError(
+                f"no snapshot at step {step} in {snapshot_dir}; available: {sorted(by_step)}"
+            )
+        available = [s for s in available if s.step <= step]
+        if not available or available[-1].step != step:
+            raise ValueError(f"step {step} is not among the selected steps {steps}")
+    check_compatible(available)
+    return available
+
+
+def plan_synthesis(
+    snapshot_dir: str | os.PathLike[str],
+    sigma_rel: float,
+    *,
+    step: int | None = None,
+    steps: Sequence[int] | None = None,
+    max_condition: float = DEFAULT_MAX_CONDITION,
+) -> tuple[list[Term], float]:
+    """The least-squares weights :func:`synthesize` would use, and the profile fit error.
+
+    Local, reads only the manifests. The target is the power-function profile of
+    ``sigma_rel`` at the time of the latest selected snapshot.
+
+    Returns:
+        ``(terms, fit_error)``: one term per (snapshot, tracked profile), weights summing to
+        1; ``fit_error`` is the relative L2 distance between the combined and the target
+        profile (:func:`~dtensor_ema.phema_math.profile_fit_error`).
+
+    Raises:
+        FileNotFoundError: a missing snapshot directory.
+        ValueError: ``sigma_rel`` outside ``(0, 0.2887)``, an empty directory, a ``step``
+            with no snapshot, snapshots of different models/shapes/dtypes, or a singular or
+            ill-conditioned system (too few distinct snapshots).
+    """
+    sigma_rel = check_sigma_rel(sigma_rel)
+    gamma = sigma_rel_to_gamma(sigma_rel)
+    chosen = _select(snapshot_dir, step, steps)
+    pairs = [(s, p) for s in chosen for p in s.profiles]
+    ts = [s.t for s, _ in pairs]
+    gammas = [float(p["gamma"]) for _, p in pairs]
+    target_t = chosen[-1].t
+    # A tracked sigma_rel is recomputed from the manifest's value, so it matches exactly.
+    weights = solve_coefficients(ts, gammas, target_t, gamma, max_condition=max_condition)
+    error = profile_fit_error(ts, gammas, weights, target_t, gamma)
+    terms = [
+        Term(s, str(p["key"]), float(p["sigma_rel"]), float(p["gamma"]), float(w))
+        for (s, p), w in zip(pairs, weights.tolist(), strict=True)
+    ]
+    return terms, error
+
+
+def _merge_terms(
+    snapshot_dir: str | os.PathLike[str],
+    *,
+    last: int | None,
+    weights: Mapping[int, float] | None,
+    sigma_rel: float | None,
+) -> list[Term]:
+    if (last is None) == (weights is None):
+        raise ValueError("pass exactly one of last=K (uniform average) or weights={step: w}")
+    available = list_snapshots(snapshot_dir)
+    if last is not None:
+        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+            raise ValueError(f"last must be an int >= 1, got {last!r}")
+        if last > len(available):
+            raise ValueError(
+                f"last={last} but {snapshot_dir} holds only {len(available)} snapshots"
+            )
+        chosen = available[-last:]
+        spec = {s.step: 1.0 / last for s in chosen}
+    else:
+        assert weights is not None
+        if not weights:
+            raise ValueError("weights must name at least one snapshot step")
+        bad = {k: w for k, w in weights.items() if not math.isfinite(float(w))}
+        if bad:
+            raise ValueError(f"weights must be finite, got {bad}")
+        by_step = {s.step: s for s in available}
+        missing = [k for k in weights if k not in by_step]
+        if missing:
+            raise ValueError(
+                f"no snapshot at step(s) {missing} in {snapshot_dir}; available: {sorted(by_step)}"
+            )
+        chosen = [by_step[k] for k in sorted(weights)]
+        spec = {int(k): float(w) for k, w in weights.items()}
+    check_compatible(chosen)
+    profiles = chosen[-1].profiles
+    tracked = [float(p["sigma_rel"]) for p in profiles]
+    if sigma_rel is None:
+        profile = min(profiles, key=lambda p: float(p["sigma_rel"]))
+    else:
+        matches = [p for p in profiles if float(p["sigma_rel"]) == float(sigma_rel)]
+        if not matches:
+            raise ValueError(f"sigma_rel={sigma_rel} is not a tracked profile; tracked: {tracked}")
+        profile = matches[0]
+    return [
+        Term(
+            s,
+            str(profile["key"]),
+            float(profile["sigma_rel"]),
+            float(profile["gamma"]),
+            spec[s.step],
+        )
+        for s in chosen
+    ]
+
+
+# ------------------------------------------------------------------------- public API
+def synthesize(
+    snapshot_dir: str | os.PathLike[str],
+    sigma_rel: float | Sequence[float],
+    *,
+    out: str | os.PathLike[str] | None = None,
+    format: Format | None = None,
+    step: int | None = None,
+    steps: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    max_condition: float = DEFAULT_MAX_CONDITION,
+    process_group: dist.ProcessGroup | None = None,
+    progress: bool = False,
+) -> Any:
+    """The post-hoc EMA of ``sigma_rel`` (or of several), from the snapshots in ``snapshot_dir``.
+
+    Reconstructs the power-function EMA of relative width ``sigma_rel`` at the time of the
+    latest selected snapshot as the least-squares combination of every selected snapshot of
+    every tracked profile (EDM2 eq. 151, Algorithm 3, weights in float64). A tracked
+    ``sigma_rel`` returns that profile's latest snapshot exactly.
+
+    Runs in one process with no process group, or distributed: with a process group
+    initialized, it is **collective** over ``process_group`` (default: the whole default
+    group; its backend must handle CPU tensors, e.g. gloo or ``"cpu:gloo,cuda:nccl"``),
+    each rank reading and combining only its ``Shard(0)`` piece of every tensor.
+
+    Args:
+        snapshot_dir: a directory written by :class:`~dtensor_ema.PostHocEMA`.
+        sigma_rel: one relative width in ``(0, 0.2887)``, or several.
+        out: where to write instead of returning tensors. A path ending in ``.safetensors``
+            or ``.pt`` is one file (one ``sigma_rel``); another path is a directory that
+            receives one output per ``sigma_rel``, named ``sigma_rel-<value>``. Distributed
+            runs write DCP checkpoints only.
+        format: ``"safetensors"``, ``"pt"`` or ``"dcp"``; default: from ``out``'s suffix, or
+            ``"dcp"`` when distributed, else ``"safetensors"`` (``"pt"`` if the safetensors
+            package is missing).
+        step: reconstruct at this snapshot's step from the snapshots up to it (default: the
+            latest).
+        steps: use only the snapshots at these steps.
+        dtype: output dtype; default: each tensor's EMA dtype.
+        bucket_bytes: bound on each bucket's float64 accumulator.
+        max_condition: refuse systems with a larger condition number.
+        process_group: the ranks that synthesize together (distributed only).
+        progress: show a tqdm progress bar (when tqdm is installed).
+
+    Returns:
+        Without ``out``: ``{fqn: tensor}`` keyed like the model's ``state_dict()`` (integer
+        buffers from the latest snapshot, tied names sharing one tensor), full tensors in one
+        process, ``Shard(0)`` DTensors on a 1-D CPU mesh when distributed; a list of such
+        dicts for a sequence of ``sigma_rel``. With ``out``: the path written (a list of
+        paths for a sequence).
+
+    Peak memory (per rank): one output copy (``1/W`` of it when distributed) plus a few
+    buckets; several ``sigma_rel`` are produced one after the other when written to
+    ``out`` (held together when returned).
+
+    Raises:
+        FileNotFoundError: a missing snapshot directory.
+        ValueError: see :func:`plan_synthesis`; a ``.safetensors``/``.pt`` output when
+            distributed, or several ``sigma_rel`` into one file.
+    """
+    many = not isinstance(sigma_rel, (int, float))
+    sigmas = (
+        [float(s) for s in sigma_rel]  # type: ignore[union-attr]
+        if many
+        else [float(sigma_rel)]  # type: ignore[arg-type]
+    )
+    if not sigmas:
+        raise ValueError("sigma_rel must name at least one value")
+    for s in sigmas:
+        check_sigma_rel(s)
+    group = _group(process_group)
+    targets = _targets(out, format, [f"sigma_rel-{s:.4f}" for s in sigmas], group)
+    plans = [
+        plan_synthesis(snapshot_dir, s, step=step, steps=steps, max_condition=max_condition)[0]
+        for s in sigmas
+    ]
+    results: list[Any] = []
+    for terms, target, s in zip(plans, targets, sigmas, strict=True):
+        state = combine(
+            terms,
+            dtype=dtype,
+            bucket_bytes=bucket_bytes,
+            group=group,
+            progress=f"sigma_rel={s:g}" if progress else None,
+        )
+        if target is None:
+            results.append(state)
+        else:
+            _write(state, target, group, {"sigma_rel": str(s), "step": str(terms[-1].step)})
+            results.append(target[0])
+            del state
+    return results if many else results[0]
+
+
+def merge_snapshots(
+    snapshot_dir: str | os.PathLike[str],
+    *,
+    last: int | None = None,
+    weights: Mapping[int, float] | None = None,
+    sigma_rel: float | None = None,
+    out: str | os.PathLike[str] | None = None,
+    format: Format | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    process_group: dist.ProcessGroup | None = None,
+    progress: bool = False,
+) -> Any:
+    """Average snapshots with explicit weights (checkpoint averaging) on the same engine.
+
+    Args:
+        last: the uniform average of the ``last`` latest snapshots.
+        weights: ``{step: weight}`` applied as given (warmup-stable-merge style; normalize
+            them yourself if they should sum to 1).
+        sigma_rel: which tracked profile to average (default: the narrowest, closest to the
+            raw weights).
+        out, format, dtype, bucket_bytes, process_group, progress: as for :func:`synthesize`.
+
+    Returns and memory as for :func:`synthesize` with one ``sigma_rel``. **Collective**
+    when a process group is initialized.
+
+    Raises:
+        ValueError: both or neither of ``last``/``weights``, a step with no snapshot, an
+            untracked ``sigma_rel``, or snapshots of different models.
+    """
+    terms = _merge_terms(snapshot_dir, last=last, weights=weights, sigma_rel=sigma_rel)
+    group = _group(process_group)
+    (target,) = _targets(out, format, ["merged"], group)
+    state = combine(
+        terms,
+        dtype=dtype,
+        bucket_bytes=bucket_bytes,
+        group=group,
+        progress="merge" if progress else None,
+    )
+    if target is None:
+        return state
+    _write(state, target, group, {"merged_steps": str([t.step for t in terms])})
+    return target[0]
+
+
+# ------------------------------------------------------------------------- the engine
+def combine(
+    terms: Sequence[Term],
+    *,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    group: dist.ProcessGroup | None = None,
+    progress: str | None = None,
+) -> StateDict:
+    """``sum_i weight_i * snapshot_i[key_i]`` for every tensor, bucket by bucket.
+
+    **Collective** over ``group`` when given (every rank builds its ``Shard(0)`` pieces).
+    Accumulates in float64; output in ``dtype`` or each tensor's EMA dtype.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    latest = terms[-1].snapshot
+    spec = latest.tensors
+    order = [k for k in latest.manifest["model_keys"] if k in spec]
+    order += [k for k in spec if k not in set(order)]
+    mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
+    active = [t for t in terms if t.weight != 0.0]
+    buckets = list(_buckets(order, spec, bucket_bytes))
+    bar = _progress_bar(len(buckets) * len(active), progress)
+    out: StateDict = {}
+    for bucket in buckets:
+        acc = {
+            k: torch.zeros(_local_shape(spec[k]["shape"], mesh), dtype=torch.float64)
+            for k in bucket
+        }
+        for term in active:
+            stored = {k: dtype_from_str(spec[k]["dtype"]) for k in bucket}
+            target = {k: _empty(spec[k]["shape"], stored[k], mesh) for k in bucket}
+            _load(term.snapshot.path, {term.key: target}, group)
+            for k in bucket:
+                acc[k].add_(_local(target[k]), alpha=term.weight)
+            del target
+            if bar is not None:
+                bar.update(1)
+        for k in bucket:
+            out_dtype = dtype or dtype_from_str(spec[k]["ema_dtype"])
+            out[k] = _wrap(acc.pop(k).to(out_dtype), spec[k]["shape"], mesh)
+    if bar is not None:
+        bar.close()
+    followed = _followed(latest, group)
+    state: StateDict = {}
+    for key in latest.manifest["model_keys"]:
+        if key in out:
+            state[key] = out[key]
+        elif key in followed:
+            state[key] = followed[key]
+        elif key in latest.manifest.get("aliases", {}):
+            state[key] = out[latest.manifest["aliases"][key]]
+    state.update({k: v for k, v in out.items() if k not in state})
+    return state
+
+
+def _buckets(order: list[str], spec: Mapping[str, Any], limit: int) -> Iterator[list[str]]:
+    bucket: list[str] = []
+    size = 0
+    for k in order:
+        nbytes = 8 * math.prod(spec[k]["shape"])
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(k)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _placements(shape: Sequence[int]) -> list[Shard | Replicate]:
+    return [Shard(0)] if len(shape) else [Replicate()]
+
+
+def _local_shape(shape: Sequence[int], mesh: DeviceMesh | None) -> list[int]:
+    if mesh is None or not shape:
+        return list(shape)
+    _, length = chunk_range(shape[0], mesh.size(), mesh.get_local_rank())
+    return [length, *shape[1:]]
+
+
+def _empty(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh | None) -> torch.Tensor:
+    return _wrap(torch.empty(_local_shape(shape, mesh), dtype=dtype), shape, mesh)
+
+
+def _wrap(local: torch.Tensor, shape: Sequence[int], mesh: DeviceMesh | None) -> torch.Tensor:
+    if mesh is None:
+        return local
+    full = torch.Size(shape)
+    stride = torch.empty(full, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, _placements(shape), run_check=False, shape=full, stride=stride
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    try:
+        with _quiet_single_process():
+            dcp.load(
+                state,
+                checkpoint_id=str(path),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                process_group=group,
+                no_dist=group is None,
+            )
+    except CheckpointException as e:  # a BaseException: make it an ordinary error
+        raise RuntimeError(f"reading snapshot {path} failed: {e}") from e
+
+
+def _followed(latest: Snapshot, group: dist.ProcessGroup | None) -> StateDict:
+    spec = latest.manifest.get("followed", {})
+    if not spec:
+        return {}
+    state = {k: torch.empty(v["shape"], dtype=dtype_from_str(v["dtype"])) for k, v in spec.items()}
+    _load(latest.path, {"followed": state}, group)
+    return state
+
+
+def _progress_bar(total: int, desc: str | None) -> Any:
+    if desc is None or importlib.util.find_spec("tqdm") is None:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="read")
+
+
+# ------------------------------------------------------------------------- outputs
+def _targets(
+    out: str | os.PathLike[str] | None,
+    format: Format | None,
+    names: list[str],
+    group: dist.ProcessGroup | None,
+) -> list[tuple[Path, Format] | None]:
+    """Where each output goes and in which format (``None``: returned, not written)."""
+    if out is None:
+        if format is not None:
+            raise ValueError(f"format={format!r} needs an out= path")
+        return [None] * len(names)
+    if format is not None and format not in ("safetensors", "pt", "dcp"):
+        raise ValueError(f"format must be 'safetensors', 'pt' or 'dcp', got {format!r}")
+    path = Path(out)
+    suffix = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt"}.get(path.suffix)
+    if suffix is not None:
+        if len(names) > 1:
+            raise ValueError(
+                f"out={str(out)!r} is one file but {len(names)} outputs were asked for; pass "
+                "a directory"
+            )
+        if format is not None and format != suffix:
+            raise ValueError(f"format={format!r} contradicts the suffix of out={str(out)!r}")
+        fmt: Format = suffix  # type: ignore[assignment]
+        paths = [path]
+    else:
+        if format is not None:
+            fmt = format
+        elif group is not None:
+            fmt = "dcp"
+        else:
+            fmt = "safetensors" if importlib.util.find_spec("safetensors") else "pt"
+        ext = {"dcp": "", "safetensors": ".safetensors", "pt": ".pt"}[fmt]
+        paths = [path if len(names) == 1 and fmt == "dcp" else path / (n + ext) for n in names]
+    if group is not None and fmt != "dcp":
+        raise ValueError(
+            f"a distributed synthesis writes a sharded DCP checkpoint, not {fmt!r}: pass a "
+            "directory (format='dcp'), or run in one process for a single file"
+        )
+    if fmt == "safetensors" and importlib.util.find_spec("safetensors") is None:
+        raise ImportError("writing .safetensors needs the safetensors package (pip install it)")
+    return [(p, fmt) for p in paths]
+
+
+def _write(
+    state: StateDict,
+    target: tuple[Path, Format],
+    group: dist.ProcessGroup | None,
+    metadata: dict[str, str],
+) -> None:
+    path, fmt = target
+    if fmt == "dcp":
+        save_checkpoint(state, path, process_group=group)
+    else:
+        _write_file(state, path, metadata)

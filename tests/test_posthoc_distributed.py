@@ -1,0 +1,260 @@
+"""PostHocEMA across ranks: tracking bit for bit at W=2 (DDP, async snapshots, sample counts;
+HSDP on a 2 x 1 mesh) and W=3 (FSDP2, uneven shards), resume of the W=2 state at W=3 on the
+same trajectory, and synthesize/merge at W=3 (sharded, from W=2 snapshots) equal to one
+process.
+
+Two spawns: W=2 writes snapshots and a PostHocEMA checkpoint; W=3 runs everything else. The
+reference (a power-function EMA with plain ``lerp_`` on full tensors) runs in this process
+on the same model trajectory: step ``s`` adds a seeded random delta to every float tensor
+(computed in full and sliced for sharded parameters) and 1 to integer buffers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_harness import run_ranks
+from models import make_model
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dtensor_ema import (
+    ModelEMA,
+    PostHocEMA,
+    chunk_range,
+    load_checkpoint,
+    merge_snapshots,
+    save_checkpoint,
+    synthesize,
+)
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
+
+SIGMAS = (0.05, 0.10)
+K, N = 6, 3  # updates at W=2 before the checkpoint, and after the resume at W=3
+PER_RANK = 4  # samples per rank per update: 8 per update at W=2, 12 at W=3
+
+
+def perturb_(model: nn.Module, step: int) -> None:
+    """The W-independent trajectory; sharded parameters take their slice of the delta."""
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for v in model.state_dict().values():
+            full = v.shape
+            if not v.is_floating_point():
+                (v.to_local() if isinstance(v, DTensor) else v).add_(1)
+                continue
+            delta = torch.randn(full, generator=g, dtype=torch.float64).to(v.dtype) * 0.1
+            if isinstance(v, DTensor):
+                mesh, local = v.device_mesh, delta
+                for dim, placement in enumerate(v.placements):
+                    if placement.is_shard(0):
+                        offset, length = chunk_range(
+                            full[0], mesh.size(dim), mesh.get_local_rank(dim)
+                        )
+                        local = local.narrow(0, offset, length)
+                v.to_local().add_(local)
+            else:
+                v.add_(delta)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 5))
+
+
+class RefPowerEMA:
+    """ema <- ema.lerp(model, 1 - beta), beta = (1 - delta/t) ** (gamma + 1), full tensors."""
+
+    def __init__(self, gamma: float) -> None:
+        self.gamma, self.t, self.ema = gamma, 0, {}
+
+    def update(self, model: nn.Module, delta: int = 1) -> None:
+        self.t += delta
+        beta = (1 - delta / self.t) ** (self.gamma + 1)
+        for k, v in model.state_dict().items():
+            if v.is_floating_point():
+                self.ema.setdefault(k, v.detach().clone()).lerp_(v.detach(), 1 - beta)
+
+
+def _full_emas(ph: PostHocEMA) -> list[dict[str, torch.Tensor]]:
+    return [ph.profile(s).get_ema_state_dict() for s in SIGMAS]
+
+
+def _body_w2(rank: int, world: int, root: str) -> dict[str, Any]:
+    root_path = Path(root)
+    model = make_model("edge")
+    ddp = DDP(model)
+    ph = PostHocEMA(
+        ddp, SIGMAS, snapshot_every=2, snapshot_dir=root_path / "snaps_w2", async_save=True
+    )
+    for step in range(1, K + 1):
+        perturb_(model, step)
+        ph.update(samples=PER_RANK * world)
+    save_checkpoint({"ph": ph}, root_path / "ckpt_w2")  # commits the pending snapshot first
+    out = {"emas": _full_emas(ph), "gammas": ph.gammas, "local": ph.profile(0.05).local_numel()}
+
+    # HSDP on a 2 x 1 mesh: (Replicate, Shard(0)) parameters; the EMA splits each local
+    # piece over the replicate dim
+    hsdp = mlp()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(hsdp, mesh=mesh)
+    ph_hsdp = PostHocEMA(hsdp, SIGMAS, snapshot_every=5, snapshot_dir=root_path / "snaps_hsdp")
+    for step in range(1, 6):
+        perturb_(hsdp, step)
+        ph_hsdp.update()
+    out["hsdp"] = _full_emas(ph_hsdp)
+    out["hsdp_local"] = ph_hsdp.profile(0.05).local_numel()
+    return out
+
+
+def _body_w3(rank: int, world: int, root: str) -> dict[str, Any]:
+    root_path = Path(root)
+    out: dict[str, Any] = {}
+    # FSDP2, uneven Shard(0) pieces at W=3, synchronous snapshots in steps
+    model = mlp()
+    # One mesh for every fully_shard call: FSDP2 builds a new default mesh per call, and the
+    # EMA refuses parameters on meshes with different roots.
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ph = PostHocEMA(model, SIGMAS, snapshot_every=3, snapshot_dir=root_path / "snaps_fsdp")
+    for step in range(1, 10):
+        perturb_(model, step)
+        ph.update()
+    out["fsdp"] = _full_emas(ph)
+    out["fsdp_local_is_dtensor"] = isinstance(ph.profile(0.05).ema_tensors()["0.weight"], DTensor)
+
+    # resume the W=2 checkpoint at W=3 and continue the same trajectory
+    edge = make_model("edge")
+    for step in range(1, K + 1):
+        perturb_(edge, step)
+    resumed = PostHocEMA(edge, SIGMAS, snapshot_dir=root_path / "snaps_w2")
+    load_checkpoint({"ph": resumed}, root_path / "ckpt_w2")
+    out["resumed_counters"] = (resumed.steps, resumed.t, resumed.time_unit)
+    for step in range(K + 1, K + N + 1):
+        perturb_(edge, step)
+        resumed.update(samples=PER_RANK * world)
+    resumed.snapshot()
+    out["resumed"] = _full_emas(resumed)
+
+    # distributed synthesis of the W=2 (+ resumed) snapshots: this rank's shards only
+    sd = synthesize(root_path / "snaps_w2", 0.08)
+    out["synth_local_numel"] = sum(
+        v.to_local().numel() for v in sd.values() if isinstance(v, DTensor)
+    )
+    out["synth"] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+    path = synthesize(root_path / "snaps_w2", [0.08], out=root_path / "synth_w3")[0]
+    out["synth_path"] = str(path)
+    ema = ModelEMA(make_model("edge"))
+    dcp.load(ema.ema_tensors(), checkpoint_id=str(path))  # loads into the EMA at W=3
+    out["ema_loaded"] = ema.get_ema_state_dict()
+    merged = merge_snapshots(root_path / "snaps_w2", last=3)
+    out["merged"] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in merged.items()}
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("phema_dist")
+    w2 = run_ranks(_body_w2, 2, root, str(root))
+    w3 = run_ranks(_body_w3, 3, root, str(root))
+    return {"root": root, "w2": w2, "w3": w3}
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    bad = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+    assert not bad, f"{what}: {bad}"
+
+
+def _reference_edge(deltas: list[int], gammas: tuple[float, ...]) -> list[RefPowerEMA]:
+    model = make_model("edge")
+    refs = [RefPowerEMA(g) for g in gammas]
+    for step, delta in enumerate(deltas, 1):
+        perturb_(model, step)
+        for r in refs:
+            r.update(model, delta)
+    return refs
+
+
+def test_tracking_bit_exact_w2_ddp_samples(runs: dict[str, Any]) -> None:
+    gammas = runs["w2"][0]["gammas"]
+    refs = _reference_edge([2 * PER_RANK] * K, gammas)
+    for rank_result in runs["w2"]:
+        for got, ref in zip(rank_result["emas"], refs, strict=True):
+            _assert_equal(got, ref.ema, "W=2")
+    total = sum(r.numel() for r in refs[0].ema.values())
+    assert runs["w2"][0]["local"] < total  # sharded, not replicated
+
+
+def test_tracking_bit_exact_w2_hsdp(runs: dict[str, Any]) -> None:
+    model = mlp()
+    refs = [RefPowerEMA(g) for g in runs["w2"][0]["gammas"]]
+    for step in range(1, 6):
+        perturb_(model, step)
+        for r in refs:
+            r.update(model)
+    for result in runs["w2"]:
+        for got, ref in zip(result["hsdp"], refs, strict=True):
+            _assert_equal(got, ref.ema, "W=2 HSDP")
+        assert result["hsdp_local"] < sum(v.numel() for v in refs[0].ema.values())
+    _assert_equal(synthesize(runs["root"] / "snaps_hsdp", 0.05), refs[0].ema, "HSDP snapshot")
+
+
+def test_tracking_bit_exact_w3_fsdp(runs: dict[str, Any]) -> None:
+    model = mlp()
+    refs = [RefPowerEMA(g) for g in runs["w2"][0]["gammas"]]
+    for step in range(1, 10):
+        perturb_(model, step)
+        for r in refs:
+            r.update(model)
+    for got, ref in zip(runs["w3"][0]["fsdp"], refs, strict=True):
+        _assert_equal(got, ref.ema, "W=3 FSDP2")
+    assert runs["w3"][0]["fsdp_local_is_dtensor"]
+    # FSDP2 snapshots: the tracked profile comes back exactly, read in this process
+    sd = synthesize(runs["root"] / "snaps_fsdp", 0.10)
+    _assert_equal(sd, refs[1].ema, "FSDP2 snapshot")
+
+
+def test_resume_at_another_world_size(runs: dict[str, Any]) -> None:
+    gammas = runs["w2"][0]["gammas"]
+    refs = _reference_edge([2 * PER_RANK] * K + [3 * PER_RANK] * N, gammas)
+    assert runs["w3"][0]["resumed_counters"] == (K, 2 * PER_RANK * K, "samples")
+    for got, ref in zip(runs["w3"][0]["resumed"], refs, strict=True):
+        _assert_equal(got, ref.ema, "resumed at W=3")
+    # its snapshot went next to the W=2 ones: synthesize(tracked) is that snapshot
+    _assert_equal(synthesize(runs["root"] / "snaps_w2", 0.05), refs[0].ema, "resumed snapshot")
+
+
+def test_distributed_synthesis_equals_single_process(runs: dict[str, Any]) -> None:
+    snaps = runs["root"] / "snaps_w2"
+    single = synthesize(snaps, 0.08)
+    total = sum(v.numel() for v in single.values() if v.is_floating_point())
+    for result in runs["w3"]:
+        _assert_equal(result["synth"], single, "W=3 synthesize")
+        _assert_equal(
+            result["ema_loaded"],
+            {k: v for k, v in single.items() if v.is_floating_point()},
+            "ModelEMA loaded from the W=3 output",
+        )
+        assert result["synth_local_numel"] < total
+        _assert_equal(result["merged"], merge_snapshots(snaps, last=3), "W=3 merge")
+    # the sharded DCP output loads into a plain model in one process
+    model = make_model("edge")
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=runs["w3"][0]["synth_path"], no_dist=True)
+    model.load_state_dict(state)
+    _assert_equal(model.state_dict(), single, "model loaded from the W=3 output")
