@@ -454,10 +454,10 @@ def _timm_replicated(
     name: str, dtype: torch.dtype, device: torch.device, reps: int, clock: str
 ) -> tuple[float, int]:
     """timm ModelEmaV3 on a full replica (what every rank updates without sharding)."""
-    from shapes import count_params, meta_model
+    from shapes import count_params, meta_model, to_empty_tied
     from timm.utils.model_ema import ModelEmaV3
 
-    model = meta_model(name).to(dtype=dtype).to_empty(device=device)
+    model = to_empty_tied(meta_model(name).to(dtype=dtype), device)
     with torch.no_grad():
         for t in model.state_dict().values():
             if t.is_floating_point():

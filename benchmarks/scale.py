@@ -36,7 +36,15 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from gpu_suite import interleave  # noqa: E402
-from shapes import LAYOUTS, count_params, fake_world, lay_out, materialize, meta_model  # noqa: E402
+from shapes import (  # noqa: E402
+    LAYOUTS,
+    count_params,
+    fake_world,
+    lay_out,
+    materialize,
+    meta_model,
+    to_empty_tied,
+)
 
 from dtensor_ema import ModelEMA  # noqa: E402
 from dtensor_ema.simulate import plan_bytes  # noqa: E402
@@ -86,7 +94,7 @@ def timm_ns_per_value(device: torch.device, reps: int) -> float:
     """timm ModelEmaV3 (fp32 EMA of a bf16 model) on one full Llama-3-8B block, per value."""
     from timm.utils.model_ema import ModelEmaV3
 
-    model = meta_model("llama3-8b-L1").to(torch.bfloat16).to_empty(device=device)
+    model = to_empty_tied(meta_model("llama3-8b-L1").to(torch.bfloat16), device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()

@@ -153,11 +153,26 @@ def lay_out(model: nn.Module, layout: str, device_type: str) -> tuple[nn.Module,
     return model, mesh
 
 
+def to_empty_tied(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to_empty(device=...)`` keeping tied parameters tied (``to_empty`` gives each
+    module its own new tensor, e.g. untying GPT-2's ``lm_head`` from ``wte``)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for tied in owners.values():
+        first = getattr(tied[0][0], tied[0][1])
+        for module, name in tied[1:]:
+            setattr(module, name, first)
+    return model
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate this rank's local tensors on ``device`` and fill them with random values:
     FSDP2 parameters get only their shard. (Set the dtype on meta, before :func:`lay_out`.)"""
-    model.to_empty(device=device)
+    to_empty_tied(model, device)
     for t in model.state_dict(keep_vars=True).values():
         local = t.to_local() if hasattr(t, "to_local") else t
         if local.is_floating_point():
