@@ -453,12 +453,13 @@ def export_ema(
     """Write the full EMA weights to one file for inference. **Collective.**
 
     Every rank of the EMA's mesh (and of every FSDP2 mesh) must call this. The shards travel
-    to rank 0 in flat all-gathers of at most ``bucket_bytes`` (other ranks hold only their
-    shards and one bucket); rank 0 assembles one full copy on the CPU, in the model's dtypes,
-    keyed like the unwrapped model's ``state_dict()`` (integer buffers from the model), and
-    writes it to a temporary file that it renames to ``path``. A ``.safetensors`` suffix
-    writes safetensors (needs the ``safetensors`` package; tied weights are stored once:
-    load with ``safetensors.torch.load_model``), any other suffix ``torch.save`` (load with
+    to rank 0 in flat gathers (``dist.gather``) of at most ``bucket_bytes``: the other ranks
+    receive nothing and hold at most their ``1/W`` share of one bucket; rank 0 assembles one
+    full copy on the CPU, in the model's dtypes, keyed like the unwrapped model's
+    ``state_dict()`` (integer buffers from the model), and writes it to a temporary file
+    that it renames to ``path``. A ``.safetensors`` suffix writes safetensors (needs the
+    ``safetensors`` package; tied weights are stored once: load with
+    ``safetensors.torch.load_model``), any other suffix ``torch.save`` (load with
     ``torch.load(path, weights_only=True)``).
 
     Raises:

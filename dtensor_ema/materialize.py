@@ -35,6 +35,7 @@ __all__ = [
     "LocalPiece",
     "SplitPiece",
     "gather_full_tensors",
+    "gather_to_rank0",
     "iter_unsplit",
 ]
 
@@ -165,6 +166,40 @@ def _unsplit_bucket(pieces: list[SplitPiece]) -> list[torch.Tensor]:
     return current
 
 
+def _send_buffer(
+    locals_: Sequence[torch.Tensor], numels: list[int], padded: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's flat send buffer of ``padded`` elements: the local pieces in order.
+
+    When the pieces already lie back to back in one storage in ``dtype`` (EMA shards made
+    with ``parameters_as_bucket_view=True``) and the storage extends ``padded`` elements
+    from the first one, the buffer is a view of it: no packing copy. The elements past this
+    rank's own (padding for ranks with shorter shards) are sent but never read.
+    """
+    for local, numel in zip(locals_, numels, strict=True):
+        assert local.numel() == numel, (tuple(local.shape), numel)
+    first = next((t for t in locals_ if t.numel()), locals_[0])
+    if first.numel() and all(t.dtype == dtype and t.is_contiguous() for t in locals_):
+        itemsize = first.element_size()
+        expected = first.data_ptr()
+        adjacent = True
+        for local in locals_:
+            if local.numel() and local.data_ptr() != expected:
+                adjacent = False
+                break
+            expected += local.numel() * itemsize
+        storage = first.untyped_storage()
+        offset = first.storage_offset()
+        if adjacent and (offset + padded) * itemsize <= storage.nbytes():
+            return first.new_empty(0).set_(storage, offset, (padded,), (1,))
+    send = torch.empty(padded, dtype=dtype, device=first.device)
+    cursor = 0
+    for local, numel in zip(locals_, numels, strict=True):
+        send[cursor : cursor + numel].view(local.shape).copy_(local)
+        cursor += numel
+    return send
+
+
 def _gather_rows(
     locals_: list[torch.Tensor],
     shapes: list[tuple[int, ...]],
@@ -183,12 +218,7 @@ def _gather_rows(
     outputs = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     if padded == 0:  # every rank derives the same zero: all skip the collective together
         return outputs
-    send = torch.empty(padded, dtype=dtype, device=device)
-    cursor = 0
-    for local, numel in zip(locals_, segments[me], strict=True):
-        assert local.numel() == numel, (tuple(local.shape), numel)
-        send[cursor : cursor + numel].view(local.shape).copy_(local)
-        cursor += numel
+    send = _send_buffer(locals_, segments[me], padded, dtype)
     recv = torch.empty(size * padded, dtype=dtype, device=device)
     _all_gather_flat(recv, send, group=level.group)
     del send
@@ -331,12 +361,7 @@ def _gather_bucket(
             if keep
             else {}
         )
-    send = torch.empty(padded, dtype=dtype, device=device)
-    cursor = 0
-    for piece, numel in zip(pieces, segments[my_rank], strict=True):
-        assert piece.local.numel() == numel, (piece.fqn, piece.local.shape, numel)
-        send[cursor : cursor + numel].view(piece.local.shape).copy_(piece.local)
-        cursor += numel
+    send = _send_buffer([p.local for p in pieces], segments[my_rank], padded, dtype)
     recv = torch.empty(world_size * padded, dtype=dtype, device=device)
     _all_gather_flat(recv, send, group=mesh.get_group(mesh_dim))
     del send
@@ -350,6 +375,133 @@ def _gather_bucket(
         flat = full.view(-1)
         start = 0
         for r in range(world_size):
+            numel = segments[r][i]
+            flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
+            start += numel
+            cursors[r] += numel
+        out[piece.fqn] = full
+    return out
+
+
+def gather_to_rank0(
+    pieces: Sequence[LocalPiece],
+    *,
+    cpu_offload: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> dict[str, torch.Tensor]:
+    """Materialize full tensors on global rank 0 only. **Collective** (see below).
+
+    Like :func:`gather_full_tensors` with ``rank0_only=True``, but the flat buckets travel
+    with ``dist.gather`` to rank 0 instead of an all-gather to everyone, so a rank other
+    than 0 receives nothing and holds only its send buffer (its ``1/W`` share of one
+    bucket; nothing when its shards are already adjacent, see ``parameters_as_bucket_view``).
+    This covers replicated tensors split over one replica dim (plain/DDP models on a 1-D
+    mesh) and sharded pieces with no replica split (FSDP2 on its own mesh); a group that
+    does not contain rank 0 sends nothing (rank 0 gets those tensors from its own group).
+    Other layouts (split over several replica dims, or sharded *and* split) go through
+    :func:`gather_full_tensors` (all-gathers).
+
+    Every rank of every process group involved must call this, with the same ``pieces``
+    (fqns, shapes, placements, levels) and ``bucket_bytes``.
+
+    Returns:
+        On rank 0 (or without a process group): ``fqn -> full tensor`` as
+        :func:`gather_full_tensors`. Elsewhere: ``{}``.
+    """
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    rest: list[LocalPiece] = []
+    groups: dict[tuple[Any, ...], list[tuple[LocalPiece, int]]] = {}
+    for piece in pieces:
+        full = _is_full(piece)
+        if full and not piece.levels:
+            if keep:
+                out[piece.fqn] = _to_output(piece.local, piece.out_dtype, cpu_offload)
+        elif full and len(piece.levels) == 1:
+            level = piece.levels[0]
+            key: tuple[Any, ...] = ("level", level.key, piece.local.device, piece.out_dtype)
+            groups.setdefault(key, []).append((piece, 0))
+        elif not full and not piece.levels and shard_mesh_dim(piece.placements) is not None:
+            mesh_dim = shard_mesh_dim(piece.placements)
+            assert piece.mesh is not None and mesh_dim is not None
+            key = ("mesh", piece.mesh, mesh_dim, piece.local.device, piece.out_dtype)
+            groups.setdefault(key, []).append((piece, mesh_dim))
+        else:
+            rest.append(piece)
+    for key, members in groups.items():
+        first, mesh_dim = members[0]
+        if key[0] == "level":
+            level = first.levels[0]
+            group, size, me = level.group, level.size, level.rank
+        else:
+            assert first.mesh is not None
+            group = first.mesh.get_group(mesh_dim)
+            size, me = first.mesh.size(mesh_dim), first.mesh.get_local_rank(mesh_dim)
+        if 0 not in dist.get_process_group_ranks(group):
+            continue
+        if key[0] == "level":  # iter_unsplit's order: the large, evenly split pieces last
+            members.sort(key=lambda item: _direct(_split_of(item[0])))
+        bucket: list[LocalPiece] = []
+        nbytes = 0
+        for piece, _ in members:
+            piece_bytes = math.prod(piece.shape) * piece.local.element_size()
+            if bucket and nbytes + piece_bytes > bucket_bytes:
+                out.update(_gather_to_root(bucket, group, size, me, keep=keep, cpu=cpu_offload))
+                bucket, nbytes = [], 0
+            bucket.append(piece)
+            nbytes += piece_bytes
+        if bucket:
+            out.update(_gather_to_root(bucket, group, size, me, keep=keep, cpu=cpu_offload))
+    if rest:
+        out.update(
+            gather_full_tensors(
+                rest, rank0_only=True, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes
+            )
+        )
+    return {p.fqn: out[p.fqn] for p in pieces if p.fqn in out}
+
+
+def _split_of(piece: LocalPiece) -> SplitPiece:
+    shape = piece.piece_shape if piece.piece_shape is not None else piece.local.shape
+    return SplitPiece(piece.local, shape, piece.levels, piece.out_dtype)
+
+
+def _gather_to_root(
+    pieces: list[LocalPiece],
+    group: dist.ProcessGroup,
+    size: int,
+    me: int,
+    *,
+    keep: bool,
+    cpu: bool,
+) -> dict[str, torch.Tensor]:
+    """One ``dist.gather`` of flat send buffers to global rank 0 over ``group`` (whose
+    ranks hold the dim-0 chunks of every piece), then cut the full tensors out."""
+    segments = [
+        [chunk_range(p.shape[0], size, r)[1] * _row_numel(p.shape) for p in pieces]
+        for r in range(size)
+    ]
+    padded = max(sum(row) for row in segments)
+    dtype = pieces[0].out_dtype
+    device = pieces[0].local.device
+    target = torch.device("cpu") if cpu else device
+    if padded == 0:
+        if not keep:
+            return {}
+        return {p.fqn: torch.empty(p.shape, dtype=dtype, device=target) for p in pieces}
+    send = _send_buffer([p.local for p in pieces], segments[me], padded, dtype)
+    rows = torch.empty(size, padded, dtype=dtype, device=device) if keep else None
+    dist.gather(send, list(rows.unbind(0)) if rows is not None else None, dst=0, group=group)
+    del send
+    if rows is None:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    cursors = [0] * size
+    for i, piece in enumerate(pieces):
+        full = torch.empty(piece.shape, dtype=dtype, device=target)
+        flat = full.view(-1)
+        start = 0
+        for r in range(size):
             numel = segments[r][i]
             flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
             start += numel

@@ -86,7 +86,8 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
             for name, options in emas.items()
         }
         first = next(iter(self._emas.values()))
-        self.module = first.module
+        self.model = first.model
+        """The tracked (unwrapped) model; each EMA's own module is ``multi[name].module``."""
 
     def __getitem__(self, name: str) -> ModelEMA:
         return self._emas[name]
@@ -136,4 +137,4 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}: decay={e.decay}" for n, e in self._emas.items())
-        return f"{type(self).__name__}({type(self.module).__name__}, {{{inner}}})"
+        return f"{type(self).__name__}({type(self.model).__name__}, {{{inner}}})"

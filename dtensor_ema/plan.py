@@ -21,8 +21,10 @@ model surgery and refuses changes that would make the EMA silently wrong.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,12 +38,14 @@ from dtensor_ema.layout import (
     agree_on_structure,
     contiguous_stride,
     cpu_mesh_like,
+    shard_mesh_dim,
 )
 from dtensor_ema.watch import ModuleWatch
 
 __all__ = [
     "EmaPlan",
     "PlanEntry",
+    "bucket_view_",
     "build_plan",
     "default_ema_dtype",
     "ema_local_from_full",
@@ -172,6 +176,47 @@ class EmaPlan:
         """Bytes of EMA storage held by this rank."""
         return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self.entries)
 
+    @torch.no_grad()
+    def rebind_ema(self, tensors: Mapping[str, DTensor]) -> None:
+        """Move EMA entries into storage someone else owns (the EMA module's FSDP2
+        parameters). Local: no collective.
+
+        For each ``fqn -> tensor``: the tensor must be a DTensor with the entry's global
+        shape, dtype, mesh and placements (so its local piece has the shape of
+        ``ema_local``). The entry's current values are copied into ``tensor.to_local()``,
+        which then becomes ``ema_local``; ``tensor`` becomes ``ema``. Everything is checked
+        before anything is written. Callers must rebuild what they cached from the old
+        ``ema_local`` tensors (update groups).
+
+        Raises:
+            ValueError: an unknown fqn, or a tensor whose layout differs from the entry's.
+        """
+        entries = self.by_fqn()
+        problems = []
+        for fqn, tensor in tensors.items():
+            entry = entries.get(fqn)
+            if entry is None:
+                problems.append(f"{fqn}: not an EMA entry")
+            elif (
+                not isinstance(tensor, DTensor)
+                or tensor.shape != entry.ema.shape
+                or tensor.dtype != entry.ema_local.dtype
+                or (tensor.device_mesh, tuple(tensor.placements)) != (entry.mesh, entry.placements)
+                or tensor.to_local().shape != entry.ema_local.shape
+            ):
+                problems.append(
+                    f"{fqn}: expected a DTensor {tuple(entry.ema.shape)} {entry.ema_local.dtype} "
+                    f"{entry.placements}, got {type(tensor).__name__} {tuple(tensor.shape)} "
+                    f"{tensor.dtype} {getattr(tensor, 'placements', None)}"
+                )
+        if problems:
+            raise ValueError(f"cannot rebind the EMA: {problems[:5]}")
+        for fqn, tensor in tensors.items():
+            entry = entries[fqn]
+            local = tensor.to_local()
+            local.copy_(entry.ema_local)
+            entry.ema, entry.ema_local = tensor, local
+
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP/DataParallel and ``torch.compile`` wrappers so keys carry no prefix."""
@@ -214,6 +259,7 @@ def build_plan(
     *,
     ema_dtype: torch.dtype | None = None,
     offload: bool = False,
+    bucket_view: bool = False,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
@@ -229,6 +275,8 @@ def build_plan(
         ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
         offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
             a CPU twin of each mesh.
+        bucket_view: make every ``ema_local`` a view into one flat buffer per (device,
+            dtype), laid out in gather order (see :func:`bucket_view_`).
 
     Raises:
         ValueError: the model has no floating-point state, has tensors on the meta device,
@@ -281,6 +329,8 @@ def build_plan(
             f"(state dict keys: {list(followed)[:5]})"
         )
     agree_on_structure(world, [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()])
+    if bucket_view:
+        bucket_view_(entries)
     plan = EmaPlan(
         module=module,
         world=world,
@@ -292,6 +342,84 @@ def build_plan(
     )
     plan._pointers = _pointers(entries)
     return plan
+
+
+def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
+    """Move every entry's ``ema_local`` into one flat buffer per (device, dtype). Local.
+
+    Laid out in the order :mod:`dtensor_ema.materialize` gathers in, so that the local
+    shards of one gather bucket are adjacent and the bucket's send buffer is a view of the
+    flat buffer (no packing): first the entries split over replica levels, grouped by their
+    levels, those gathered on their own (large and evenly split) last; then DTensor entries
+    sharded on dim 0 over one mesh dim, grouped by (mesh, mesh dim); then the rest (0-dim,
+    other layouts). Each buffer ends with room for the padding of its last bucket (the sum
+    over its tensors of the padded rows minus this rank's rows), sent but never read. Each
+    entry's ``ema`` is rebuilt around the view (same mesh, placements, shape and stride).
+
+    Returns:
+        The flat buffers (held alive by the views).
+    """
+    from dtensor_ema.materialize import DIRECT_BYTES
+
+    groups: dict[tuple[Any, ...], int] = {}
+    keyed = []
+    for index, entry in enumerate(entries):
+        local = entry.ema_local
+        slack = 0
+        if entry.levels:
+            level = entry.levels[-1]
+            piece_bytes = math.prod(entry.source_piece.shape) * local.element_size()
+            direct = (
+                len(entry.levels) == 1
+                and level.rows % level.size == 0
+                and piece_bytes >= DIRECT_BYTES
+            )
+            group: tuple[Any, ...] = (0, tuple(lv.key for lv in entry.levels), direct)
+            row = math.prod(local.shape[1:]) if local.dim() > 1 else 1
+            slack = math.ceil(level.rows / level.size) * row - local.numel()
+        else:
+            mesh_dim = shard_mesh_dim(entry.placements) if entry.mesh is not None else None
+            if mesh_dim is not None and entry.mesh is not None and entry.ema.dim() > 0:
+                group = (1, id(entry.mesh), mesh_dim)
+                n = entry.ema.shape[0]
+                chunk = math.ceil(n / entry.mesh.size(mesh_dim)) if n else 0
+                slack = chunk * math.prod(entry.ema.shape[1:]) - local.numel()
+            else:
+                group = (2,)
+        rank = groups.setdefault(group, len(groups))
+        keyed.append(((group[0], rank, index), entry, max(slack, 0)))
+    keyed.sort(key=lambda item: item[0])
+    by_buffer: dict[tuple[torch.device, torch.dtype], list[tuple[PlanEntry, int]]] = {}
+    for _, entry, slack in keyed:
+        local = entry.ema_local
+        by_buffer.setdefault((local.device, local.dtype), []).append((entry, slack))
+    flats = []
+    for (device, dtype), items in by_buffer.items():
+        total = sum(e.ema_local.numel() for e, _ in items)
+        pinned = any(e.ema_local.is_pinned() for e, _ in items)
+        flat = torch.empty(
+            total + sum(slack for _, slack in items), dtype=dtype, device=device, pin_memory=pinned
+        )
+        cursor = 0
+        for entry, _ in items:
+            local = entry.ema_local
+            view = flat[cursor : cursor + local.numel()].view(local.shape)
+            view.copy_(local)
+            cursor += local.numel()
+            entry.ema_local = view
+            if isinstance(entry.ema, DTensor):
+                entry.ema = DTensor.from_local(
+                    view,
+                    entry.ema.device_mesh,
+                    entry.ema.placements,
+                    run_check=False,
+                    shape=entry.ema.shape,
+                    stride=entry.ema.stride(),
+                )
+            else:
+                entry.ema = view
+        flats.append(flat)
+    return flats
 
 
 def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
