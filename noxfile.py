@@ -105,6 +105,13 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def gpu(session: nox.Session) -> None:
+    """One GPU, <= 10 min: CUDA correctness, offload, CUDA graphs, update speed (report + JSON)."""
+    _install(session, "bench,test")
+    session.run("python", "benchmarks/gpu_suite.py", *session.posargs)
+
+
+@nox.session
 def examples(session: nox.Session) -> None:
     """Run every example end to end under torchrun with tiny settings (add -- -s to watch)."""
     _install(session, "examples,test")

@@ -1,21 +1,65 @@
-"""The update kernel: one fused multi-tensor call per group of local tensors.
+"""The update kernels: one fused pass per group of local tensors.
 
 The EMA update is memory-bound (it costs about a ``copy_`` of the same bytes), so the only
 things worth optimizing are the bytes touched and the per-call dispatch: tensors are grouped
 once at construction by (averaged or copied, device, EMA dtype, source dtype) and each group
-is updated with one ``torch._foreach_lerp_`` (or ``_foreach_copy_``) on cached local views.
+is updated by one kernel on cached local views:
+
+* ``"eager"``: ``torch._foreach_lerp_`` (``_foreach_copy_`` for copies); mixed dtypes (bf16
+  model, fp32 EMA) upcast through a reused scratch buffer first.
+* ``"compiled"``: :class:`~dtensor_ema.compiled_lerp.CompiledLerp`, one pass that reads
+  each source value once (upcast in registers) and reads and writes each EMA value once,
+  for K EMAs of the same sources at a time. Same bits as eager.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
+from dtensor_ema.compiled_lerp import (
+    COMPILED_EMA_DTYPES,
+    CompiledLerp,
+    compile_unavailable_reason,
+    warn_unavailable,
+)
 from dtensor_ema.plan import EmaPlan
 
-__all__ = ["UpdateGroup", "update_groups"]
+__all__ = [
+    "KERNELS",
+    "UpdateGroup",
+    "lerp_groups_",
+    "resolve_kernel",
+    "update_groups",
+]
+
+Kernel = Literal["eager", "compiled", "auto"]
+KERNELS = ("eager", "compiled", "auto")
+
+COMPILED_BY_DEFAULT: frozenset[str] = frozenset()
+"""Device types on which ``kernel="auto"`` picks the compiled kernel: those where it was
+measured faster than eager (``benchmarks/kernels.py``; CPU: not faster, see its README)."""
+
+
+def resolve_kernel(kernel: str, device: torch.device, ema_dtype: torch.dtype) -> str:
+    """``"eager"`` or ``"compiled"`` for a group on ``device`` with EMA dtype ``ema_dtype``.
+
+    ``"compiled"`` falls back to eager (silently) for EMA dtypes the compiled kernel does
+    not cover, and (with a one-line warning, once) where ``torch.compile`` is unavailable.
+    """
+    if kernel == "auto":
+        kernel = "compiled" if device.type in COMPILED_BY_DEFAULT else "eager"
+    if kernel == "compiled" and ema_dtype not in COMPILED_EMA_DTYPES:
+        return "eager"
+    if kernel == "compiled":
+        reason = compile_unavailable_reason(device)
+        if reason is not None:
+            warn_unavailable(device.type, reason)
+            return "eager"
+    return kernel
 
 
 @dataclass(slots=True)
@@ -26,8 +70,11 @@ class UpdateGroup:
     source_locals: list[torch.Tensor]
     averaged: bool
     """``False``: the EMA copies the sources (excluded tensors, copied buffers)."""
-    _staged: list[_StagedBatch] | None = None
-    """Upcast plan for mixed dtypes, built on first use (see :meth:`_staged_lerp_`)."""
+    kernel: str = "eager"
+    """``"eager"`` or ``"compiled"`` (resolved: see :func:`resolve_kernel`)."""
+    _cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
+    """Per (kind, partner groups, sources list): staged upcast plans, compiled kernels and
+    weight tensors, built on first use so later updates only launch kernels."""
 
     def sources_in_ema_dtype(self, sources: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The sources (default: the source locals), upcast (a temporary copy) when their
@@ -41,34 +88,15 @@ class UpdateGroup:
     def apply_(self, decay: float, sources: list[torch.Tensor] | None = None) -> None:
         """``ema.lerp_(source, 1 - decay)``; a copy for copied tensors or ``decay == 0``.
 
-        ``sources``: what to read instead of the source locals (an upcast made once for
-        several EMAs, or a staged host copy); same shapes, any float dtype.
+        ``sources``: what to read instead of the source locals (a staged host copy); same
+        shapes, any float dtype.
         """
         if not self.averaged or decay == 0.0:
             torch._foreach_copy_(
                 self.ema_locals, self.source_locals if sources is None else sources
             )
-        elif sources is None and self.source_locals[0].dtype != self.ema_locals[0].dtype:
-            self._staged_lerp_(1.0 - decay)
         else:
-            sources = self.source_locals if sources is None else sources
-            torch._foreach_lerp_(self.ema_locals, self.sources_in_ema_dtype(sources), 1.0 - decay)
-
-    def _staged_lerp_(self, weight: float) -> None:
-        """Mixed dtypes (bf16 model, fp32 EMA): upcast into one reused scratch buffer of at
-        most ``UPCAST_CHUNK`` elements, batch by batch, instead of a fresh fp32 temporary
-        per tensor every step (4-5x slower on CPU, where fresh pages cost more than the
-        arithmetic: benchmarks/bf16_paths.py). Same values bit for bit: the upcast is exact
-        and ``lerp`` is elementwise."""
-        if self._staged is None:
-            self._staged = _staged_batches(self.ema_locals, self.source_locals)
-        for batch in self._staged:
-            if batch.scratch:
-                torch._foreach_copy_(batch.scratch, batch.sources)
-                torch._foreach_lerp_(batch.emas, batch.scratch, weight)
-            else:  # non-contiguous tensors: the plain upcast
-                upcast = [s.to(batch.emas[0].dtype) for s in batch.sources]
-                torch._foreach_lerp_(batch.emas, upcast, weight)
+            lerp_groups_([self], [1.0 - decay], sources)
 
     def apply_weight_(self, weight: torch.Tensor) -> None:
         """``ema.lerp_(source, weight)`` with a 0-dim device tensor: no host sync.
@@ -77,8 +105,78 @@ class UpdateGroup:
         kernel computes ``end - (end - start) * (1 - w)`` for ``w >= 0.5``).
         """
         weight = weight.to(self.ema_locals[0].dtype)
+        if self.kernel == "compiled":
+            kernel = self.cached(("compiled",), (), lambda: CompiledLerp([self.ema_locals]))
+            if kernel(self.source_locals, [weight]):
+                return
+            self.kernel = "eager"
         weights = [weight] * len(self.ema_locals)
         torch._foreach_lerp_(self.ema_locals, self.sources_in_ema_dtype(), weights)
+
+    def cached(self, key: tuple[Any, ...], pins: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        """``build()`` once per ``key``; ``pins`` are the objects whose ``id`` is in the key,
+        kept alive and compared so a recycled ``id`` can never hit a stale entry."""
+        hit = self._cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], pins, strict=True)):
+            return hit[1]
+        value = build()
+        self._cache[key] = (pins, value)
+        return value
+
+
+def lerp_groups_(
+    groups: Sequence[UpdateGroup],
+    weights: Sequence[float],
+    sources: list[torch.Tensor] | None = None,
+) -> None:
+    """``group.ema_locals[i].lerp_(sources[i], w)`` for every (group, w): K EMAs of the
+    same sources (default: the first group's source locals) with aligned tensors.
+
+    Compiled kernel: one pass over each source for all K EMAs. Eager: one
+    ``_foreach_lerp_`` per EMA; mixed dtypes upcast each slice of sources once into a
+    reused scratch buffer (at most ``UPCAST_CHUNK`` elements), then lerp every EMA from it.
+    """
+    lead = groups[0]
+    sources = lead.source_locals if sources is None else sources
+    ids = tuple(id(g) for g in groups)
+    pins = (*groups, sources)
+    if lead.kernel == "compiled":
+        kernel = lead.cached(
+            ("compiled", *ids, id(sources)),
+            pins,
+            lambda: CompiledLerp([g.ema_locals for g in groups]),
+        )
+        tensors = lead.cached(
+            ("weights", len(groups)),
+            (),
+            lambda: [
+                torch.zeros((), dtype=lead.ema_locals[0].dtype, device=lead.ema_locals[0].device)
+                for _ in groups
+            ],
+        )
+        for tensor, weight in zip(tensors, weights, strict=True):
+            tensor.fill_(weight)  # rounds like eager's scalar weight: to the EMA dtype
+        if kernel(sources, tensors):
+            return
+        for g in groups:
+            g.kernel = "eager"
+    if sources[0].dtype == lead.ema_locals[0].dtype:
+        for group, weight in zip(groups, weights, strict=True):
+            torch._foreach_lerp_(group.ema_locals, sources, weight)
+        return
+    staged = lead.cached(
+        ("staged", *ids, id(sources)),
+        pins,
+        lambda: _staged_batches([g.ema_locals for g in groups], sources),
+    )
+    for batch in staged:
+        if batch.scratch:
+            torch._foreach_copy_(batch.scratch, batch.sources)
+            upcast = batch.scratch
+        else:  # non-contiguous tensors: the plain upcast
+            upcast = [s.to(batch.emas[0][0].dtype) for s in batch.sources]
+        for emas, weight in zip(batch.emas, weights, strict=True):
+            torch._foreach_lerp_(emas, upcast, weight)
 
 
 UPCAST_CHUNK = 1 << 24
@@ -87,55 +185,70 @@ UPCAST_CHUNK = 1 << 24
 
 @dataclass(slots=True)
 class _StagedBatch:
-    emas: list[torch.Tensor]
+    emas: list[list[torch.Tensor]]
+    """K lists of EMA slices, aligned with ``sources``."""
     sources: list[torch.Tensor]
     scratch: list[torch.Tensor]
     """Views of the shared scratch buffer, one per source; empty: upcast on the fly."""
 
 
-def _staged_batches(emas: list[torch.Tensor], sources: list[torch.Tensor]) -> list[_StagedBatch]:
-    """Cut contiguous (EMA, source) pairs into flat slices of at most ``UPCAST_CHUNK``
+def _staged_batches(
+    emas: list[list[torch.Tensor]], sources: list[torch.Tensor]
+) -> list[_StagedBatch]:
+    """Cut contiguous (EMAs, source) tuples into flat slices of at most ``UPCAST_CHUNK``
     elements and pack them into batches that fit one scratch buffer. Built once: the
-    slices are views, so later updates only launch kernels."""
-    slices: list[tuple[torch.Tensor, torch.Tensor]] = []
-    loose = _StagedBatch([], [], [])
-    for ema, source in zip(emas, sources, strict=True):
-        if not (ema.is_contiguous() and source.is_contiguous()):
-            loose.emas.append(ema)
+    slices are views, so later updates only launch kernels. Fresh fp32 temporaries per
+    step instead cost 4-5x more on CPU, where fresh pages cost more than the arithmetic
+    (benchmarks/bf16_paths.py)."""
+    k = len(emas)
+    slices: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+    loose = _StagedBatch([[] for _ in range(k)], [], [])
+    for i, source in enumerate(sources):
+        column = [e[i] for e in emas]
+        if not (source.is_contiguous() and all(e.is_contiguous() for e in column)):
+            for out, ema in zip(loose.emas, column, strict=True):
+                out.append(ema)
             loose.sources.append(source)
             continue
-        flat_ema, flat_source = ema.view(-1), source.view(-1)
-        for start in range(0, flat_ema.numel(), UPCAST_CHUNK):
+        flat_source = source.view(-1)
+        flat = [e.view(-1) for e in column]
+        for start in range(0, flat_source.numel(), UPCAST_CHUNK):
             end = start + UPCAST_CHUNK
-            slices.append((flat_ema[start:end], flat_source[start:end]))
-    batches = [loose] if loose.emas else []
+            slices.append(([f[start:end] for f in flat], flat_source[start:end]))
+    batches = [loose] if loose.sources else []
     if not slices:
         return batches
-    total = sum(e.numel() for e, _ in slices)
-    scratch = torch.empty(
-        min(total, UPCAST_CHUNK), dtype=slices[0][0].dtype, device=slices[0][0].device
-    )
-    batch, used = _StagedBatch([], [], []), 0
-    for ema, source in slices:
-        if used + ema.numel() > scratch.numel():
+    first = slices[0][0][0]
+    total = sum(s.numel() for _, s in slices)
+    scratch = torch.empty(min(total, UPCAST_CHUNK), dtype=first.dtype, device=first.device)
+    batch, used = _StagedBatch([[] for _ in range(k)], [], []), 0
+    for column, source in slices:
+        if used + source.numel() > scratch.numel():
             batches.append(batch)
-            batch, used = _StagedBatch([], [], []), 0
-        batch.emas.append(ema)
+            batch, used = _StagedBatch([[] for _ in range(k)], [], []), 0
+        for out, ema in zip(batch.emas, column, strict=True):
+            out.append(ema)
         batch.sources.append(source)
-        batch.scratch.append(scratch[used : used + ema.numel()])
-        used += ema.numel()
+        batch.scratch.append(scratch[used : used + source.numel()])
+        used += source.numel()
     batches.append(batch)
     return batches
 
 
-def update_groups(plan: EmaPlan) -> list[UpdateGroup]:
-    """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped."""
+def update_groups(plan: EmaPlan, kernel: str = "eager") -> list[UpdateGroup]:
+    """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped.
+
+    ``kernel``: ``"eager"``, ``"compiled"`` or ``"auto"``, resolved per group by
+    :func:`resolve_kernel`.
+    """
     groups: dict[tuple[Any, ...], UpdateGroup] = {}
     for e in plan:
         if e.ema_local.numel() == 0:
             continue
         key = (e.averaged, e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
-        group = groups.setdefault(key, UpdateGroup([], [], e.averaged))
-        group.ema_locals.append(e.ema_local)
-        group.source_locals.append(e.source_local)
+        if key not in groups:
+            chosen = resolve_kernel(kernel, e.ema_local.device, e.ema_local.dtype)
+            groups[key] = UpdateGroup([], [], e.averaged, chosen)
+        groups[key].ema_locals.append(e.ema_local)
+        groups[key].source_locals.append(e.source_local)
     return list(groups.values())

@@ -122,6 +122,8 @@ class ModelEMA:
             behind the next training step. Every read waits for it (:meth:`flush`); a step
             that fails in the worker is not counted and its error is raised by the next
             call. :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the thread.
+        kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``: see
+            :attr:`dtensor_ema.options.EmaOptions.kernel`. Same results bit for bit.
         parameters_as_bucket_view: keep this rank's EMA shards as views into one flat
             buffer per (device, dtype), laid out in gather order, so that materializing
             (``get_model_state_dict``, ``export_ema``, ``average_parameters``) all-gathers
@@ -165,6 +167,7 @@ class ModelEMA:
         ema_dtype: torch.dtype | None = None,
         capturable: bool = False,
         offload: bool = False,
+        kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
     ) -> None:
         self.options = EmaOptions(
@@ -176,6 +179,7 @@ class ModelEMA:
             ema_dtype=ema_dtype,
             capturable=capturable,
             offload=offload,
+            kernel=kernel,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
@@ -206,7 +210,7 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._groups = update_groups(self._plan)
+        self._groups = update_groups(self._plan, self.options.kernel)
         self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
         self._last_decay: float | None = None
         self._swapped = False
@@ -287,7 +291,7 @@ class ModelEMA:
             self.model, self._plan, self.mesh, units=units, compute_dtype=compute_dtype
         )
         # The EMA's local shards may have moved into the module: re-cache them.
-        self._groups = update_groups(self._plan)
+        self._groups = update_groups(self._plan, self.options.kernel)
         self._module = module
         return module
 
@@ -813,7 +817,7 @@ class ModelEMA:
         if not self._plan.sync():
             return
         self.flush()
-        self._groups = update_groups(self._plan)
+        self._groups = update_groups(self._plan, self.options.kernel)
         self._updater.rebind(self._groups)
 
 

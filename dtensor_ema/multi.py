@@ -2,9 +2,11 @@
 
 Diffusion and LM training often keep a fast and a slow EMA (e.g. decays 0.999 and 0.9999)
 and pick the better one at evaluation. Building two :class:`~dtensor_ema.ModelEMA` objects
-works, but each update would check the model and upcast low-precision parameters once per
-EMA. :class:`MultiModelEMA` shares the sharding plan's layout: one model check, one upcast of
-each parameter shard (bf16 -> fp32), then one fused call per EMA and group.
+works, but each update would check the model and read every parameter shard once per EMA.
+:class:`MultiModelEMA` shares the sharding plan's layout: one model check, then per group of
+local tensors one pass over the sources for all EMAs (``kernel="compiled"``: each source
+value read once; eager: bf16 sources upcast once per slice into a reused scratch buffer,
+then one ``_foreach_lerp_`` per EMA).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_ema.fused_update import lerp_groups_
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import ExcludeSpec
 from dtensor_ema.state import validate_state
@@ -24,7 +27,7 @@ __all__ = ["MultiModelEMA"]
 
 # Options that decide which tensors exist and how they are grouped: shared by all EMAs so
 # their update groups line up one to one.
-_SHARED = ("mesh", "buffers", "exclude", "ema_dtype")
+_SHARED = ("mesh", "buffers", "exclude", "ema_dtype", "kernel")
 
 
 class MultiModelEMA(Mapping[str, ModelEMA]):
@@ -34,7 +37,8 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         model: as for :class:`ModelEMA`.
         emas: ``name -> options`` per EMA: any of ``decay``, ``tau``, ``half_life``,
             ``schedule``, ``update_every``, ``update_after_step``, ``updates``.
-        mesh, buffers, exclude, ema_dtype: shared by every EMA (see :class:`ModelEMA`).
+        mesh, buffers, exclude, ema_dtype, kernel: shared by every EMA (see
+            :class:`ModelEMA`).
 
     Each EMA keeps its own sharded state (``multi["slow"]`` is a full ``ModelEMA``: evaluate
     with ``multi["slow"].average_parameters()``), and its own entry in checkpoints:
@@ -53,6 +57,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         buffers: Literal["average", "copy"] = "average",
         exclude: ExcludeSpec = None,
         ema_dtype: torch.dtype | None = None,
+        kernel: Literal["eager", "compiled", "auto"] = "auto",
     ) -> None:
         if not emas:
             raise ValueError("emas must name at least one EMA, e.g. {'slow': {'decay': 0.9999}}")
@@ -71,7 +76,13 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
                 )
         self._emas = {
             name: ModelEMA(
-                model, mesh, buffers=buffers, exclude=exclude, ema_dtype=ema_dtype, **options
+                model,
+                mesh,
+                buffers=buffers,
+                exclude=exclude,
+                ema_dtype=ema_dtype,
+                kernel=kernel,
+                **options,
             )
             for name, options in emas.items()
         }
@@ -92,8 +103,10 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
     def update(self, model: nn.Module | None = None) -> None:
         """Advance every EMA by one step. Local: **no communication**.
 
-        One model check; for each group of local tensors, one upcast of the sources where
-        their dtype differs from the EMA's, then one fused call per EMA.
+        One model check; for each group of local tensors, one pass over the sources that
+        lerps every averaging EMA (see the module docstring); copies and skipped EMAs are
+        handled per EMA. Peak extra memory: the reused upcast scratch (at most 64 MiB) for
+        bf16 sources with the eager kernel; none otherwise.
         """
         emas = list(self._emas.values())
         for ema in emas:
@@ -101,13 +114,14 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
             ema._sync_sources()
         decays = [ema._advance() for ema in emas]
         for groups in zip(*(ema._groups for ema in emas), strict=True):
-            upcast: list[torch.Tensor] | None = None
+            averaging = [
+                (g, 1.0 - d) for g, d in zip(groups, decays, strict=True) if d and g.averaged
+            ]
             for group, decay in zip(groups, decays, strict=True):
-                if decay is None:
-                    continue
-                if group.averaged and decay != 0.0 and upcast is None:
-                    upcast = group.sources_in_ema_dtype()
-                group.apply_(decay, upcast if group.averaged and decay != 0.0 else None)
+                if decay is not None and not (decay and group.averaged):
+                    group.apply_(decay)  # a copy
+            if averaging:
+                lerp_groups_([g for g, _ in averaging], [w for _, w in averaging])
 
     def state_dict(self) -> dict[str, Any]:
         """``{name: ModelEMA.state_dict()}``. Local; DCP ``Stateful``."""

@@ -91,6 +91,12 @@ class EmaOptions:
     offload: bool = False
     """Keep the EMA shards in host memory, updated by a worker thread behind the training
     step. Not part of the checkpoint config."""
+    kernel: Literal["eager", "compiled", "auto"] = "auto"
+    """Update kernel: ``"eager"`` (``torch._foreach_lerp_``), ``"compiled"`` (one
+    ``torch.compile``'d pass per group: each source value read once, bf16 upcast fused;
+    same bits; the first update compiles, and falls back to eager with a warning where
+    compiling is unavailable), or ``"auto"``: compiled only on device types where it was
+    measured faster (none yet: eager). Not part of the checkpoint config."""
 
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):
@@ -106,6 +112,8 @@ class EmaOptions:
             raise ValueError(
                 f"ema_dtype must be a floating-point torch.dtype, got {self.ema_dtype!r}"
             )
+        if self.kernel not in ("eager", "compiled", "auto"):
+            raise ValueError(f"kernel must be 'eager', 'compiled' or 'auto', got {self.kernel!r}")
         if self.capturable and self.offload:
             raise ValueError(
                 "capturable=True and offload=True cannot be combined: a captured update "

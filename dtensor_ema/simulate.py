@@ -1,0 +1,86 @@
+"""Per-rank EMA memory of models too large to build: the real plan, on the ``meta`` device.
+
+``ModelEMA`` refuses a meta model (its EMA would hold no values). :func:`plan_bytes` runs
+the plan's own layout rule (:class:`~dtensor_ema.layout.LayoutBuilder`: which rows of each
+tensor's local piece this rank averages) on a meta model on purpose, so the bytes it reports
+are the library's layout, not arithmetic. Pair it with a fake process group
+(``torch.testing._internal.distributed.fake_pg``) to be any rank of any world size in one
+process, and with ``fully_shard`` on the meta model for FSDP2/HSDP layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.layout import LayoutBuilder, resolve_world_mesh
+from dtensor_ema.plan import default_ema_dtype, model_tensors, unwrap_model
+
+__all__ = ["PlanBytes", "plan_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanBytes:
+    """What one rank's EMA would hold."""
+
+    local_bytes: int
+    """EMA bytes on this rank (its shards, plus replicated 0-dim tensors)."""
+    local_numel: int
+    """EMA elements on this rank."""
+    replicated_bytes: int
+    """EMA bytes of a full, unsharded replica (what timm/AveragedModel keep on every rank)."""
+    tensors: int
+    """Averaged tensors (tied ones once)."""
+
+
+def plan_bytes(
+    model: nn.Module, mesh: DeviceMesh | None = None, *, ema_dtype: torch.dtype | None = None
+) -> PlanBytes:
+    """Lay out the EMA of a ``meta``-device ``model`` and count this rank's bytes.
+
+    Args:
+        model: every tensor on the ``meta`` device (plain, or ``fully_shard``-ed on meta).
+        mesh: as for :class:`~dtensor_ema.ModelEMA` (``None``: the DTensor parameters'
+            root mesh, else the default process group, else no sharding).
+        ema_dtype: as for :class:`~dtensor_ema.ModelEMA`.
+
+    Local: no collective (``ModelEMA`` also all-gathers a structure fingerprint; the
+    layout does not depend on it), and no memory: meta tensors hold none.
+
+    Raises:
+        ValueError: a tensor of ``model`` is not on the meta device.
+    """
+    module = unwrap_model(model)
+    tensors = model_tensors(module)
+    real = [k for k, v in tensors.items() if v.device.type != "meta"]
+    if real:
+        raise ValueError(
+            f"plan_bytes needs a meta-device model (no memory); {real[:3]} are on "
+            f"{tensors[real[0]].device}: build it under `with torch.device('meta'):`"
+        )
+    # Meta tensors carry no device type: take the mesh's (the parameters' or the default
+    # group's, "cpu" when there is none to copy).
+    meshes = [mesh] + [t.device_mesh for t in tensors.values() if isinstance(t, DTensor)]
+    device_type = next((m.device_type for m in meshes if m is not None), "cpu")
+    world = resolve_world_mesh(mesh, tensors.values(), torch.device(device_type))
+    builder = LayoutBuilder(world)
+    seen: set[int] = set()
+    local = numel = replicated = count = 0
+    for fqn, tensor in tensors.items():
+        if not tensor.is_floating_point() or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        size = torch.empty((), dtype=ema_dtype or default_ema_dtype(tensor.dtype)).element_size()
+        piece = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        layout = builder.layout(fqn, tensor, piece.shape)
+        n = piece.numel() if piece.dim() == 0 else layout.length * math.prod(piece.shape[1:])
+        numel += n
+        local += n * size
+        replicated += tensor.numel() * size
+        count += 1
+    return PlanBytes(local, numel, replicated, count)
