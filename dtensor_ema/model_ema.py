@@ -292,6 +292,7 @@ class ModelEMA:
         )
         # The EMA's local shards may have moved into the module: re-cache them.
         self._groups = update_groups(self._plan, self.options.kernel)
+        self._updater.rebind(self._groups)
         self._module = module
         return module
 
