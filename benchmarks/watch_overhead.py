@@ -33,7 +33,18 @@ def _resnet50() -> nn.Module:
     return resnet50()
 
 
-def _medians(ema: ModelEMA, reps: int) -> tuple[float, float]:
+def _medians(ema: ModelEMA, reps: int) -> tuple[float, float, float]:
+    """Median ms of plain updates and of updates after a loss module was built, and the
+    number of model state-dict walks per such update (the cost this benchmark is about)."""
+    import dtensor_ema.plan as plan_module
+
+    walks = [0]
+    real_walk = plan_module.model_tensors
+
+    def counted(module: nn.Module) -> dict[str, torch.Tensor]:
+        walks[0] += 1
+        return real_walk(module)
+
     plain: list[float] = []
     with_loss: list[float] = []
     for _ in range(3):
@@ -43,10 +54,12 @@ def _medians(ema: ModelEMA, reps: int) -> tuple[float, float]:
         ema.update()
         plain.append(time.perf_counter() - start)
         nn.CrossEntropyLoss(weight=torch.ones(10))  # registers a buffer elsewhere
+        plan_module.model_tensors = counted  # type: ignore[assignment]
         start = time.perf_counter()
         ema.update()
         with_loss.append(time.perf_counter() - start)
-    return statistics.median(plain) * 1e3, statistics.median(with_loss) * 1e3
+        plan_module.model_tensors = real_walk  # type: ignore[assignment]
+    return statistics.median(plain) * 1e3, statistics.median(with_loss) * 1e3, walks[0] / reps
 
 
 def main() -> None:
@@ -66,10 +79,14 @@ def main() -> None:
         rows.append(("rank 3 of W=8 (fake process group)", *_medians(ema, args.reps)))
     finally:
         dist.destroy_process_group()
-    print("| setup | plain `update()` ms | after a loss module was built ms | overhead |")
-    print("|---|---|---|---|")
-    for name, plain, loss in rows:
-        print(f"| {name} | {plain:.2f} | {loss:.2f} | {100 * (loss / plain - 1):+.0f}% |")
+    print(
+        "| setup | plain `update()` ms | after a loss module was built ms | overhead "
+        "| state-dict walks per such update |"
+    )
+    print("|---|---|---|---|---|")
+    for name, plain, loss, walks in rows:
+        overhead = 100 * (loss / plain - 1)
+        print(f"| {name} | {plain:.2f} | {loss:.2f} | {overhead:+.0f}% | {walks:.2f} |")
 
 
 if __name__ == "__main__":
