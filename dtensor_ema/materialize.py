@@ -222,17 +222,26 @@ def _gather_rows(
     recv = torch.empty(size * padded, dtype=dtype, device=device)
     _all_gather_flat(recv, send, group=level.group)
     del send
-    rows = recv.view(size, padded)
-    cursors = [0] * size
+    _unpack_(outputs, recv.view(size, padded), segments)
+    return outputs
+
+
+def _unpack_(
+    outputs: Sequence[torch.Tensor], rows: torch.Tensor, segments: list[list[int]]
+) -> None:
+    """Fill each output with its segments of every rank's gathered row, in rank order.
+
+    ``rows[r]`` is rank ``r``'s flat buffer; ``segments[r][i]`` the numel output ``i``
+    takes from it (rank ``r``'s ``Shard(0)`` chunk), consecutively per rank."""
+    cursors = [0] * len(segments)
     for i, out in enumerate(outputs):
         flat = out.view(-1)
         start = 0
-        for r in range(size):
-            numel = segments[r][i]
+        for r, row_segments in enumerate(segments):
+            numel = row_segments[i]
             flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
             start += numel
             cursors[r] += numel
-    return outputs
 
 
 def gather_full_tensors(
@@ -367,20 +376,10 @@ def _gather_bucket(
     del send
     if not keep:
         return {}
-    rows = recv.view(world_size, padded)
-    out: dict[str, torch.Tensor] = {}
-    cursors = [0] * world_size
-    for i, piece in enumerate(pieces):
-        full = torch.empty(piece.shape, dtype=dtype, device=torch.device("cpu") if cpu else device)
-        flat = full.view(-1)
-        start = 0
-        for r in range(world_size):
-            numel = segments[r][i]
-            flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
-            start += numel
-            cursors[r] += numel
-        out[piece.fqn] = full
-    return out
+    target = torch.device("cpu") if cpu else device
+    fulls = [torch.empty(p.shape, dtype=dtype, device=target) for p in pieces]
+    _unpack_(fulls, recv.view(world_size, padded), segments)
+    return {p.fqn: full for p, full in zip(pieces, fulls, strict=True)}
 
 
 def gather_to_rank0(
@@ -495,16 +494,6 @@ def _gather_to_root(
     del send
     if rows is None:
         return {}
-    out: dict[str, torch.Tensor] = {}
-    cursors = [0] * size
-    for i, piece in enumerate(pieces):
-        full = torch.empty(piece.shape, dtype=dtype, device=target)
-        flat = full.view(-1)
-        start = 0
-        for r in range(size):
-            numel = segments[r][i]
-            flat[start : start + numel].copy_(rows[r, cursors[r] : cursors[r] + numel])
-            start += numel
-            cursors[r] += numel
-        out[piece.fqn] = full
-    return out
+    fulls = [torch.empty(p.shape, dtype=dtype, device=target) for p in pieces]
+    _unpack_(fulls, rows, segments)
+    return {p.fqn: full for p, full in zip(pieces, fulls, strict=True)}
