@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ __all__ = [
     "gather_to_rank0",
     "iter_unsplit",
 ]
+
+T = TypeVar("T")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """Upper bound on one gathered bucket (``W`` ranks' padded rows together)."""
@@ -136,18 +138,23 @@ def _buckets(
     indices: list[int], pieces: Sequence[SplitPiece], bucket_bytes: int
 ) -> Iterable[list[int]]:
     """Consecutive runs of pieces whose gathered (piece-sized) bytes stay under the bound."""
-    bucket: list[int] = []
-    size = 0
-    for i in indices:
-        piece = pieces[i]
-        piece_bytes = math.prod(piece.piece_shape) * piece.local.element_size()
-        if bucket and size + piece_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(i)
-        size += piece_bytes
-    if bucket:
-        yield bucket
+    sizes = [math.prod(pieces[i].piece_shape) * pieces[i].local.element_size() for i in indices]
+    return _consecutive_runs(indices, sizes, bucket_bytes)
+
+
+def _consecutive_runs(items: Sequence[T], sizes: Sequence[int], bound: int) -> Iterator[list[T]]:
+    """Split ``items`` into consecutive runs whose ``sizes`` add up to at most ``bound``
+    (a single item larger than ``bound`` forms a run of its own)."""
+    run: list[T] = []
+    total = 0
+    for item, size in zip(items, sizes, strict=True):
+        if run and total + size > bound:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += size
+    if run:
+        yield run
 
 
 def _row_numel(shape: Sequence[int]) -> int:
@@ -334,19 +341,15 @@ def _to_output(tensor: torch.Tensor, dtype: torch.dtype, cpu: bool) -> torch.Ten
 def _full_buckets(
     pieces: list[LocalPiece], world_size: int, bucket_bytes: int
 ) -> Iterable[list[LocalPiece]]:
-    """Consecutive runs of pieces whose gathered size stays under ``bucket_bytes``."""
-    bucket: list[LocalPiece] = []
-    size = 0
-    for piece in pieces:
-        rows = math.ceil(piece.shape[0] / world_size) if piece.shape[0] else 0
-        piece_bytes = rows * _row_numel(piece.shape) * world_size * piece.local.element_size()
-        if bucket and size + piece_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(piece)
-        size += piece_bytes
-    if bucket:
-        yield bucket
+    """Consecutive runs of pieces whose gathered (padded) size stays under ``bucket_bytes``."""
+    sizes = [
+        math.ceil(p.shape[0] / world_size)
+        * _row_numel(p.shape)
+        * world_size
+        * p.local.element_size()
+        for p in pieces
+    ]
+    return _consecutive_runs(pieces, sizes, bucket_bytes)
 
 
 def _gather_bucket(
