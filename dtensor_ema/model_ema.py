@@ -40,7 +40,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import collective
@@ -56,6 +55,7 @@ from dtensor_ema.materialize import (
     gather_to_rank0,
     iter_unsplit,
 )
+from dtensor_ema.model_keys import from_model_keys, to_model_keys
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
 from dtensor_ema.plan import (
     EmaPlan,
@@ -63,6 +63,7 @@ from dtensor_ema.plan import (
     build_plan,
     ema_local_from_full,
     model_tensors,
+    reshard_fsdp,
     unwrap_model,
 )
 from dtensor_ema.state import (
@@ -188,7 +189,7 @@ class ModelEMA:
                 f"parameters_as_bucket_view must be a bool, got {parameters_as_bucket_view!r}"
             )
         self.model = unwrap_model(model)
-        _reshard_fsdp(self.model)
+        reshard_fsdp(self.model)
         device = _model_device(self.model)
         self.mesh = resolve_world_mesh(mesh, model_tensors(self.model).values(), device)
         # Capturable updates keep the counter on the device (float64 counts exactly up to
@@ -512,7 +513,10 @@ class ModelEMA:
 
         Returns:
             ``(ema_state_dict, original_state_dict)``: full, contiguous tensors keyed like
-            the unwrapped model's ``state_dict()``, in the model's dtypes, ready for
+            the unwrapped model's ``state_dict()`` (canonical fqns, without wrapper
+            components such as ``_checkpoint_wrapped_module``, then the model's own
+            state-dict post-hooks: torchtitan's fused ``wqkv`` comes out as
+            ``wq``/``wk``/``wv``), in the model's dtypes, ready for
             ``load_state_dict(strict=True)``. Integer buffers carry the model's value in
             both. Neither shares memory with the model or the EMA.
         """
@@ -587,7 +591,7 @@ class ModelEMA:
             )
         self.flush()
         self._sync_sources()
-        _reshard_fsdp(self.model)
+        reshard_fsdp(self.model)
         backups = [_backup(e) for e in self._plan]
         self._swapped = True
         try:
@@ -601,7 +605,7 @@ class ModelEMA:
         try:
             yield self.model
         finally:
-            _reshard_fsdp(self.model)
+            reshard_fsdp(self.model)
             try:
                 with torch.no_grad():
                     self._restore(backups, bucket_bytes)
@@ -708,7 +712,9 @@ class ModelEMA:
         an :func:`~dtensor_ema.export_ema` file. Local: no collective.
 
         Call it on every rank with the same full tensors (e.g. ``torch.load`` of one file
-        on each rank): each rank copies its own piece. Values are cast to the EMA dtype
+        on each rank): each rank copies its own piece. Keys are the model's state-dict keys
+        (the model's own ``load_state_dict`` pre-hooks run first, e.g. to fuse torchtitan's
+        ``wq``/``wk``/``wv`` into ``wqkv``). Values are cast to the EMA dtype
         (an export in the model's bf16 loses the fp32 EMA's low bits). Integer buffers
         (they follow the model) and the duplicate names of tied weights may be present or
         absent. The counter is set to ``updates`` when given, else left as it is (full
@@ -723,6 +729,7 @@ class ModelEMA:
             isinstance(updates, bool) or not isinstance(updates, int) or updates < 0
         ):
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+        state_dict = from_model_keys(self.model, state_dict)
         ours = {e.fqn: e.ema for e in self._plan}
         saved = {
             k: (
@@ -791,7 +798,7 @@ class ModelEMA:
         followed = {
             k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
         }
-        return self._ordered(full, followed)
+        return to_model_keys(self.model, self._ordered(full, followed))
 
     def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:
         out: StateDict = {}
@@ -838,14 +845,6 @@ def _model_device(module: nn.Module) -> torch.device:
     for tensor in model_tensors(module).values():
         return tensor.device
     raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
-
-
-def _reshard_fsdp(module: nn.Module) -> None:
-    """Register FSDP2's sharded parameters again (a forward without backward leaves the
-    root, and modules with ``reshard_after_forward=False``, unsharded)."""
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
 
 
 def _backup(entry: PlanEntry) -> tuple[bool, torch.Tensor]:
