@@ -37,8 +37,11 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         model: as for :class:`ModelEMA`.
         emas: ``name -> options`` per EMA: any of ``decay``, ``tau``, ``half_life``,
             ``schedule``, ``update_every``, ``update_after_step``, ``updates``.
-        mesh, buffers, exclude, ema_dtype, kernel: shared by every EMA (see
-            :class:`ModelEMA`).
+        mesh: shared by every EMA, as for :class:`ModelEMA`.
+        buffers: shared by every EMA, as for :class:`ModelEMA`.
+        exclude: shared by every EMA, as for :class:`ModelEMA`.
+        ema_dtype: shared by every EMA, as for :class:`ModelEMA`.
+        kernel: shared by every EMA, as for :class:`ModelEMA`.
 
     Each EMA keeps its own sharded state (``multi["slow"]`` is a full ``ModelEMA``: evaluate
     with ``multi["slow"].average_parameters()``), and its own entry in checkpoints:

@@ -98,8 +98,10 @@ class PostHocEMA:
         snapshot_every: take a snapshot on every ``snapshot_every``-th ``update()`` call
             (``None``: only on explicit :meth:`snapshot` calls).
         snapshot_dir: where snapshots go (a directory every rank sees; needed to snapshot).
-        mesh, buffers, exclude, ema_dtype: as for :class:`~dtensor_ema.ModelEMA`, shared by
-            every profile.
+        mesh: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
+        buffers: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
+        exclude: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
+        ema_dtype: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
         snapshot_dtype: dtype the snapshots store floating-point tensors in (``bfloat16`` or
             ``float16`` halve the files); default: each EMA tensor's own dtype.
         async_save: write snapshots with ``dcp.async_save`` behind training: the call

@@ -317,7 +317,12 @@ def merge_snapshots(
             them yourself if they should sum to 1).
         sigma_rel: which tracked profile to average (default: the narrowest, closest to the
             raw weights).
-        out, format, dtype, bucket_bytes, process_group, progress: as for :func:`synthesize`.
+        out: as for :func:`synthesize`.
+        format: as for :func:`synthesize`.
+        dtype: as for :func:`synthesize`.
+        bucket_bytes: as for :func:`synthesize`.
+        process_group: as for :func:`synthesize`.
+        progress: as for :func:`synthesize`.
 
     Returns and memory as for :func:`synthesize` with one ``sigma_rel``. **Collective**
     when a process group is initialized.
