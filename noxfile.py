@@ -98,6 +98,15 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site in strict mode: a broken link, anchor or API reference fails."""
+    # The API pages are read from the sources (griffe), so torch need not be installed.
+    extras = nox.project.load_toml("pyproject.toml")["project"]["optional-dependencies"]
+    session.install(*extras["docs"])
+    session.run("mkdocs", "build", "--strict", "-f", "docs/mkdocs.yml", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark suite on CPU/gloo (flags after --, e.g. ``nox -s bench -- --quick``)."""
     _install(session, "bench")
