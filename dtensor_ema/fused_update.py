@@ -89,13 +89,13 @@ class UpdateGroup:
 
     def apply_(self, decay: float, sources: list[torch.Tensor] | None = None) -> None:
         """``ema.lerp_(source, 1 - decay)`` (or the group's :data:`FORMULAS` entry); a copy
-        for copied tensors or ``decay == 0`` (except with ``"subtract"``, which computes
-        ``ema - (ema - source)`` then, as diffusers does).
+        for copied tensors or ``decay == 0`` (except with the ``"subtract"`` formulas, which
+        compute ``ema - (ema - source)`` then, as diffusers does).
 
         ``sources``: what to read instead of the source locals (a staged host copy); same
         shapes, any float dtype.
         """
-        if not self.averaged or (decay == 0.0 and self.formula != "subtract"):
+        if not self.averaged or (decay == 0.0 and not self.formula.startswith("subtract")):
             torch._foreach_copy_(
                 self.ema_locals, self.source_locals if sources is None else sources
             )
@@ -134,7 +134,7 @@ class UpdateGroup:
         return value
 
 
-FORMULAS = ("lerp", "weighted_sum", "subtract")
+FORMULAS = ("lerp", "weighted_sum", "subtract", "subtract_alpha")
 """Averaging formulas, all ``d * ema + (1 - d) * source`` in exact arithmetic, rounded as
 the library each one reproduces rounds them (they differ in the last float bit):
 
@@ -143,7 +143,12 @@ the library each one reproduces rounds them (they differ in the last float bit):
   multi-EMA paths implement;
 * ``"weighted_sum"``: ``d * ema + (1 - d) * source``, each product rounded (torch
   ``get_ema_avg_fn``, Lightning ``EMAWeightAveraging``);
-* ``"subtract"``: ``ema - (1 - d) * (ema - source)`` (diffusers ``EMAModel``).
+* ``"subtract"``: ``ema - (1 - d) * (ema - source)`` (diffusers ``EMAModel``);
+* ``"subtract_alpha"``: the same through ``_foreach_sub_(ema, ema - source, alpha=1 - d)``,
+  which rounds the product and difference together (diffusers ``foreach=True``).
+
+The ``subtract`` formulas are applied at ``d = 0`` too (``ema - (ema - source)``), as
+diffusers does, instead of a copy.
 """
 
 
@@ -161,6 +166,8 @@ def combine_(
         diff = torch._foreach_sub(emas, sources)
         torch._foreach_mul_(diff, weight)
         torch._foreach_sub_(emas, diff)
+    elif formula == "subtract_alpha":
+        torch._foreach_sub_(emas, torch._foreach_sub(emas, sources), alpha=weight)
     else:
         raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
 

@@ -139,7 +139,7 @@ class ModelEMA:
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
-            (default), ``"weighted_sum"`` or ``"subtract"``, to reproduce another library's
+            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``, to reproduce another library's
             last bits (see :data:`dtensor_ema.fused_update.FORMULAS`); the latter two use the
             eager kernel and one temporary of this rank's shard size per update, and refuse
             ``capturable=True``.
@@ -174,7 +174,7 @@ class ModelEMA:
         offload: bool = False,
         kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
-        formula: Literal["lerp", "weighted_sum", "subtract"] = "lerp",
+        formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp",
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),

@@ -97,7 +97,7 @@ class EmaOptions:
     same bits; the first update compiles, and falls back to eager with a warning where
     compiling is unavailable), or ``"auto"``: compiled only on device types where it was
     measured faster (none yet: eager). Not part of the checkpoint config."""
-    formula: Literal["lerp", "weighted_sum", "subtract"] = "lerp"
+    formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp"
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
     rounding (eager kernel only)."""
@@ -118,9 +118,10 @@ class EmaOptions:
             )
         if self.kernel not in ("eager", "compiled", "auto"):
             raise ValueError(f"kernel must be 'eager', 'compiled' or 'auto', got {self.kernel!r}")
-        if self.formula not in ("lerp", "weighted_sum", "subtract"):
+        if self.formula not in ("lerp", "weighted_sum", "subtract", "subtract_alpha"):
             raise ValueError(
-                f"formula must be 'lerp', 'weighted_sum' or 'subtract', got {self.formula!r}"
+                "formula must be 'lerp', 'weighted_sum', 'subtract' or 'subtract_alpha', got "
+                f"{self.formula!r}"
             )
         if self.formula != "lerp" and (self.capturable or self.kernel == "compiled"):
             raise ValueError(
