@@ -97,9 +97,7 @@ class AveragedModel(nn.Module):
         **engine: Any,
     ) -> None:
         super().__init__()
-        if avg_fn is not None and multi_avg_fn is not None:
-            raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
-        found = ema_of(multi_avg_fn, True) or ema_of(avg_fn, False)
+        found = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
         schedule: DecaySchedule = RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
         formula = "lerp" if found is None else found[1]
         first = next(iter(model.parameters()))
@@ -118,6 +116,18 @@ class AveragedModel(nn.Module):
             **engine,
         )
         self._save = Rank0Save(self._engine, "averaged_model")
+
+    @staticmethod
+    def check_kwargs(
+        avg_fn: Callable[..., Any] | None = None,
+        multi_avg_fn: Callable[..., Any] | None = None,
+        **engine: Any,
+    ) -> tuple[float, str] | None:
+        """``(decay, formula)`` of the averaging function, ``None`` for SWA; raises for one
+        that cannot be mapped (before any model exists: Lightning's callback checks early)."""
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
+        return ema_of(multi_avg_fn, True) or ema_of(avg_fn, False)
 
     @property
     def engine(self) -> ModelEMA:
