@@ -283,9 +283,7 @@ def _staged_batches(
     return batches
 
 
-def update_groups(
-    plan: EmaPlan, kernel: str = "eager", formula: str = "lerp"
-) -> list[UpdateGroup]:
+def update_groups(plan: EmaPlan, kernel: str = "eager", formula: str = "lerp") -> list[UpdateGroup]:
     """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped.
 
     ``kernel``: ``"eager"``, ``"compiled"`` or ``"auto"``, resolved per group by

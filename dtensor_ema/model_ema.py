@@ -139,10 +139,11 @@ class ModelEMA:
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
-            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``, to reproduce another library's
-            last bits (see :data:`dtensor_ema.fused_update.FORMULAS`); the latter two use the
-            eager kernel and one temporary of this rank's shard size per update, and refuse
-            ``capturable=True``.
+            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``, to
+            reproduce another library's last bits (see
+            :data:`dtensor_ema.fused_update.FORMULAS`); the others use the eager kernel and
+            one temporary of this rank's shard size per update, and refuse
+            ``capturable=True`` and ``kernel="compiled"``.
 
     Construction is local (no collective) but must happen on every rank of the mesh, on
     models whose tensors are identical across ranks where they are replicated (DDP

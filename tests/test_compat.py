@@ -81,7 +81,14 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "df_default": ("df", {}),
     "df_warmup_foreach": (
         "df",
-        dict(decay=0.9, update_after_step=2, use_ema_warmup=True, power=3 / 4, min_decay=0.1, foreach=True),
+        dict(
+            decay=0.9,
+            update_after_step=2,
+            use_ema_warmup=True,
+            power=3 / 4,
+            min_decay=0.1,
+            foreach=True,
+        ),
     ),
 }
 STEPS = 110  # past ema-pytorch's default update_after_step=100
@@ -257,7 +264,9 @@ class SeenAtValidation(Callback):
 
 def _loader() -> torch.utils.data.DataLoader[Any]:
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 5, generator=g), torch.randn(32, 3, generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 5, generator=g), torch.randn(32, 3, generator=g)
+    )
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
@@ -276,7 +285,11 @@ def fit(world: int, root: Path, callback: Callback, ckpt_path: str | None = None
             accelerator="cpu",
             devices=world,
             strategy="ddp" if world > 1 else "auto",
-            callbacks=[callback, seen, ModelCheckpoint(dirpath=str(root), every_n_train_steps=4, save_top_k=-1)],
+            callbacks=[
+                callback,
+                seen,
+                ModelCheckpoint(dirpath=str(root), every_n_train_steps=4, save_top_k=-1),
+            ],
             default_root_dir=str(root),
             logger=False,
             enable_progress_bar=False,
@@ -304,7 +317,11 @@ def lightning_runs(world: int, root: Path) -> dict[str, Any]:
             b = torch.load(root / f"ours-{name}" / f, weights_only=False)
             checkpoints[f] = {
                 key: same(a[key], b[key]) for key in ("state_dict", "current_model_state")
-            } | {"n_averaged": bool(a["averaging_state"]["n_averaged"] == b["averaging_state"]["n_averaged"])}
+            } | {
+                "n_averaged": bool(
+                    a["averaging_state"]["n_averaged"] == b["averaging_state"]["n_averaged"]
+                )
+            }
         resumed = fit(
             world,
             root / f"resume-{name}",
@@ -324,7 +341,9 @@ def lightning_runs(world: int, root: Path) -> dict[str, Any]:
 
 
 def _lightning_body(rank: int, world: int, root: str) -> dict[str, Any]:
-    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world), "NODE_RANK": "0"})
+    os.environ.update(
+        {"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world), "NODE_RANK": "0"}
+    )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29999")  # unused: the group already exists
     return _body(rank, world, root)
@@ -335,17 +354,28 @@ def _lightning_body(rank: int, world: int, root: str) -> dict[str, Any]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("compat")
     out = {}
-    for world in (1, 2, 3):
+    for world in (2, 3):
         d = root / f"w{world}"
         d.mkdir()
         out[world] = run_ranks(_lightning_body, world, d, str(d))
+    # W=1 with a process group runs here: one gloo rank needs no spawn.
+    d = root / "w1"
+    d.mkdir()
+    store = dist.FileStore(str(d / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        out[1] = [_body(0, 1, str(d))]
+    finally:
+        dist.destroy_process_group()
     out[0] = [{"root": str(root)}]
     return out
 
 
 # ------------------------------------------------------------------------ pure tests
 def test_schedules_match_the_libraries() -> None:
-    ep = ema_pytorch.EMA(nn.Linear(2, 2), beta=0.995, update_after_step=0, inv_gamma=2.0, power=0.7, min_value=0.01)
+    ep = ema_pytorch.EMA(
+        nn.Linear(2, 2), beta=0.995, update_after_step=0, inv_gamma=2.0, power=0.7, min_value=0.01
+    )
     ours = EmaPytorchDecay(decay=0.995, gamma=2.0, power=0.7, min_decay=0.01)
     for k in range(0, 300, 7):
         ep.step.fill_(k)
@@ -446,14 +476,19 @@ def test_diffusers_save_pretrained_round_trip(tmp_path: Path) -> None:
         back = our_diffusers.EMAModel.from_pretrained(str(tmp_path / "ours"), UNet2DModel)
         theirs = RealEMAModel.from_pretrained(str(tmp_path / "ours"), UNet2DModel)
     assert back.optimization_step == theirs.optimization_step == 4
-    for a, b, c in zip(real.shadow_params, back.state_dict()["shadow_params"], theirs.shadow_params, strict=True):
+    for a, b, c in zip(
+        real.shadow_params, back.state_dict()["shadow_params"], theirs.shadow_params, strict=True
+    ):
         assert torch.equal(a, b) and torch.equal(a, c)
     # the train_text_to_image load hook: load_state_dict(from_pretrained(...).state_dict())
     resumed = our_diffusers.EMAModel(m.parameters(), **kw)
     resumed.load_state_dict(back.state_dict())
     real.step(m.parameters())
     resumed.step(m.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(real.shadow_params, resumed.state_dict()["shadow_params"], strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(real.shadow_params, resumed.state_dict()["shadow_params"], strict=True)
+    )
 
 
 def test_lightning_w1_matches_and_load_from_checkpoint(tmp_path: Path) -> None:
@@ -486,7 +521,9 @@ def test_fsdp2_bit_exact(ranks: dict[int, list[dict[str, Any]]], world: int) -> 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_rank0_save_is_refused_with_the_fix(ranks: dict[int, list[dict[str, Any]]], world: int) -> None:
+def test_rank0_save_is_refused_with_the_fix(
+    ranks: dict[int, list[dict[str, Any]]], world: int
+) -> None:
     refusals = ranks[world][0]["refusals"]
     assert set(refusals) == set(OPTIONS)
     for message in refusals.values():
@@ -516,4 +553,3 @@ def test_lightning_ddp_w2(ranks: dict[int, list[dict[str, Any]]]) -> None:
         assert run["final"] and run["seen"] and run["validations"] >= 2, (name, run)
         assert run["checkpoints"] and all(all(c.values()) for c in run["checkpoints"].values()), run
         assert run["resumed_final"], name
-

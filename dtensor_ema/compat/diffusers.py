@@ -71,7 +71,7 @@ class EMAModel:
             parameters = model.parameters()
         decay = kwargs.pop("max_value", None) or decay
         min_decay = kwargs.pop("min_value", None) or min_decay
-        params = list(parameters)
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         self._params = nn.ParameterList(params)  # registers the same objects: no copy
         frozen = {str(i) for i, p in enumerate(params) if not p.requires_grad}
         self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
@@ -129,7 +129,7 @@ class EMAModel:
     def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Tracked parameters: **collective** (every rank), each rank writes its pieces.
         Other parameters (a fresh model): full tensors by order (see ``gather_for_save``)."""
-        params = list(parameters)
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         if len(params) == len(self._params) and all(
             a is b for a, b in zip(params, self._params, strict=True)
         ):
@@ -145,7 +145,9 @@ class EMAModel:
 
     def restore(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         if self.temp_stored_params is None:
-            raise RuntimeError("This ExponentialMovingAverage has no `store()`ed weights to `restore()`")
+            raise RuntimeError(
+                "This ExponentialMovingAverage has no `store()`ed weights to `restore()`"
+            )
         with torch.no_grad():
             for stored, param in zip(self.temp_stored_params, parameters, strict=False):
                 param.data.copy_(stored.data)
@@ -176,7 +178,11 @@ class EMAModel:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Every rank loads the same full tensors and keeps its piece. Local."""
         state_dict = copy.deepcopy(state_dict)
-        other = {k: state_dict[k] for k in _HYPER if k in state_dict and state_dict[k] != getattr(self, k)}
+        other = {
+            k: state_dict[k]
+            for k in _HYPER
+            if k in state_dict and state_dict[k] != getattr(self, k)
+        }
         if other:
             raise ValueError(f"checkpoint hyper-parameters {other} differ from this EMAModel's")
         step = state_dict.get("optimization_step", self.optimization_step)
@@ -184,7 +190,9 @@ class EMAModel:
         if shadow is None:
             self._engine.updates = step
         else:
-            self._engine.load_full_state_dict({str(i): t for i, t in enumerate(shadow)}, updates=step)
+            self._engine.load_full_state_dict(
+                {str(i): t for i, t in enumerate(shadow)}, updates=step
+            )
         self._save.version += 1
 
     def save_pretrained(self, path: str) -> None:
@@ -204,7 +212,13 @@ class EMAModel:
         _, ema_kwargs = model_cls.from_config(path, return_unused_kwargs=True)
         model = model_cls.from_pretrained(path)
         hyper = {k: ema_kwargs[k] for k in _HYPER if k in ema_kwargs}
-        ema = cls(model.parameters(), model_cls=model_cls, model_config=model.config, foreach=foreach, **hyper)
+        ema = cls(
+            model.parameters(),
+            model_cls=model_cls,
+            model_config=model.config,
+            foreach=foreach,
+            **hyper,
+        )
         ema._engine.updates = ema_kwargs.get("optimization_step", 0)
         ema._private = not any(isinstance(p, DTensor) for p in ema._params)
         return ema

@@ -34,7 +34,7 @@ from dtensor_ema.model_ema import ModelEMA
 
 __all__ = ["EMA"]
 
-_REFUSED = {
+_REFUSED: dict[str, Any] = {
     "ema_model": None,
     "ignore_names": set(),
     "ignore_startswith_names": set(),
@@ -95,7 +95,7 @@ class EMA(nn.Module):
         self.beta, self.inv_gamma, self.power, self.min_value = beta, inv_gamma, power, min_value
         self.update_every, self.update_after_step = update_every, update_after_step
         self.include_online_model = include_online_model
-        self.online_model = model if include_online_model else [model]
+        self.online_model: Any = model if include_online_model else [model]
         self._engine = ModelEMA(
             model,
             updates=update_every - 1,  # ema-pytorch averages on steps 0, N, 2N, ...
@@ -110,7 +110,9 @@ class EMA(nn.Module):
     @property
     def model(self) -> nn.Module:
         """The online model (ema-pytorch's name)."""
-        return self.online_model if self.include_online_model else self.online_model[0]
+        model = self.online_model if self.include_online_model else self.online_model[0]
+        assert isinstance(model, nn.Module)
+        return model
 
     @property
     def ema_model(self) -> nn.Module:

@@ -45,7 +45,10 @@ class WeightAveraging(Callback):
     """
 
     def __init__(
-        self, device: torch.device | str | int | None = None, use_buffers: bool = True, **kwargs: Any
+        self,
+        device: torch.device | str | int | None = None,
+        use_buffers: bool = True,
+        **kwargs: Any,
     ) -> None:
         self._device = torch.device(device) if isinstance(device, str) else device
         self._use_buffers = use_buffers
@@ -68,8 +71,9 @@ class WeightAveraging(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if any(isinstance(v, DTensor) for v in pl_module.state_dict().values()):
             raise ValueError(
-                f"{type(self).__name__} does not support sharded modules (ModelParallelStrategy): "
-                "use dtensor_ema.integrations.lightning.EMACallback, which saves sharded checkpoints"
+                f"{type(self).__name__} does not support sharded modules "
+                "(ModelParallelStrategy): use dtensor_ema.integrations.lightning.EMACallback, "
+                "which saves sharded checkpoints"
             )
         if self._average_model is None:
             self._average_model = AveragedModel(
@@ -80,7 +84,12 @@ class WeightAveraging(Callback):
             self._pending = None
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         step_idx = trainer.global_step - 1
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
@@ -106,7 +115,9 @@ class WeightAveraging(Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._swap.exit()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._swap.exit()
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,13 +140,17 @@ class WeightAveraging(Callback):
         average = self._average_model.state_dict()
         checkpoint["current_model_state"] = checkpoint["state_dict"]
         checkpoint["state_dict"] = {k[7:]: v for k, v in average.items() if k.startswith("module.")}
-        checkpoint["averaging_state"] = {k: v for k, v in average.items() if not k.startswith("module.")}
+        checkpoint["averaging_state"] = {
+            k: v for k, v in average.items() if not k.startswith("module.")
+        }
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if not self._fitting:
-            rank_zero_warn("WeightAveraging: loading a checkpoint outside 'fit'; its state is not restored.")
+            rank_zero_warn(
+                "WeightAveraging: loading a checkpoint outside 'fit'; its state is not restored."
+            )
         elif "current_model_state" in checkpoint and "averaging_state" in checkpoint:
             state = {"module." + k: v for k, v in checkpoint["state_dict"].items()}
             self._pending = state | checkpoint["averaging_state"]
@@ -163,7 +178,9 @@ class EMAWeightAveraging(WeightAveraging):
         update_starting_at_epoch: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(device=device, use_buffers=use_buffers, **kwargs, avg_fn=get_ema_avg_fn(decay=decay))
+        super().__init__(
+            device=device, use_buffers=use_buffers, **kwargs, avg_fn=get_ema_avg_fn(decay=decay)
+        )
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
         self.update_starting_at_epoch = update_starting_at_epoch

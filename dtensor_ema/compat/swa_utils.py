@@ -41,14 +41,14 @@ __all__ = ["AveragedModel", "get_ema_avg_fn", "get_ema_multi_avg_fn"]
 def get_ema_multi_avg_fn(decay: float = 0.999) -> Callable[..., None]:
     """torch's function (usable with torch's ``AveragedModel`` too), tagged with its decay."""
     fn = _torch_swa.get_ema_multi_avg_fn(decay)
-    fn.ema_decay = (decay, "lerp")  # type: ignore[attr-defined]
+    fn.ema_decay = (decay, "lerp")
     return fn
 
 
 def get_ema_avg_fn(decay: float = 0.999) -> Callable[..., Tensor]:
     """torch's function, tagged with its decay."""
     fn = _torch_swa.get_ema_avg_fn(decay)
-    fn.ema_decay = (decay, "weighted_sum")  # type: ignore[attr-defined]
+    fn.ema_decay = (decay, "weighted_sum")
     return fn
 
 
@@ -60,7 +60,7 @@ def ema_of(fn: Callable[..., Any] | None, multi: bool) -> tuple[float, str] | No
         return None
     tagged = getattr(fn, "ema_decay", None)
     if tagged is not None:
-        return tagged  # type: ignore[no-any-return]
+        return tuple(tagged)
     factory = "get_ema_multi_avg_fn" if multi else "get_ema_avg_fn"
     inner = inspect.unwrap(fn)  # torch.no_grad() wraps it
     code = getattr(inner, "__code__", None)
@@ -70,7 +70,7 @@ def ema_of(fn: Callable[..., Any] | None, multi: bool) -> tuple[float, str] | No
         and code is not None
         and "decay" in code.co_freevars
     ):
-        cell = inner.__closure__[code.co_freevars.index("decay")]  # type: ignore[index]
+        cell = inner.__closure__[code.co_freevars.index("decay")]
         return float(cell.cell_contents), "lerp" if multi else "weighted_sum"
     raise ValueError(
         f"{'multi_avg_fn' if multi else 'avg_fn'}={fn!r} cannot be mapped onto the sharded EMA: "
@@ -98,8 +98,10 @@ class AveragedModel(nn.Module):
     ) -> None:
         super().__init__()
         found = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
-        schedule: DecaySchedule = RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
-        formula = "lerp" if found is None else found[1]
+        schedule: DecaySchedule = (
+            RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
+        )
+        formula: Any = "lerp" if found is None else found[1]
         first = next(iter(model.parameters()))
         if device is not None and torch.device(device) != first.device:
             raise ValueError(
@@ -135,7 +137,7 @@ class AveragedModel(nn.Module):
         return self._engine
 
     @property
-    def module(self) -> nn.Module:  # type: ignore[override]
+    def module(self) -> nn.Module:
         """The sharded average as a module (see ``ModelEMA.module``)."""
         return self._engine.module
 
