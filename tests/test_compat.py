@@ -230,6 +230,73 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
         out["fsdp2"], _, _ = compare_run(rank, model, model, mirror, names, 12)
     if world == 2:
         out["lightning"] = lightning_runs(world, base / "lightning")
+        out["diffusers_habit"] = diffusers_habit(rank, base / "unet_ema")
+    return out
+
+
+def tiny_unet() -> Any:
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    return UNet2DModel(
+        sample_size=8,
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+    )
+
+
+def train_unet(model: nn.Module, emas: list[Any], steps: int, seed: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(steps):
+        g = torch.Generator().manual_seed(seed + i)
+        model(torch.randn(2, 1, 8, 8, generator=g), i).sample.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for ema in emas:
+            ema.step(model.module.parameters() if isinstance(model, DDP) else model.parameters())
+
+
+def diffusers_habit(rank: int, path: Path) -> dict[str, Any]:
+    """train_text_to_image's checkpoint hooks under DDP: save_pretrained on the main process,
+    EMAModel.from_pretrained + load_state_dict on every rank, then resume."""
+    from diffusers import UNet2DModel
+
+    unet = tiny_unet()
+    model = DDP(unet)
+    kw: dict[str, Any] = dict(model_cls=UNet2DModel, model_config=unet.config, decay=0.9)
+    real = RealEMAModel(unet.parameters(), **kw)
+    ours = our_diffusers.EMAModel(unet.parameters(), **kw)
+    train_unet(model, [real, ours], 3, seed=100 * rank)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if rank == 0:
+            try:
+                ours.save_pretrained(str(path))
+                out["refusal"] = "no error"
+            except RuntimeError as e:
+                out["refusal"] = str(e)
+        ours.gather_for_save()
+        if rank == 0:
+            ours.save_pretrained(str(path))
+        dist.barrier()
+        loaded = our_diffusers.EMAModel.from_pretrained(str(path), UNet2DModel)
+        theirs = RealEMAModel.from_pretrained(str(path), UNet2DModel)
+    resumed = our_diffusers.EMAModel(unet.parameters(), **kw)
+    resumed.load_state_dict(loaded.state_dict())
+    shadow = [t.detach().clone() for t in real.shadow_params]
+    out["real_loads_ours"] = all(
+        torch.equal(a, b) for a, b in zip(shadow, theirs.shadow_params, strict=True)
+    )
+    out["step"] = resumed.optimization_step
+    train_unet(model, [real, resumed], 2, seed=1000 + 100 * rank)
+    full = resumed.engine.get_ema_state_dict()
+    out["resumed"] = all(torch.equal(a, full[str(i)]) for i, a in enumerate(real.shadow_params))
     return out
 
 
@@ -442,6 +509,17 @@ def test_refusals_are_clear() -> None:
         our_ema_pytorch.EMA(net, ignore_names={"body.0.weight"})
     with pytest.raises(ValueError, match="device"):
         our_swa.AveragedModel(net, device="meta")
+    from dtensor_ema import ModelEMA, MultiModelEMA
+
+    with pytest.raises(ValueError, match="eager kernel only"):
+        ModelEMA(net, formula="subtract", capturable=True)
+    with pytest.raises(ValueError, match="formula"):
+        ModelEMA(net, formula="nope")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="formula"):
+        MultiModelEMA(net, {"a": {"formula": "subtract"}})
+    # a lerp EMA's checkpoint config is unchanged; another formula is part of it
+    assert "formula" not in ModelEMA(net).state_dict()["config"]
+    assert '"formula": "subtract"' in ModelEMA(net, formula="subtract").state_dict()["config"]
 
 
 def test_diffusers_save_pretrained_round_trip(tmp_path: Path) -> None:
@@ -545,6 +623,15 @@ def _loaded(name: str, state: dict[str, Any]) -> Any:
     ema = make(name, Net(), ours=False)
     ema.load_state_dict(state)
     return ema
+
+
+@pytest.mark.distributed
+def test_diffusers_checkpoint_hooks_w2(ranks: dict[int, list[dict[str, Any]]]) -> None:
+    for rank, out in enumerate(ranks[2]):
+        habit = out["diffusers_habit"]
+        assert habit["real_loads_ours"] and habit["resumed"] and habit["step"] == 3, habit
+        if rank == 0:
+            assert "gather_for_save()" in habit["refusal"], habit["refusal"]
 
 
 @pytest.mark.distributed
