@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema.compat._rank0_save import Rank0Save
 from dtensor_ema.decay import DiffusersDecay, WarmupDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
-from dtensor_ema.model_ema import ModelEMA, _reshard_fsdp
+from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.plan import reshard_fsdp
 
 __all__ = ["EMAModel"]
 
@@ -67,7 +68,7 @@ class EMAModel:
         if isinstance(parameters, nn.Module):  # diffusers' deprecated form turns warmup on
             model, use_ema_warmup = parameters, True
         if model is not None:
-            _reshard_fsdp(model)  # the sharded parameters, even after a no-grad forward
+            reshard_fsdp(model)  # the sharded parameters, even after a no-grad forward
             parameters = model.parameters()
         decay = kwargs.pop("max_value", None) or decay
         min_decay = kwargs.pop("min_value", None) or min_decay
