@@ -143,6 +143,12 @@ class ModelEMA:
             nonzero storage offset ("Attempted to call copy_() on an invalid python
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
+        formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
+            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``, to
+            reproduce another library's last bits (see
+            :data:`dtensor_ema.fused_update.FORMULAS`); the others use the eager kernel and
+            one temporary of this rank's shard size per update, and refuse
+            ``capturable=True`` and ``kernel="compiled"``.
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
@@ -181,6 +187,7 @@ class ModelEMA:
         offload: bool = False,
         kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
+        formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp",
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -192,6 +199,7 @@ class ModelEMA:
             capturable=capturable,
             offload=offload,
             kernel=kernel,
+            formula=formula,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
@@ -222,7 +230,7 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
         self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
         self._last_decay: float | None = None
         self._swapped = False
@@ -303,7 +311,7 @@ class ModelEMA:
             self.model, self._plan, self.mesh, units=units, compute_dtype=compute_dtype
         )
         # The EMA's local shards may have moved into the module: re-cache them.
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
         self._updater.rebind(self._groups)
         self._module = module
         return module
@@ -474,7 +482,7 @@ class ModelEMA:
         self._sync_sources()
         self._updater._check_open()
         for group in self._groups:
-            group.apply_(0.0)
+            group.copy_()
 
     def _next_step(self) -> tuple[int, float | None]:
         """The counter after this call, and its decay (``0.0``: copy; ``None``: skipped)."""
@@ -836,7 +844,7 @@ class ModelEMA:
         if not self._plan.sync():
             return
         self.flush()
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
         self._updater.rebind(self._groups)
 
 
