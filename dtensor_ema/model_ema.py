@@ -120,11 +120,21 @@ class ModelEMA:
             synchronizes with the host and compiles with ``torch.compile(ema.update,
             fullgraph=True)`` / CUDA graphs. The model must not re-allocate its tensors
             while updates are captured.
-        offload: keep the EMA shards in host memory (pinned for CUDA models); each
-            ``update()`` snapshots the source shards and a worker thread applies the step
-            behind the next training step. Every read waits for it (:meth:`flush`); a step
-            that fails in the worker is not counted and its error is raised by the next
-            call. :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the thread.
+        offload: keep the EMA shards in host memory. CUDA models
+            (:class:`~dtensor_ema.updater.ChunkedOffloadUpdater`): the shards are pinned;
+            each ``update()`` launches, on a side stream, a pipeline that moves the EMA
+            through a device scratch of at most 128 MiB per EMA dtype (as much again to
+            upcast bf16/fp16 sources), lerps it there with the sources (same bits as an
+            on-device EMA) and copies it back; no host sync, no host copy of the sources
+            (host memory: the EMA shards only). The next ``optimizer.step()`` (any
+            ``torch.optim.Optimizer``) waits for it on the device; code that writes the
+            parameters otherwise must call :meth:`flush` first. CPU models: each
+            ``update()`` snapshots the source shards (host memory: the EMA shards plus one
+            copy of the source shards) and a worker thread applies the step behind the
+            next training step; a step that fails in the worker is not counted and its
+            error is raised by the next call. Every read waits for the pending step
+            (:meth:`flush`). :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the
+            thread / removes the optimizer hook.
         kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``: see
             :attr:`dtensor_ema.options.EmaOptions.kernel`. Same results bit for bit.
         parameters_as_bucket_view: keep this rank's EMA shards as views into one flat
