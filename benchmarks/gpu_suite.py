@@ -420,9 +420,10 @@ def _default_graph_rows(device: torch.device) -> list[dict[str, Any]]:
 SPEED_MODELS_GPU = ("resnet50", "gpt2", "llama3-8b-L4")
 SPEED_MODELS_CPU = ("resnet50", "gpt2", "llama3-8b-L1")
 SPEED_VARIANTS_GPU = ("eager", "graph", "titan", "timm")
-"""The compiled kernel is left out on CUDA by default: 7-10x slower than eager there and
-10-60 s of compilation per row (benchmarks/README.md), which kept the Llama rows from
-finishing; ``--speed-variants eager,graph,compiled,combo,titan,timm`` brings it back."""
+"""The compiled kernel is left out on CUDA by default: 7-10x slower than eager there
+(benchmarks/README.md), and each row pays a fresh compilation, the likely reason the Llama
+rows did not finish in one call; ``--speed-variants eager,graph,compiled,combo,titan,timm``
+brings it back."""
 SPEED_VARIANTS_CPU = ("eager", "compiled", "titan", "timm")
 
 

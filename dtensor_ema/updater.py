@@ -26,6 +26,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -324,7 +325,10 @@ class ChunkedOffloadUpdater(Updater):
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self._plans = [self._plan_group(g) for g in groups]
+        # Scratch allocated on the side stream belongs to its pool: once freed, only later
+        # side-stream work can reuse it, so freeing it never races the pipeline.
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            self._plans = [self._plan_group(g) for g in groups]
         if self._cuda and self._hook is None:
             ref = weakref.ref(self)
 
