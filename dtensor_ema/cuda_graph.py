@@ -37,6 +37,7 @@ import torch
 
 __all__ = [
     "DEVICE_DECAY_SCHEDULES",
+    "CaptureFailed",
     "GraphDecision",
     "GraphedStep",
     "decide",
@@ -176,6 +177,10 @@ def stream_is_capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+class CaptureFailed(RuntimeError):
+    """The step ran (once, eagerly) but capturing it failed: it must not run again."""
+
+
 class _CudaGraph:
     """``fn`` run once on a side stream (this call's step, and the warm-up), then captured."""
 
@@ -189,9 +194,13 @@ class _CudaGraph:
             current.wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             # torch.cuda.graph synchronizes, captures on its own stream and keeps the
-            # temporaries of fn in the graph's private memory pool.
-            with torch.cuda.graph(self._graph):
-                fn()
+            # temporaries of fn in the graph's private memory pool. "thread_local": other
+            # threads (a DataLoader's pin-memory thread) may keep calling CUDA meanwhile.
+            try:
+                with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
+                    fn()
+            except Exception as err:
+                raise CaptureFailed(f"{type(err).__name__}: {err}") from err
 
     def replay(self) -> None:
         self._graph.replay()
@@ -222,6 +231,8 @@ class GraphedStep:
         """How many times the step was captured (1 + the re-captures after re-binds)."""
         self.capture_seconds: float | None = None
         """Wall seconds of the latest capture, warm-up step included (host side)."""
+        self.failed: str | None = None
+        """Why capturing failed (the caller then stays eager), or ``None``."""
 
     @property
     def captured(self) -> bool:
@@ -238,7 +249,16 @@ class GraphedStep:
             self._graph.replay()
             return
         start = time.perf_counter()
-        self._graph = self._factory(build(), self.device)
+        try:
+            self._graph = self._factory(build(), self.device)
+        except CaptureFailed as err:  # this call's step did run, once
+            self.failed = str(err)
+            logger.warning(
+                "dtensor_ema: capturing the update in a CUDA graph failed (%s); "
+                "update() stays eager from now on",
+                self.failed,
+            )
+            return
         self.captures += 1
         self.capture_seconds = time.perf_counter() - start
         logger.debug(

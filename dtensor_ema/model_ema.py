@@ -433,7 +433,11 @@ class ModelEMA:
         self._check_model_argument(model)
         # An earlier offloaded update that failed raises here, before this call is counted.
         self.flush()
-        if self._graph is not None and not _graphs.stream_is_capturing():
+        if (
+            self._graph is not None
+            and self._graph.failed is None
+            and not _graphs.stream_is_capturing()
+        ):
             self._update_graphed()
             return
         if self.options.capturable:
@@ -461,10 +465,21 @@ class ModelEMA:
             self._step_t_stale = False
         if self.options.capturable:
             self._graph(self._device_step_fn)
-            return
-        updates, decay = self._next_step()
-        self._graph(self._device_step_fn)
-        self._count(updates, decay)
+        else:
+            updates, decay = self._next_step()
+            self._graph(self._device_step_fn)
+            self._count(updates, decay)
+        if self._graph.failed is not None:
+            # The step ran eagerly once; from now on the host path (its counter is
+            # the host one).
+            self._graph_decision = _graphs.GraphDecision(
+                False, f"capturing failed: {self._graph.failed}"
+            )
+            if self.options.cuda_graph is True:
+                raise RuntimeError(
+                    f"cuda_graph=True, but capturing the update failed ({self._graph.failed}); "
+                    "this call's update was applied eagerly and counted"
+                )
 
     def _device_step_fn(self) -> Callable[[], None]:
         """The step the graph captures, bound to the current groups."""

@@ -280,3 +280,40 @@ def test_reason_logged_once(
         "schedule: device counter and decay)",
         "dtensor_ema: update() runs eagerly (cuda_graph=False)",
     ]
+
+
+class FailingGraph:
+    """Runs the step once (as the warm-up does), then the capture fails."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device) -> None:
+        fn()
+        raise graphs.CaptureFailed("RuntimeError: operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_failed_capture_applies_the_step_once_then_stays_eager(
+    fake_cuda: list[FakeGraph],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    required: bool,
+) -> None:
+    monkeypatch.setattr(graphs, "_CudaGraph", FailingGraph)
+    model = Net()
+    opts = {"decay": 0.9, "tau": 2.0}
+    graphed = ModelEMA(model, cuda_graph=True if required else None, **opts)
+    eager = ModelEMA(model, cuda_graph=False, **opts)
+    for i in range(1, 5):
+        _perturb(model, i)
+        if required and i == 1:
+            with pytest.raises(RuntimeError, match=r"capturing the update failed.*counted"):
+                graphed.update()
+        else:
+            with caplog.at_level(logging.WARNING, logger="dtensor_ema"):
+                graphed.update()
+        eager.update()
+    assert not graphed.cuda_graph.use and "capturing failed" in graphed.cuda_graph.reason
+    assert graphed.updates == eager.updates == 4
+    assert mismatches(_ema_values(graphed), _ema_values(eager)) == []
+    assert graphed._graph is not None and graphed._graph.captures == 0
+    if not required:
+        assert [r.levelname for r in caplog.records if "failed" in r.getMessage()] == ["WARNING"]
