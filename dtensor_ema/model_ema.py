@@ -174,7 +174,8 @@ class ModelEMA:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
         ValueError: an option out of range or conflicting with another (``tau`` with
             ``half_life``), unknown ``exclude`` names, a mesh that is not 1-D or whose
-            device type differs from the model's, a model with no float state.
+            device type differs from the model's, a model with no float state,
+            ``cuda_graph=True`` where a graph is unsafe (the message names the reason).
     """
 
     def __init__(
@@ -240,10 +241,7 @@ class ModelEMA:
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._groups = update_groups(self._plan, self.options.kernel)
-        self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
-        self._last_decay: float | None = None
-        self._swapped = False
-        self._module: nn.Module | None = None
+        # Decided (and refused, for cuda_graph=True) before any thread or stream exists.
         self._graph_decision = _graphs.resolve(
             cuda_graph,
             device,
@@ -251,6 +249,10 @@ class ModelEMA:
             schedule=self.options.schedule,
             ema_dtypes={e.ema_local.dtype for e in self._plan},
         )
+        self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
+        self._last_decay: float | None = None
+        self._swapped = False
+        self._module: nn.Module | None = None
         _graphs.log_decision(self._graph_decision, device.type)
         self._graph = _graphs.GraphedStep(device) if self._graph_decision.use else None
         self._step_t_stale = False  # a host-path update ran in graph mode: _step_t lags
