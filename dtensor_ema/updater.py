@@ -14,10 +14,11 @@ Three updaters behind one interface (``submit``, ``wait``, ``rebind``, ``close``
 
 ``submit(step, done)`` calls ``done()`` once the step has been applied, on the caller's
 thread: ``ModelEMA`` counts a step only then, so a step whose worker raised is never
-counted. (:class:`ChunkedOffloadUpdater` calls it once the step is queued on the device:
-like any CUDA work, a device error surfaces at the next synchronization.) The worker's error is raised by the next :meth:`Updater.wait`, which every
+counted. The worker's error is raised by the next :meth:`Updater.wait`, which every
 ``ModelEMA`` method calls first, and the step it belonged to is lost (the EMA and its counter
-stay at the previous step).
+stay at the previous step). :class:`ChunkedOffloadUpdater` calls ``done()`` once the step is
+queued on the device: like any CUDA work, a device error surfaces at the next
+synchronization.
 """
 
 from __future__ import annotations
