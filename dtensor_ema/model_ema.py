@@ -167,8 +167,9 @@ class ModelEMA:
             re-allocated or re-registered tensors, after :meth:`build_module` and after a
             load. Extra device memory: the graph's pool, the temporaries of one update
             (0-dim tensors, plus for bf16/fp16 models the reused upcast scratch, at most
-            64 MiB). The first call costs the capture (a device synchronize and a garbage
-            collection: milliseconds to tens of milliseconds).
+            64 MiB per mixed-dtype group). The first call costs one eager step plus the
+            capture (a device synchronize and a garbage collection; ``gpu_suite`` reports
+            it, not yet measured).
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
