@@ -501,8 +501,9 @@ class ModelEMA:
         return lambda: self._device_step(updater)
 
     def flush(self) -> None:
-        """Wait until every submitted ``update()`` has been applied (``offload=True`` runs
-        them in a worker thread). Every method that reads the EMA calls it. Local.
+        """Wait until every submitted ``update()`` has been applied (``offload=True``
+        applies them behind the training step: a worker thread on CPU, a side stream on
+        CUDA). Every method that reads the EMA calls it. Local.
 
         Raises:
             RuntimeError: an offloaded update failed in the worker thread (chained). That
