@@ -317,3 +317,13 @@ def test_a_failed_capture_applies_the_step_once_then_stays_eager(
     assert graphed._graph is not None and graphed._graph.captures == 0
     if not required:
         assert [r.levelname for r in caplog.records if "failed" in r.getMessage()] == ["WARNING"]
+
+
+def test_multi_ema_refuses_the_option_and_never_graphs(fake_cuda: list[FakeGraph]) -> None:
+    from dtensor_ema import MultiModelEMA
+
+    with pytest.raises(ValueError, match=r"\['cuda_graph'\] not supported by MultiModelEMA"):
+        MultiModelEMA(Net(), {"a": {"cuda_graph": True}})
+    multi = MultiModelEMA(Net(), {"a": {"decay": 0.5}})
+    multi.update()
+    assert multi["a"].cuda_graph.reason == "cuda_graph=False" and fake_cuda == []
