@@ -75,6 +75,7 @@ def decide(
     offload: bool,
     schedule_on_device: bool,
     ema_dtypes: Collection[torch.dtype],
+    formula: str = "lerp",
 ) -> GraphDecision:
     """Whether the update can replay a captured CUDA graph with the same bits as eager.
 
@@ -90,6 +91,7 @@ def decide(
         schedule_on_device: the schedule's device decay equals its host decay
             (:data:`DEVICE_DECAY_SCHEDULES`).
         ema_dtypes: the dtypes of the EMA tensors.
+        formula: the ``formula`` option; the device-side update implements ``"lerp"`` only.
 
     Returns:
         ``(use, reason)``; ``reason`` is one line naming the deciding fact.
@@ -105,6 +107,10 @@ def decide(
     if offload:
         return GraphDecision(
             False, "offload=True updates host-resident shards, which a CUDA graph cannot"
+        )
+    if formula != "lerp":
+        return GraphDecision(
+            False, f"formula={formula!r}: the device-side update implements 'lerp' only"
         )
     if not schedule_on_device:
         return GraphDecision(
@@ -131,6 +137,7 @@ def resolve(
     offload: bool,
     schedule: Any,
     ema_dtypes: Collection[torch.dtype],
+    formula: str = "lerp",
 ) -> GraphDecision:
     """:func:`decide` with this process's facts; raises if ``requested`` is ``True`` but
     the graph is unsafe.
@@ -146,6 +153,7 @@ def resolve(
         offload=offload,
         schedule_on_device=isinstance(schedule, DEVICE_DECAY_SCHEDULES),
         ema_dtypes=ema_dtypes,
+        formula=formula,
     )
     if requested is True and not decision.use:
         raise ValueError(

@@ -171,6 +171,12 @@ class ModelEMA:
             64 MiB per mixed-dtype group). The first call costs one eager step plus the
             capture (a device synchronize and a garbage collection; ``gpu_suite`` reports
             it, not yet measured).
+        formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
+            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``, to
+            reproduce another library's last bits (see
+            :data:`dtensor_ema.fused_update.FORMULAS`); the others use the eager kernel and
+            one temporary of this rank's shard size per update, and refuse
+            ``capturable=True`` and ``kernel="compiled"``.
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
@@ -211,6 +217,7 @@ class ModelEMA:
         kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
         cuda_graph: bool | None = None,
+        formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp",
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -223,6 +230,7 @@ class ModelEMA:
             offload=offload,
             kernel=kernel,
             cuda_graph=cuda_graph,
+            formula=formula,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
@@ -253,7 +261,7 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
         # Decided (and refused, for cuda_graph=True) before any thread or stream exists.
         self._graph_decision = _graphs.resolve(
             cuda_graph,
@@ -261,6 +269,7 @@ class ModelEMA:
             offload=offload,
             schedule=self.options.schedule,
             ema_dtypes={e.ema_local.dtype for e in self._plan},
+            formula=self.options.formula,
         )
         self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
         self._last_decay: float | None = None
@@ -567,7 +576,7 @@ class ModelEMA:
         self._sync_sources()
         self._updater._check_open()
         for group in self._groups:
-            group.apply_(0.0)
+            group.copy_()
 
     def _next_step(self) -> tuple[int, float | None]:
         """The counter after this call, and its decay (``0.0``: copy; ``None``: skipped)."""
@@ -942,7 +951,7 @@ class ModelEMA:
         """Rebuild the update groups from the plan; a captured graph read the old
         addresses, so it is dropped (the next ``update()`` captures again)."""
         self.flush()
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
         self._updater.rebind(self._groups)
         if self._graph is not None:
             self._graph.invalidate()

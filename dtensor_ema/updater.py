@@ -459,7 +459,8 @@ class ChunkedOffloadUpdater(Updater):
 def make_updater(groups: list[UpdateGroup], *, capturable: bool, offload: bool) -> Updater:
     """The updater for ``ModelEMA``'s ``capturable`` / ``offload`` options."""
     if offload:
-        if any(s.device.type == "cuda" for g in groups for s in g.source_locals):
+        on_cuda = any(s.device.type == "cuda" for g in groups for s in g.source_locals)
+        if on_cuda and all(g.formula == "lerp" for g in groups):
             return ChunkedOffloadUpdater(groups)
         return OffloadUpdater(groups)
     if capturable:

@@ -49,6 +49,7 @@ SAFE = {
         ({"schedule_on_device": False}, False, "schedule is not one of the built-in"),
         ({"ema_dtypes": {torch.float32, torch.bfloat16}}, False, "torch.bfloat16"),
         ({"ema_dtypes": {torch.float64}}, False, "float32 EMAs only"),
+        ({"formula": "subtract"}, False, "formula='subtract'"),
         # The first failing fact decides: off beats everything, then the device.
         ({"requested": False, "device_type": "cpu"}, False, "cuda_graph=False"),
         ({"device_type": "cpu", "offload": True}, False, "not CUDA"),
