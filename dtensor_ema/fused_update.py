@@ -120,8 +120,26 @@ class UpdateGroup:
             if kernel(self.source_locals, [weight]):
                 return
             self.kernel = "eager"
-        weights = [weight] * len(self.ema_locals)
-        torch._foreach_lerp_(self.ema_locals, self.sources_in_ema_dtype(), weights)
+        if self.source_locals[0].dtype == self.ema_locals[0].dtype:
+            torch._foreach_lerp_(
+                self.ema_locals, self.source_locals, [weight] * len(self.ema_locals)
+            )
+            return
+        # Mixed dtypes: upcast through the reused scratch (the same cache entry as
+        # lerp_groups_), so a step's temporaries stay bounded (and a CUDA graph's pool small).
+        sources = self.source_locals
+        staged = self.cached(
+            ("staged", id(self), id(sources)),
+            (self, sources),
+            lambda: _staged_batches([self.ema_locals], sources),
+        )
+        for batch in staged:
+            if batch.scratch:
+                torch._foreach_copy_(batch.scratch, batch.sources)
+                upcast = batch.scratch
+            else:  # non-contiguous tensors: the plain upcast
+                upcast = [s.to(weight.dtype) for s in batch.sources]
+            torch._foreach_lerp_(batch.emas[0], upcast, [weight] * len(upcast))
 
     def cached(self, key: tuple[Any, ...], pins: tuple[Any, ...], build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key``; ``pins`` are the objects whose ``id`` is in the key,

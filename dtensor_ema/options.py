@@ -97,6 +97,11 @@ class EmaOptions:
     same bits; the first update compiles, and falls back to eager with a warning where
     compiling is unavailable), or ``"auto"``: compiled only on device types where it was
     measured faster (none yet: eager). Not part of the checkpoint config."""
+    cuda_graph: bool | None = None
+    """Replay ``update()`` as a captured CUDA graph: ``None`` (auto: on CUDA where it is
+    safe and exact, see :func:`dtensor_ema.cuda_graph.decide`), ``False`` (never) or
+    ``True`` (required: ``ModelEMA`` raises naming the reason where it is unsafe). Not part
+    of the checkpoint config."""
     formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp"
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
@@ -118,6 +123,10 @@ class EmaOptions:
             )
         if self.kernel not in ("eager", "compiled", "auto"):
             raise ValueError(f"kernel must be 'eager', 'compiled' or 'auto', got {self.kernel!r}")
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise ValueError(
+                f"cuda_graph must be None (auto), True or False, got {self.cuda_graph!r}"
+            )
         if self.formula not in ("lerp", "weighted_sum", "subtract", "subtract_alpha"):
             raise ValueError(
                 "formula must be 'lerp', 'weighted_sum', 'subtract' or 'subtract_alpha', got "
