@@ -66,8 +66,8 @@ def collect() -> tuple[dict[str, str], int]:
 
 
 BLOCKS, NOT_RUN = collect()
-_EXTRAS = {"lightning": "lightning", "transformers": "transformers"}
-"""Blocks that import these need the project's extra of the same name."""
+_EXTRAS = {"lightning": "lightning", "transformers": "transformers", "timm": "bench"}
+"""Blocks that import these modules need the named extra of the project."""
 
 
 def test_pages_have_python_blocks() -> None:
