@@ -148,6 +148,9 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out[f"{name}/resumed"] = _same(resumed.module.state_dict(), theirs.module.state_dict())
         out[f"{name}/bytes"] = (ours.engine.local_nbytes(), _nbytes(theirs.module))
 
+    if distributed and world > 1:
+        out.update(_fsdp2_part(rank))
+
     # timm ModelEmaV2: decay * ema + (1 - decay) * model there, lerp here.
     torch.manual_seed(0)
     net = Net()
@@ -206,6 +209,39 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+def _fsdp2_part(rank: int) -> dict[str, Any]:
+    """An FSDP2 model with the timm facade; real timm on a plain copy fed the full weights."""
+    from timm.utils import ModelEmaV3
+    from torch.distributed.fsdp import fully_shard
+
+    from dtensor_ema.compat.timm import ModelEmaV3 as OurV3
+
+    opts = TIMM_OPTIONS["warmup"]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 9), nn.LayerNorm(9), nn.GELU(), nn.Linear(9, 3))
+    plain = copy.deepcopy(net)
+    theirs = ModelEmaV3(plain, **opts)
+    for layer in (net[0], net[3]):
+        fully_shard(layer)
+    fully_shard(net)
+    ours = OurV3(net, **opts)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(1, 6):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        loss = net(torch.randn(4, 5, generator=g)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        plain.load_state_dict({k: v.full_tensor() for k, v in net.state_dict().items()})
+        theirs.update(plain, step=step)
+        ours.update(net, step=step)
+    full = ours.engine.get_ema_state_dict()
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        gap = float((ours(x) - theirs(x)).abs().max())
+    return {"fsdp2/weights": _same(full, theirs.module.state_dict()), "fsdp2/forward_gap": gap}
+
+
 def _nbytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
@@ -225,6 +261,9 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
                 assert "model_ema.eval()" in out[f"{name}/stale_refused"], (rank, name)
                 local, full = out[f"{name}/bytes"]
                 assert local < full * 0.75, (local, full)
+        if distributed and world > 1:
+            assert out["fsdp2/weights"] == [], rank
+            assert out["fsdp2/forward_gap"] <= 1e-5, rank
         assert 0 < out["v2/max_abs_gap"] <= 4e-7 * max(1.0, out["v2/max_abs"])
         for name in ("default", "short"):
             assert out[f"ultra-{name}/weights"] == [], (rank, name)
