@@ -83,6 +83,8 @@ def _different(a: Path, b: Path) -> list[str]:
     return [k for k in theirs if not torch.equal(ours[k], theirs[k])]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_timm_train_py_end_to_end(tmp_path: Path) -> None:
     _dataset(tmp_path / "data")
     (tmp_path / "site").mkdir()

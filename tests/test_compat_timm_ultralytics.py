@@ -280,6 +280,7 @@ def test_no_process_group(tmp_path: Path) -> None:
     _check([body(0, 1, str(tmp_path))], 1, distributed=False)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_gloo_ddp(tmp_path: Path, world: int) -> None:
     _check(run_ranks(body, world, tmp_path, str(tmp_path)), world, distributed=True)
