@@ -4,7 +4,8 @@ and per-rank EMA bytes vs timm's, on a torchvision ResNet at W gloo ranks (CPU).
 Each rank builds the model (same seed), timm's ``ModelEmaV3`` and ours, does one update,
 then times a validation pass the way timm's ``validate`` does it: ``model_ema.eval()``
 (ours: one coalesced all-gather of the parameters, kept until the next update) and
-``--batches`` forwards under ``no_grad``. Reported per batch, the gather amortized over the
+``--batches`` forwards under ``no_grad``, timm's and ours alternating batch by batch (so
+load from neighbours hits both alike). Reported per batch, the gather amortized over the
 pass, plus the gather alone, the sharded per-unit forward (``ModelEMA.module``, FSDP2 over
 the EMA mesh) for comparison, and the peak resident memory of the pass (``VmHWM``) above
 the resident memory before, as a multiple of the model's parameter bytes.
@@ -47,9 +48,10 @@ def _peak_reset() -> int:
 
 
 def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
     raise KeyError(key)
 
 
@@ -71,8 +73,9 @@ def rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, q
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     torch.set_num_threads(args.threads)
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     try:
         from timm.utils import ModelEmaV3
 
@@ -97,6 +100,29 @@ def rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, q
                     t.numel() * t.element_size() for t in ema.module.state_dict().values()
                 )
             del ema
+        # Alternate batch by batch (drift and neighbours' load hit both alike).
+        timm_ema, ours_ema = ModelEmaV3(model), OurV3(model)
+        for ema in (timm_ema, ours_ema):
+            ema.update(model, step=1)
+        timm_ema.eval()
+        dist.barrier()
+        start = time.perf_counter()
+        ours_ema.eval()
+        gather = time.perf_counter() - start
+        spent = {"timm": 0.0, "ours": 0.0}
+        with torch.no_grad():
+            for x in batches:
+                for label, ema in (("timm", timm_ema), ("ours", ours_ema)):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    ema(x)
+                    spent[label] += time.perf_counter() - start
+        results["alternating"] = (
+            spent["timm"] / args.batches,
+            spent["ours"] / args.batches,
+            gather,
+        )
+        del timm_ema, ours_ema
         sharded = ModelEMA(model)
         module = sharded.build_module()
         module.eval()
@@ -141,25 +167,32 @@ def main() -> None:
     args = parser.parse_args()
     for world in (int(w) for w in args.bytes_worlds.split(",")):
         ours, full = _bytes_at(world, args.model)
-        print(f"W={world}: per-rank EMA bytes ours {ours / 2**20:.1f} MiB, "
-              f"timm {full / 2**20:.1f} MiB ({ours / full:.3f}x)")
+        print(
+            f"W={world}: per-rank EMA bytes ours {ours / 2**20:.1f} MiB, "
+            f"timm {full / 2**20:.1f} MiB ({ours / full:.3f}x)"
+        )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, tmp, args, queue))
-                 for r in range(args.world)]
+        procs = [
+            ctx.Process(target=rank_main, args=(r, args.world, tmp, args, queue))
+            for r in range(args.world)
+        ]
         for p in procs:
             p.start()
         results = dict(queue.get() for _ in procs)
         for p in procs:
             p.join()
     for rank, res in sorted(results.items()):
-        t_timm, _, peak_timm = res["timm"]
-        t_ours, gather, peak_ours = res["ours"]
+        _, _, peak_timm = res["timm"]
+        _, _, peak_ours = res["ours"]
+        t_timm, forward_ours, gather = res["alternating"]
+        t_ours = forward_ours + gather / args.batches
         print(
             f"rank {rank} {args.model} W={args.world} batch {args.batch_size}x{args.image}^2, "
             f"{args.batches} batches: timm {t_timm * 1e3:.0f} ms/batch, ours {t_ours * 1e3:.0f} "
-            f"ms/batch ({t_ours / t_timm:.2f}x; gather {gather * 1e3:.0f} ms once per pass), "
+            f"ms/batch ({t_ours / t_timm:.2f}x; forward {forward_ours * 1e3:.0f} ms + gather "
+            f"{gather * 1e3:.0f} ms once per pass), "
             f"sharded per-unit module {res['sharded_module'] * 1e3:.0f} ms/batch "
             f"({res['sharded_module'] / t_timm:.2f}x); peak extra memory of the pass: timm "
             f"{peak_timm:.2f}x, ours {peak_ours:.2f}x the parameter bytes"

@@ -150,6 +150,19 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     if distributed and world > 1:
         out.update(_fsdp2_part(rank))
+        # ModelEMA(replicate_buffers=True): float buffers plain and whole, parameters sharded.
+        tensors = ours.engine.ema_tensors()
+        out["replicated_buffer_types"] = sorted(
+            {type(tensors[k]).__name__ for k, _ in net.named_buffers() if k in tensors}
+        )
+        out["sharded_param_types"] = sorted(
+            {type(tensors[k]).__name__ for k, _ in net.named_parameters()}
+        )
+        try:
+            ours.engine.build_module()
+            out["build_module"] = "built"
+        except NotImplementedError as e:
+            out["build_module"] = str(e)
 
     # timm ModelEmaV2: decay * ema + (1 - decay) * model there, lerp here.
     torch.manual_seed(0)
@@ -262,6 +275,9 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
                 local, full = out[f"{name}/bytes"]
                 assert local < full * 0.75, (local, full)
         if distributed and world > 1:
+            assert out["replicated_buffer_types"] == ["Tensor"]
+            assert out["sharded_param_types"] == ["DTensor"]
+            assert "replicate_buffers=True" in out["build_module"]
             assert out["fsdp2/weights"] == [], rank
             assert out["fsdp2/forward_gap"] <= 1e-5, rank
         assert 0 < out["v2/max_abs_gap"] <= 4e-7 * max(1.0, out["v2/max_abs"])
