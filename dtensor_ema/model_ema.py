@@ -155,6 +155,11 @@ class ModelEMA:
             buffers' full bytes on every rank (ResNet-50: 0.2 MiB). ``dcp.save`` stores one
             rank's value of a replicated tensor: reduce or broadcast them first if ranks
             differ. Not with :meth:`build_module`.
+        verify_replicas: check at construction that replicated parameters are identical
+            on their replica ranks (default ``True``; see :mod:`dtensor_ema.replicas`).
+            ``False`` skips the check and its collectives: only for EMAs whose first
+            update copies the model (timm's ``update(model, step=1)``), which makes the
+            starting weights irrelevant.
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
@@ -194,6 +199,7 @@ class ModelEMA:
         kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
         replicate_buffers: bool = False,
+        verify_replicas: bool = True,
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -229,6 +235,7 @@ class ModelEMA:
             offload=offload,
             bucket_view=parameters_as_bucket_view,
             replicate_buffers=replicate_buffers,
+            verify_replicas=verify_replicas,
         )
         self.replicate_buffers = replicate_buffers
         self._copied = self.options.copied_fqns(

@@ -314,6 +314,7 @@ def build_plan(
     offload: bool = False,
     bucket_view: bool = False,
     replicate_buffers: bool = False,
+    verify_replicas: bool = True,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
@@ -340,6 +341,9 @@ def build_plan(
         replicate_buffers: keep plain float buffers whole on every rank (a plain tensor,
             no mesh) instead of sharding them over ``world``: each rank then averages its
             own model's buffers, as a replicated EMA does.
+        verify_replicas: run :func:`~dtensor_ema.replicas.check_replicas` (default). Off
+            only where the first update is known to copy the model (the check's
+            collectives are then skipped too).
 
     Raises:
         ValueError: the model has no floating-point state, has tensors on the meta device,
@@ -397,7 +401,8 @@ def build_plan(
         )
     check_live(module, entries)
     agree_on_structure(world, [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()])
-    check_replicas(entries, world)
+    if verify_replicas:
+        check_replicas(entries, world)
     if bucket_view:
         bucket_view_(entries)
     plan = EmaPlan(

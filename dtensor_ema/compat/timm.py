@@ -20,6 +20,11 @@ timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``tra
 between, each rank holds ``1/W`` of the parameters. See :mod:`dtensor_ema.compat._replica`
 for the save habit.
 
+Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
+EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
+the model. Seed every rank alike, or build after DDP, when calling ``update(model)``
+without ``step=`` (its first call averages, as timm's does, each rank its own rows).
+
 Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
 with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
 stochastic rounding and FSDP2 models' rank-0 ``state_dict`` are not supported (FSDP2:
@@ -98,6 +103,9 @@ class ModelEmaV3(nn.Module):
             buffers="copy" if exclude_buffers else "average",
             ema_dtype=dtype,
             replicate_buffers=not sharded_model,
+            # timm's train.py builds the EMA before DDP with a per-rank seed; its first
+            # update(model, step=1) copies the synchronized model, as timm's does.
+            verify_replicas=False,
         )
         self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
         self.use_warmup, self.warmup_gamma, self.warmup_power = (
