@@ -164,7 +164,7 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
         except NotImplementedError as e:
             out["build_module"] = str(e)
 
-    # timm ModelEmaV2: decay * ema + (1 - decay) * model there, lerp here.
+    # timm ModelEmaV2: decay * ema + (1 - decay) * model, same rounding (weighted_sum).
     torch.manual_seed(0)
     net = Net()
     theirs2, ours2 = timm_utils.ModelEmaV2(net, decay=0.9), ModelEmaV2(net, decay=0.9)
@@ -280,7 +280,7 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
             assert "replicate_buffers=True" in out["build_module"]
             assert out["fsdp2/weights"] == [], rank
             assert out["fsdp2/forward_gap"] <= 1e-5, rank
-        assert 0 < out["v2/max_abs_gap"] <= 4e-7 * max(1.0, out["v2/max_abs"])
+        assert out["v2/max_abs_gap"] == 0 and math.isfinite(out["v2/max_abs"])
         for name in ("default", "short"):
             assert out[f"ultra-{name}/weights"] == [], (rank, name)
             assert out[f"ultra-{name}/saved_half"] == [], (rank, name)

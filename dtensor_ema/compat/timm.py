@@ -28,13 +28,12 @@ without ``step=`` (its first call averages, as timm's does, each rank its own ro
 Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
 with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
 stochastic rounding and FSDP2 models' rank-0 ``state_dict`` are not supported (FSDP2:
-``.module`` is the engine's sharded module; save with DCP). ``ModelEmaV2`` computes
-``decay * ema + (1 - decay) * model`` where we lerp: at most 1 ulp apart per step.
+``.module`` is the engine's sharded module; save with DCP).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -60,6 +59,8 @@ class ModelEmaV3(nn.Module):
     ``set`` never communicate; ``eval()``, ``materialize()`` and a forward after an
     update all-gather the parameters once (collective over the default group).
     """
+
+    _FORMULA: Literal["lerp", "weighted_sum"] = "lerp"  # timm's _foreach_lerp_
 
     def __init__(
         self,
@@ -106,6 +107,7 @@ class ModelEmaV3(nn.Module):
             # timm's train.py builds the EMA before DDP with a per-rank seed; its first
             # update(model, step=1) copies the synchronized model, as timm's does.
             verify_replicas=False,
+            formula=self._FORMULA,
         )
         self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
         self.use_warmup, self.warmup_gamma, self.warmup_power = (
@@ -195,9 +197,11 @@ class ModelEmaV3(nn.Module):
 
 class ModelEmaV2(ModelEmaV3):
     """timm ``ModelEmaV2(model, decay=0.9999, device=None)``: constant decay from the first
-    ``update(model)``, buffers averaged. We lerp where timm computes
-    ``decay * ema + (1 - decay) * model`` (at most 1 ulp per step apart), and integer
-    buffers follow the model (timm truncates their average)."""
+    ``update(model)``, buffers averaged, rounded as timm's ``decay * ema + (1 - decay) *
+    model`` (the engine's ``formula="weighted_sum"``). Integer buffers follow the model
+    (timm truncates their average)."""
+
+    _FORMULA: Literal["lerp", "weighted_sum"] = "weighted_sum"
 
     def __init__(
         self, model: nn.Module, decay: float = 0.9999, device: torch.device | str | None = None
