@@ -254,14 +254,14 @@ def refine_world_mesh(world: DeviceMesh, meshes: Sequence[DeviceMesh]) -> Device
         )
     modes = [(b // a, a) for a, b in itertools.pairwise(chain)][::-1]  # outermost first
     ranks = world.mesh.reshape([n for n, _ in modes])
-    coord = [position[dist.get_rank()] // stride % n for n, stride in modes]
+    here = [position[dist.get_rank()] // stride % n for n, stride in modes]
     groups: list[dist.ProcessGroup | None] = []
     for k, mode in enumerate(modes):
-        line = _ranks_along(ranks, coord, [k])
+        line = _ranks_along(ranks, here, [k])
         found = [
             m.get_group(i)
             for owned, m, i in owners
-            if owned == mode and _ranks_along(m.mesh, m.get_coordinate(), [i]) == line
+            if owned == mode and _ranks_along(m.mesh, m.get_coordinate() or (), [i]) == line
         ]
         groups.append(found[0] if found else None)
     for k, group in enumerate(groups):
@@ -308,6 +308,7 @@ def _new_dim_groups(ranks: torch.Tensor, dim: int) -> dist.ProcessGroup:
     group of that dim (collective over the default group)."""
     lines = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
     group, _ = dist.new_subgroups_by_enumeration(lines)
+    assert isinstance(group, dist.ProcessGroup)
     return group
 
 
