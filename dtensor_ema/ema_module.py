@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -192,6 +193,7 @@ def _shared_twin(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         if target != shared.dtype:
             casts.append((owner, name, kind, memo[id(tensor)], target))
     twin = copy.deepcopy(model, memo)
+    _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
     twin_slots = {fqn: (owner, name, kind) for fqn, _, owner, name, kind in _slots(twin)}
@@ -269,6 +271,7 @@ def _sharded_twin(
             dtype = compute_dtype if compute_dtype and entry is not None else tensor.dtype
             memo[id(tensor)] = torch.empty(tensor.shape, dtype=dtype, device="meta")
     twin = copy.deepcopy(model, memo)
+    _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
     # fully_shard refuses 0-dim parameters: they stay plain and share the EMA's
@@ -427,6 +430,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, requires_grad=False) if kind == "param" else meta
     twin = _clone_without_fsdp(model, memo)
+    _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
     twin_fqn = {id(p): fqn for fqn, p in twin.named_parameters()}
@@ -550,3 +554,129 @@ def _fsdp_hook(hook: Any) -> bool:
     return module.startswith("torch.distributed.fsdp") or module.startswith(
         "torch.distributed._composable"
     )
+
+
+# ------------------------------------------------------------------------- callables
+# Per-instance attributes that hold callables a clone would otherwise share with the model.
+_CALLABLE_SLOTS = ("forward", *_HOOK_DICTS[:5])
+
+
+def _rebind_callables(model: nn.Module, twin: nn.Module) -> None:
+    """Point the twin's per-instance callables at the twin, never at ``model``.
+
+    A structural clone inherits what ``model``'s modules hold in their ``__dict__``:
+
+    * ``forward`` set on the instance: torchtitan's ``Module.parallelize`` sets
+      ``self.forward`` to a closure over the module, its bound ``forward`` (or a
+      ``local_map`` wrapper of it) and the ``ParallelDims``; CP wraps attention the same
+      way. Run as is, the twin would call the *training* module's forward.
+    * forward hooks: bound methods or closures over modules.
+    * ``_compiled_call_impl`` (``module.compile()``, torchtitan's per-block compile): a
+      compiled function of the *training* module's ``_call_impl``.
+
+    Bound methods of a module of ``model`` are re-bound to the twin's module of the same
+    fqn; closures and ``functools.partial`` objects are rebuilt with every module (or bound
+    method) they capture replaced the same way. ``_compiled_call_impl`` is dropped: the
+    twin runs eagerly (compile it yourself, e.g. ``block.compile()`` per block of
+    ``ema.module``). Local.
+
+    Raises:
+        NotImplementedError: a callable captures a module outside ``model``, or is an
+            object whose captures cannot be seen (naming the module and attribute).
+    """
+    twins = dict(twin.named_modules(remove_duplicate=False))
+    mapping: dict[int, nn.Module] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if fqn in twins:
+            mapping[id(module)] = twins[fqn]
+    for fqn, module in twin.named_modules():
+        state = module.__dict__
+        if state.get("_compiled_call_impl") is not None:
+            state["_compiled_call_impl"] = None
+        where = fqn or "<root>"
+        if "forward" in state:
+            state["forward"] = _remap(state["forward"], mapping, f"{where}.forward", 0)
+        for name in _HOOK_DICTS[:5]:
+            hooks = state.get(name)
+            if isinstance(hooks, dict) and hooks:
+                state[name] = type(hooks)(
+                    (k, _remap(h, mapping, f"{where}.{name}", 0)) for k, h in hooks.items()
+                )
+
+
+def _remap(obj: Any, mapping: Mapping[int, nn.Module], where: str, depth: int) -> Any:
+    """``obj`` with every module of the model it captures replaced by the twin's."""
+    if depth > 8:
+        raise NotImplementedError(f"ema.module: {where} nests callables too deeply to rebind")
+    if isinstance(obj, nn.Module):
+        if id(obj) in mapping:
+            return mapping[id(obj)]
+        if obj in mapping.values():
+            return obj
+        raise NotImplementedError(
+            f"ema.module: {where} captures a {type(obj).__name__} that is not part of the "
+            "model; the EMA twin cannot run it. Evaluate with ema.average_parameters()"
+        )
+    if isinstance(obj, types.MethodType):
+        owner = _remap(obj.__self__, mapping, where, depth + 1)
+        return obj if owner is obj.__self__ else types.MethodType(obj.__func__, owner)
+    if isinstance(obj, functools.partial):
+        func = _remap(obj.func, mapping, where, depth + 1)
+        args = tuple(_remap(a, mapping, where, depth + 1) for a in obj.args)
+        kwargs = {k: _remap(v, mapping, where, depth + 1) for k, v in obj.keywords.items()}
+        if (
+            func is obj.func
+            and all(a is b for a, b in zip(args, obj.args, strict=True))
+            and all(kwargs[k] is v for k, v in obj.keywords.items())
+        ):
+            return obj
+        return functools.partial(func, *args, **kwargs)
+    if isinstance(obj, types.FunctionType):
+        return _remap_function(obj, mapping, where, depth)
+    if callable(obj) and not isinstance(obj, (type, types.BuiltinFunctionType)):
+        captured = (
+            [v for v in vars(obj).values() if isinstance(v, nn.Module)]
+            if hasattr(obj, "__dict__")
+            else []
+        )
+        if any(id(v) in mapping for v in captured):
+            raise NotImplementedError(
+                f"ema.module: {where} is a {type(obj).__name__} holding a module of the "
+                "model; the EMA twin cannot rebind it. Evaluate with ema.average_parameters()"
+            )
+    return obj
+
+
+def _remap_function(
+    fn: types.FunctionType, mapping: Mapping[int, nn.Module], where: str, depth: int
+) -> types.FunctionType:
+    """``fn`` rebuilt over remapped closure cells, defaults and ``__wrapped__``."""
+    cells = fn.__closure__ or ()
+    values = []
+    changed = False
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned later): keep it as is
+            values.append(cell)
+            continue
+        new = _remap(value, mapping, where, depth + 1)
+        changed |= new is not value
+        values.append(types.CellType(new) if new is not value else cell)
+    defaults = fn.__defaults__
+    if defaults:
+        new_defaults = tuple(_remap(d, mapping, where, depth + 1) for d in defaults)
+        changed |= any(a is not b for a, b in zip(new_defaults, defaults, strict=True))
+        defaults = new_defaults
+    wrapped = fn.__dict__.get("__wrapped__")
+    new_wrapped = _remap(wrapped, mapping, where, depth + 1) if wrapped is not None else None
+    changed |= new_wrapped is not wrapped
+    if not changed:
+        return fn
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, tuple(values))
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    out.__dict__.update(fn.__dict__)
+    if wrapped is not None:
+        out.__dict__["__wrapped__"] = new_wrapped
+    return out
