@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
 
 __all__ = ["UnitSpec", "build_ema_module", "default_units"]
@@ -234,14 +235,21 @@ def _shared_twin(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
 
 def _slots(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, str, str]]:
     """``(fqn, tensor, owner, name, "param" | "buffer")`` for every registered tensor,
-    shared ones under every name."""
+    shared ones under every name. ``fqn`` is canonical (the plan's key: no
+    ``_checkpoint_wrapped_module.`` or ``_orig_mod.`` components)."""
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for name, p in owner._parameters.items():
             if p is not None:
-                yield (f"{prefix}.{name}" if prefix else name), p, owner, name, "param"
+                yield canonical_fqn(f"{prefix}.{name}" if prefix else name), p, owner, name, "param"
         for name, b in owner._buffers.items():
             if b is not None:
-                yield (f"{prefix}.{name}" if prefix else name), b, owner, name, "buffer"
+                yield (
+                    canonical_fqn(f"{prefix}.{name}" if prefix else name),
+                    b,
+                    owner,
+                    name,
+                    "buffer",
+                )
 
 
 # ------------------------------------------------------------------------- FSDP2 twin
@@ -295,14 +303,16 @@ def _sharded_twin(
             tensors[fqn] = tensor
         else:
             owner._parameters[name] = nn.Parameter(entry.ema_local, requires_grad=False)
+    param_slots = {fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin)}
     for fqn in plan.aliases:  # tied 0-dim parameters: the same shared tensor
-        owner_fqn, _, name = fqn.rpartition(".")
-        owner = twin.get_submodule(owner_fqn)
+        if fqn not in param_slots:
+            continue
+        owner, name = param_slots[fqn]
         if not isinstance(owner._parameters.get(name), DTensor):
             source = by_fqn[plan.aliases[fqn]]
             owner._parameters[name] = nn.Parameter(source.ema_local, requires_grad=False)
     plan.rebind_ema(tensors)
-    _install_forward_hooks(twin, plan)
+    _install_forward_hooks(model, twin, plan)
     return twin
 
 
@@ -324,7 +334,8 @@ def _mp_policy(
     if not owned:
         return MixedPrecisionPolicy()
     if compute_dtype is None:
-        dtypes = {model_dtypes[fqn] for fqn, _ in owned if fqn in model_dtypes}
+        canonical = [canonical_fqn(fqn) for fqn, _ in owned]
+        dtypes = {model_dtypes[fqn] for fqn in canonical if fqn in model_dtypes}
         if len(dtypes) > 1:
             raise ValueError(
                 f"unit {unit_fqn or '<root>'!r} holds parameters of dtypes "
@@ -336,17 +347,24 @@ def _mp_policy(
     return MixedPrecisionPolicy(param_dtype=compute_dtype)
 
 
-def _install_forward_hooks(twin: nn.Module, plan: EmaPlan) -> None:
+def _install_forward_hooks(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> None:
     """Before a forward: gather the EMA's float buffers into the twin (one flat all-gather
-    per bucket over the mesh) and copy the integer ones from the model. After it (also
-    when it raises): reshard every unit, so the root's parameters do not stay gathered and
-    the next forward sees the next update()."""
+    per bucket over the mesh) and copy the integer ones, and the buffers the EMA does not
+    track (non-persistent ones: RoPE tables), from the model. After it (also when it
+    raises): reshard every unit, so the root's parameters do not stay gathered and the
+    next forward sees the next update()."""
     buffer_slots = {
         fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin) if kind == "buffer"
     }
     entries = [e for e in plan if not e.is_parameter and not e.is_dtensor_source]
     pieces = [_buffer_piece(e, buffer_slots[e.fqn]) for e in entries]
     followed = [(buffer_slots[fqn], source) for fqn, source in plan.followed.items()]
+    tracked = {*plan.by_fqn(), *plan.aliases, *plan.followed}
+    followed += [
+        (buffer_slots[fqn], source)
+        for fqn, source, _, _, kind in _slots(model)
+        if kind == "buffer" and fqn not in tracked and fqn in buffer_slots
+    ]
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
         with torch.no_grad():
@@ -433,12 +451,14 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
     _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
-    twin_fqn = {id(p): fqn for fqn, p in twin.named_parameters()}
+    twin_fqn = {id(p): canonical_fqn(fqn) for fqn, p in twin.named_parameters()}
     units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
     for fqn in sorted(units, key=lambda f: -f.count(".") if f else 1):
         student = model.get_submodule(fqn)
         managed = [
-            layouts[name] for name in _directly_managed(model, fqn, units) if name in layouts
+            layouts[name]
+            for name in map(canonical_fqn, _directly_managed(model, fqn, units))
+            if name in layouts
         ]
         if not managed:
             continue
@@ -460,9 +480,9 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
     tensors: dict[str, DTensor] = {}
     for fqn, tensor in twin.named_parameters():
         assert isinstance(tensor, DTensor), fqn
-        tensors[fqn] = tensor
+        tensors[canonical_fqn(fqn)] = tensor
     plan.rebind_ema(tensors)
-    _install_forward_hooks(twin, plan)
+    _install_forward_hooks(model, twin, plan)
     return twin
 
 

@@ -124,7 +124,7 @@ def _case(
     with torch.no_grad():
         expected = reference(x)
     with ema.average_parameters():
-        inside = _full_state(model)
+        inside = _full_state(getattr(model, "_orig_mod", model))
     swap = [k for k, v in inside.items() if v.is_floating_point() and not torch.equal(v, state[k])]
     return {
         "rel_err": _rel_err(y, expected),
@@ -194,6 +194,9 @@ def _plain_cases() -> dict[str, Callable[[], dict[str, Any]]]:
 
 
 # ------------------------------------------------------------------ torchtitan 0.3.0
+_TITAN: dict[str, Any] = {}
+
+
 def _titan_llama(parallelize: bool, ac: bool) -> tuple[nn.Module, Any]:
     """torchtitan's llama3 at toy size (unfused Q/K/V, SDPA attention: FlexAttention has
     no CPU backward), parallelized by its own ``parallelize_llama`` on ``ParallelDims``
@@ -249,8 +252,10 @@ def _titan_llama(parallelize: bool, ac: bool) -> tuple[nn.Module, Any]:
     trainer.training.mixed_precision_param = "float32"
     trainer.parallelism.data_parallel_shard_degree = dist.get_world_size()
     config.update_from_config(config=trainer)
-    dims = ParallelDims.from_config(trainer.parallelism, dist.get_world_size())
-    dims.build_mesh()
+    if "dims" not in _TITAN:  # one ParallelDims per process: torchtitan caches its meshes
+        _TITAN["dims"] = ParallelDims.from_config(trainer.parallelism, dist.get_world_size())
+        _TITAN["dims"].build_mesh()
+    dims = _TITAN["dims"]
     with torch.device("meta"):
         model = config.build()
     if parallelize:
