@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
 
@@ -420,13 +420,6 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         source = entry.source
         assert isinstance(source, DTensor)
         placements = tuple(source.placements)
-        if entry.levels:
-            raise NotImplementedError(
-                f"ema.module for {entry.fqn!r}: its EMA splits the FSDP2 shard further over "
-                f"{len(entry.levels)} replica dim(s) (EMA placements {entry.placements}, "
-                f"parameter placements {placements}), which FSDP2 cannot hold; use "
-                "ema.average_parameters()"
-            )
         expected = (Replicate(),) * (len(placements) - 1)
         last = placements[-1]
         if not isinstance(last, Shard) or placements[:-1] != expected or type(last) is not Shard:
@@ -478,12 +471,39 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         )
     twin.to_empty(device=next(iter(layouts.values()))[0].device_type)
     tensors: dict[str, DTensor] = {}
+    refreshed: list[tuple[PlanEntry, torch.Tensor]] = []
     for fqn, tensor in twin.named_parameters():
         assert isinstance(tensor, DTensor), fqn
-        tensors[canonical_fqn(fqn)] = tensor
+        entry = by_fqn[canonical_fqn(fqn)]
+        if entry.levels:
+            # The EMA splits the FSDP2 shard further over replica dims (HSDP's replicate
+            # dim, a tp dim of an FSDP-only parameter): FSDP2 cannot hold that, so the
+            # twin keeps its own shard, refreshed from the EMA before every forward.
+            refreshed.append((entry, tensor.to_local()))
+        else:
+            tensors[entry.fqn] = tensor
     plan.rebind_ema(tensors)
     _install_forward_hooks(model, twin, plan)
+    if refreshed:
+        _install_refresh_hook(twin, refreshed)
     return twin
+
+
+def _install_refresh_hook(twin: nn.Module, refreshed: list[tuple[PlanEntry, torch.Tensor]]) -> None:
+    """Before a forward: rebuild the twin's FSDP2 shards of ``refreshed`` from the EMA's
+    rows (one all-gather per bucket over each replica dim's group)."""
+
+    def refresh(_module: nn.Module, _args: Any) -> None:
+        pieces = [  # read ema_local now: the plan may have re-bound it since
+            SplitPiece(e.ema_local, e.source_piece.shape, e.levels, e.ema_local.dtype)
+            for e, _ in refreshed
+        ]
+        with torch.no_grad():
+            for bucket in iter_unsplit(pieces):
+                for index, piece in bucket:
+                    refreshed[index][1].copy_(piece)
+
+    twin.register_forward_pre_hook(refresh, prepend=True)
 
 
 def _directly_managed(model: nn.Module, unit: str, units: list[str]) -> list[str]:
