@@ -144,9 +144,11 @@ def build_ema_module(
             (per unit, so an fp32 EMA of a bf16 model runs its forward in bf16).
 
     Raises:
-        NotImplementedError: tensor-parallel (non-FSDP2) DTensor parameters, FSDP2 models
-            with plain float parameters or layouts other than FSDP2's own, or an N-D mesh
-            for a plain model.
+        NotImplementedError: tensor-parallel DTensor parameters (TP alone or FSDP2 + TP:
+            placements other than FSDP2's own ``(Shard(d),)``/``(Replicate(), Shard(d))``),
+            FSDP2 models with plain float parameters, or an N-D mesh for a plain model;
+            each message names the tensor and its layout. A callable the twin would share
+            with the model and cannot re-bind (see :func:`_rebind_callables`).
         ValueError: bad ``units``, or a unit whose parameters mix dtypes with
             ``compute_dtype=None``.
     """
@@ -159,10 +161,15 @@ def build_ema_module(
         raise ValueError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return _fsdp_mirror(model, plan, compute_dtype)
-    if any(e.is_dtensor_source for e in plan):
+    dtensors = [e for e in plan if e.is_dtensor_source]
+    if dtensors:
+        first = dtensors[0].source
+        assert isinstance(first, DTensor)
         raise NotImplementedError(
-            "ema.module for models with DTensor parameters outside FSDP2 (tensor "
-            "parallelism) is not implemented: evaluate with ema.average_parameters()"
+            f"ema.module for models with DTensor parameters outside FSDP2 (tensor "
+            f"parallelism: {dtensors[0].fqn!r} has placements {tuple(first.placements)} on "
+            f"mesh {first.device_mesh.mesh.tolist()}) is not implemented: evaluate with "
+            "ema.average_parameters()"
         )
     if mesh is None:
         return _shared_twin(model, plan, compute_dtype)
