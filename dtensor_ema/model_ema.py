@@ -334,7 +334,17 @@ class ModelEMA:
         and the EMA's shards move into its sharded parameters (one local copy, then the
         old shards are freed): ``update()`` writes where the forward reads, so the module
         always shows the latest average. Without a process group its parameters and float
-        buffers are the EMA's own tensors.
+        buffers are the EMA's own tensors. An FSDP2 model is mirrored (its units, meshes
+        and mixed precision); where the EMA splits an FSDP2 shard further over a replica
+        dim (HSDP with ``mesh=None``: the replicate dim), the module keeps its own shard of
+        that parameter (extra memory: the model's local shard of it), rebuilt from the EMA
+        before each forward (one all-gather per bucket over the replica group).
+
+        Wrapped and compiled models: parameter names with ``_checkpoint_wrapped_module`` /
+        ``_orig_mod`` pair with the EMA's canonical fqns; a ``forward`` or forward hook set
+        on a module instance (torchtitan's ``Module.parallelize`` closures) is re-bound to
+        the module's twin; ``module.compile()`` per block is dropped (the twin runs
+        eagerly; compile its blocks yourself). See ``docs/evaluation.md``.
 
         Calling the module: its forward is **collective** over the EMA mesh (every rank
         must call it, with the same number of forwards): FSDP all-gathers one unit at a
@@ -363,7 +373,8 @@ class ModelEMA:
 
         Raises:
             RuntimeError: the module was already built.
-            NotImplementedError: FSDP2/TP models, ``offload=True``, N-D meshes.
+            NotImplementedError: tensor-parallel models (TP, FSDP2 + TP), ``offload=True``, a
+                plain/DDP model on an N-D mesh (each message names the layout).
             ValueError: bad ``units`` or ``compute_dtype``.
         """
         if self._module is not None:
@@ -378,7 +389,9 @@ class ModelEMA:
             )
         if self.options.offload:
             raise NotImplementedError(
-                "ema.module with offload=True (EMA shards in host memory) is not implemented"
+                "ema.module with offload=True is not implemented: the EMA shards live in host "
+                f"memory on a CPU twin of the mesh {self.mesh.mesh.tolist() if self.mesh else None}"
+                ", where no forward can read them; evaluate with ema.average_parameters()"
             )
         self.flush()
         self._sync_sources()  # refuses inside average_parameters()
