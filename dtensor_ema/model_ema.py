@@ -1,9 +1,10 @@
 """ModelEMA: an exponential moving average of a model's weights, sharded across ranks.
 
 Every popular EMA keeps a full replica of the model on every rank and updates all of it
-every step. Here each rank keeps only its ``Shard(0)`` piece of every tensor (a DTensor on a
-1-D mesh; FSDP2 parameters keep their own mesh and placements), so memory and update work
-are about ``1/W`` of a replicated EMA, and ``update()`` never communicates: it is one fused
+every step. Here every EMA element lives on exactly one rank: each tensor's local piece
+(the whole tensor for plain/DDP models, ``to_local()`` for FSDP2/TP parameters) is split
+by rows over the mesh dims it is replicated on (see :mod:`dtensor_ema.layout`), so memory
+and update work are about ``1/W`` of a replicated EMA, and ``update()`` never communicates: it is one fused
 ``lerp`` per (device, dtype) group over cached local views. Full weights are materialized
 only on request (evaluation, export), with one flat all-gather per bucket.
 
@@ -40,7 +41,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import collective
@@ -56,6 +56,7 @@ from dtensor_ema.materialize import (
     gather_to_rank0,
     iter_unsplit,
 )
+from dtensor_ema.model_keys import from_model_keys, to_model_keys
 from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
 from dtensor_ema.plan import (
     EmaPlan,
@@ -63,6 +64,7 @@ from dtensor_ema.plan import (
     build_plan,
     ema_local_from_full,
     model_tensors,
+    reshard_fsdp,
     unwrap_model,
 )
 from dtensor_ema.state import (
@@ -88,13 +90,15 @@ class ModelEMA:
         model: a plain ``nn.Module``, a DDP-wrapped one, or an FSDP2 (``fully_shard``) one.
             The EMA tracks the unwrapped module (``ema.model``); keys never carry a
             ``module.`` prefix. ``ema.module`` is the EMA itself as a module (timm's name).
-        mesh: 1-D ``DeviceMesh`` over which replicated tensors are sharded (``Shard(0)``,
-            uneven and empty shards included; 0-dim tensors are ``Replicate()``). ``None``
-            means the whole default process group when one is initialized, and no sharding
-            at all otherwise (single process, no process group needed). FSDP2/DTensor
-            parameters ignore ``mesh``: their EMA uses the parameter's own mesh and
-            placements, so the update stays local; ``mesh`` then shards only plain
-            tensors (buffers). For HSDP pass ``None`` or the shard-dim submesh.
+        mesh: the world ``DeviceMesh`` (any number of dims) whose ranks share the EMA.
+            Each tensor's local piece is split by rows (``Shard(0)``-like, uneven and empty
+            shards included; 0-dim tensors are replicated) over the mesh dims on which the
+            piece is replicated: the whole mesh for plain/DDP tensors, the replicate dim of
+            HSDP, ``tp`` for TP-replicated weights; FSDP2/TP-sharded dims keep the
+            parameter's own placements, so the update stays local. ``None``: the root mesh
+            of the model's DTensor parameters, else the whole default process group as a
+            1-D mesh, else (no process group) plain unsharded tensors. See
+            :func:`~dtensor_ema.layout.resolve_world_mesh`.
         decay: asymptotic decay in ``[0, 1]`` of the default ramp (default ``0.9999``).
         tau: ramp time constant in steps (``>= 0``, default ``2000``); ``None`` or ``0``
             for a constant decay.
@@ -139,15 +143,22 @@ class ModelEMA:
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
 
-    Construction is local (no collective) but must happen on every rank of the mesh, on
-    models whose tensors are identical across ranks where they are replicated (DDP
-    guarantees this).
+    Construction is **collective** over ``mesh``: every rank of it must construct the EMA
+    together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
+    checksum per replicated parameter per replica group, one flag all-reduce per mesh
+    dim). Replicated parameters must be identical across their replicas (build the EMA
+    after DDP wraps the model): a mismatch raises, naming the tensors. The EMA tracks the
+    model's live parameters and persistent buffers (never ``state_dict()`` copies), keyed
+    by canonical fqns (see :mod:`dtensor_ema.model_keys`). Peak extra memory: the EMA
+    shards themselves (``1/W`` of the model's float bytes, in the EMA dtype).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
         ValueError: an option out of range or conflicting with another (``tau`` with
-            ``half_life``), unknown ``exclude`` names, a mesh that is not 1-D or whose
-            device type differs from the model's, a model with no float state.
+            ``half_life``), unknown ``exclude`` names, a mesh whose device type differs
+            from the model's or that does not cover the parameters' meshes, a model with
+            no float state, ranks that track different models, or replicated parameters
+            that differ across ranks.
     """
 
     def __init__(
@@ -188,7 +199,7 @@ class ModelEMA:
                 f"parameters_as_bucket_view must be a bool, got {parameters_as_bucket_view!r}"
             )
         self.model = unwrap_model(model)
-        _reshard_fsdp(self.model)
+        reshard_fsdp(self.model)
         device = _model_device(self.model)
         self.mesh = resolve_world_mesh(mesh, model_tensors(self.model).values(), device)
         # Capturable updates keep the counter on the device (float64 counts exactly up to
@@ -512,7 +523,10 @@ class ModelEMA:
 
         Returns:
             ``(ema_state_dict, original_state_dict)``: full, contiguous tensors keyed like
-            the unwrapped model's ``state_dict()``, in the model's dtypes, ready for
+            the unwrapped model's ``state_dict()`` (canonical fqns, without wrapper
+            components such as ``_checkpoint_wrapped_module``, then the model's own
+            state-dict post-hooks: torchtitan's fused ``wqkv`` comes out as
+            ``wq``/``wk``/``wv``), in the model's dtypes, ready for
             ``load_state_dict(strict=True)``. Integer buffers carry the model's value in
             both. Neither shares memory with the model or the EMA.
         """
@@ -587,7 +601,7 @@ class ModelEMA:
             )
         self.flush()
         self._sync_sources()
-        _reshard_fsdp(self.model)
+        reshard_fsdp(self.model)
         backups = [_backup(e) for e in self._plan]
         self._swapped = True
         try:
@@ -601,7 +615,7 @@ class ModelEMA:
         try:
             yield self.model
         finally:
-            _reshard_fsdp(self.model)
+            reshard_fsdp(self.model)
             try:
                 with torch.no_grad():
                     self._restore(backups, bucket_bytes)
@@ -708,7 +722,9 @@ class ModelEMA:
         an :func:`~dtensor_ema.export_ema` file. Local: no collective.
 
         Call it on every rank with the same full tensors (e.g. ``torch.load`` of one file
-        on each rank): each rank copies its own piece. Values are cast to the EMA dtype
+        on each rank): each rank copies its own piece. Keys are the model's state-dict keys
+        (the model's own ``load_state_dict`` pre-hooks run first, e.g. to fuse torchtitan's
+        ``wq``/``wk``/``wv`` into ``wqkv``). Values are cast to the EMA dtype
         (an export in the model's bf16 loses the fp32 EMA's low bits). Integer buffers
         (they follow the model) and the duplicate names of tied weights may be present or
         absent. The counter is set to ``updates`` when given, else left as it is (full
@@ -723,6 +739,7 @@ class ModelEMA:
             isinstance(updates, bool) or not isinstance(updates, int) or updates < 0
         ):
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+        state_dict = from_model_keys(self.model, state_dict)
         ours = {e.fqn: e.ema for e in self._plan}
         saved = {
             k: (
@@ -791,7 +808,7 @@ class ModelEMA:
         followed = {
             k: v.detach().to(device=device, copy=True) for k, v in self._plan.followed.items()
         }
-        return self._ordered(full, followed)
+        return to_model_keys(self.model, self._ordered(full, followed))
 
     def _ordered(self, tensors: StateDict, followed: StateDict) -> StateDict:
         out: StateDict = {}
@@ -838,14 +855,6 @@ def _model_device(module: nn.Module) -> torch.device:
     for tensor in model_tensors(module).values():
         return tensor.device
     raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
-
-
-def _reshard_fsdp(module: nn.Module) -> None:
-    """Register FSDP2's sharded parameters again (a forward without backward leaves the
-    root, and modules with ``reshard_after_forward=False``, unsharded)."""
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
 
 
 def _backup(entry: PlanEntry) -> tuple[bool, torch.Tensor]:

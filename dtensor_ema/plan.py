@@ -1,8 +1,14 @@
 """The sharding plan: which model tensors the EMA tracks, and each rank's piece of them.
 
 The plan is the single owner of the model-to-EMA binding. Built once per
-:class:`~dtensor_ema.ModelEMA`; for every floating-point entry of the unwrapped model's
-state dict it records
+:class:`~dtensor_ema.ModelEMA` from the model's **live** tensors (``named_parameters`` and
+persistent ``named_buffers``, ties included), never from ``model.state_dict()`` values:
+state-dict hooks may return copies (torchtitan's fused ``wqkv`` is split into fresh
+``wq``/``wk``/``wv`` tensors) or communicate. Entries are keyed by their *canonical fqn*:
+the module path with wrapper components (``_checkpoint_wrapped_module``, ``_orig_mod``,
+``_fsdp_wrapped_module``) removed, which is the key ``torch.distributed.checkpoint``'s
+``get_model_state_dict`` uses and the key of the EMA's DCP state. For every
+floating-point parameter and buffer it records
 
 * ``source``: the model's own tensor object (a ``Parameter``, a buffer, or for FSDP2/TP the
   sharded ``DTensor`` parameter),
@@ -29,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement
 
 from dtensor_ema.layout import (
@@ -40,6 +47,8 @@ from dtensor_ema.layout import (
     cpu_mesh_like,
     shard_mesh_dim,
 )
+from dtensor_ema.model_keys import canonical_fqn, live_tensors
+from dtensor_ema.replicas import check_replicas
 from dtensor_ema.watch import ModuleWatch
 
 __all__ = [
@@ -47,9 +56,12 @@ __all__ = [
     "PlanEntry",
     "bucket_view_",
     "build_plan",
+    "canonical_fqn",
+    "check_live",
     "default_ema_dtype",
     "ema_local_from_full",
     "model_tensors",
+    "reshard_fsdp",
     "unwrap_model",
 ]
 
@@ -98,7 +110,8 @@ class EmaPlan:
     world: DeviceMesh | None
     entries: list[PlanEntry]
     keys: list[str]
-    """Every state-dict key of the model, in order (averaged, followed and tied)."""
+    """Every canonical fqn of the model's live tensors, in state-dict order (averaged,
+    followed and tied)."""
     followed: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     """Tied weights: extra fqn -> the fqn of the entry that holds the shared tensor."""
@@ -245,12 +258,52 @@ def default_ema_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state-dict tensors (``keep_vars``), FSDP2 parameters in sharded form.
+    """The module's live parameters and persistent buffers by canonical fqn, FSDP2
+    parameters in sharded form. Local.
 
-    FSDP2's state-dict hooks register the sharded DTensor parameters before the walk, so a
-    module left unsharded by a forward without backward still reports its sharded objects.
+    FSDP2 modules are resharded first: a forward without backward leaves the root (and
+    modules with ``reshard_after_forward=False``) holding unsharded parameters, which are
+    not the objects the optimizer updates. See :func:`~dtensor_ema.model_keys.live_tensors`.
     """
-    return dict(module.state_dict(keep_vars=True))
+    reshard_fsdp(module)
+    return live_tensors(module)
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """Register FSDP2's sharded parameters again (a forward without backward leaves the
+    root, and modules with ``reshard_after_forward=False``, unsharded). Local."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
+    """Refuse entries whose source is not a live parameter or buffer of ``module``. Local.
+
+    The EMA must average the tensors the optimizer updates. A tensor that is a copy (what
+    a state-dict hook returns, e.g. torchtitan's ``wq``/``wk``/``wv`` split of a fused
+    ``wqkv``) would keep its initial value forever, silently.
+
+    Raises:
+        ValueError: naming the entries whose source (or its local piece's storage) is not
+            one of ``module``'s parameters or buffers.
+    """
+    live = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    stale = []
+    for entry in entries:
+        tensor = live.get(id(entry.source))
+        if tensor is None:
+            stale.append(entry.fqn)
+            continue
+        piece = _piece(tensor)
+        if piece.untyped_storage().data_ptr() != entry.source_piece.untyped_storage().data_ptr():
+            stale.append(entry.fqn)
+    if stale:
+        raise ValueError(
+            f"the EMA would track tensors that are not live parameters or buffers of "
+            f"{type(module).__name__} (copies never see the optimizer's updates): "
+            f"{stale[:5]}{' ...' if len(stale) > 5 else ''}"
+        )
 
 
 def build_plan(
@@ -263,9 +316,15 @@ def build_plan(
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
-    **Collective** when ``world`` has a dim of size > 1: one all-gather of one integer per
-    world mesh dim (:func:`~dtensor_ema.layout.agree_on_structure`), so every rank of
-    ``world`` must build its plan together. Peak extra memory: the EMA shards themselves.
+    The EMA binds to ``module``'s live tensors (:func:`model_tensors`) and refuses any
+    entry that is not one (:func:`check_live`).
+
+    **Collective** when ``world`` has a dim of size > 1, so every rank of ``world`` must
+    build its plan together: one all-gather of one integer per world mesh dim
+    (:func:`~dtensor_ema.layout.agree_on_structure`), then one all-gather of one int64 per
+    replicated parameter over each replica group and one flag all-reduce per world mesh dim
+    (:func:`~dtensor_ema.replicas.check_replicas`, which reads every replicated parameter
+    once). Peak extra memory: the EMA shards themselves.
 
     Args:
         module: the unwrapped model; FSDP2 modules must be resharded by the caller.
@@ -280,8 +339,8 @@ def build_plan(
 
     Raises:
         ValueError: the model has no floating-point state, has tensors on the meta device,
-            a DTensor uses a placement the EMA cannot mirror, or ``world``'s ranks track
-            different models.
+            a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks track
+            different models, or replicated parameters differ across their replicas.
     """
     tensors = model_tensors(module)
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
@@ -328,7 +387,9 @@ def build_plan(
             f"{type(module).__name__} has no floating-point parameters or buffers to average "
             f"(state dict keys: {list(followed)[:5]})"
         )
+    check_live(module, entries)
     agree_on_structure(world, [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()])
+    check_replicas(entries, world)
     if bucket_view:
         bucket_view_(entries)
     plan = EmaPlan(

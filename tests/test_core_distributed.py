@@ -158,6 +158,9 @@ def _resnet50_local_nbytes(world_size: int) -> int:
     with torch.device("meta"):
         model = torchvision.models.resnet50()
     model = model.to_empty(device="cpu")
+    with torch.no_grad():  # replicas must be identical (the EMA checks): no garbage
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
     return ModelEMA(model, mesh=init_device_mesh("cpu", (world_size,))).local_nbytes()
 
 

@@ -36,6 +36,7 @@ from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec
 from dtensor_ema.phema_math import check_sigma_rel, power_beta, sigma_rel_to_gamma
+from dtensor_ema.plan import model_tensors
 from dtensor_ema.posthoc import snapshots as snap
 
 __all__ = ["PostHocEMA", "PowerDecay"]
@@ -339,7 +340,7 @@ class PostHocEMA:
         """The DCP state ``{"p<i>": {fqn: tensor}, "followed": {...}}`` and the manifest."""
         state: StateDict = {}
         tensors_meta: dict[str, dict[str, Any]] = {}
-        model_sd = _tracked_module(self.emas["p0"]).state_dict(keep_vars=True)
+        model_sd = model_tensors(_tracked_module(self.emas["p0"]))
         for i in range(len(self.sigma_rels)):
             profile: dict[str, torch.Tensor] = {}
             for fqn, ema in self.emas[f"p{i}"].ema_tensors().items():
