@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 from dtensor_ema.plan import EmaPlan, PlanEntry
 
@@ -346,6 +347,7 @@ def _install_forward_hooks(twin: nn.Module, plan: EmaPlan) -> None:
     followed = [(buffer_slots[fqn], source) for fqn, source in plan.followed.items()]
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
+        check_all_ranks_enter(plan.world, "ema.module forward")
         with torch.no_grad():
             for (owner, name), source in followed:
                 owner._buffers[name].copy_(source)  # type: ignore[union-attr]
