@@ -4,9 +4,10 @@ Every popular EMA keeps a full replica of the model on every rank and updates al
 every step. Here every EMA element lives on exactly one rank: each tensor's local piece
 (the whole tensor for plain/DDP models, ``to_local()`` for FSDP2/TP parameters) is split
 by rows over the mesh dims it is replicated on (see :mod:`dtensor_ema.layout`), so memory
-and update work are about ``1/W`` of a replicated EMA, and ``update()`` never communicates:
-it is one fused ``lerp`` per (device, dtype) group over cached local views. Full weights are
-materialized only on request (evaluation, export), with one flat all-gather per bucket.
+and update work are about ``1/W`` of a replicated EMA, and ``update()`` never
+communicates: it is one fused ``lerp`` per (device, dtype) group over cached local views.
+Full weights are materialized only on request (evaluation, export), with one flat
+all-gather per bucket.
 
 The math: every ``update()`` call counts (``updates += 1``); every ``update_every``-th call
 averages, with ``step = updates - update_after_step``:
