@@ -14,8 +14,11 @@ inside a ``.distcp`` file loads silently (a NaN in the EMA). Here:
   as they were written, so the check works when the load reshards (another world size,
   one process): each loading rank verifies the saved chunks its pieces overlap.
 
-Cost (``benchmarks/checksums.py``): the save computes one CRC pass over the bytes it writes;
-the verification reads and deserializes the chunks a second time before DCP reads them.
+Cost (``python benchmarks/checksums.py --world-size 2``, ResNet-50 fp32, W=2 gloo, a loaded
+2-core machine): the CRC pass is 0.13-0.15 s per rank against a 2.9 s save (5 %; the save
+with checksums measured no slower, within noise); the verification pass re-reads and
+deserializes the chunks: 2.2-3.2 s against a 2.8 s load (0.8-1.15x, so a verified load
+takes about twice as long; ``verify=False`` skips it).
 """
 
 from __future__ import annotations
