@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
@@ -374,6 +375,7 @@ def _install_forward_hooks(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> 
     ]
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
+        check_all_ranks_enter(plan.world, "ema.module forward")
         with torch.no_grad():
             for (owner, name), source in followed:
                 owner._buffers[name].copy_(source)  # type: ignore[union-attr]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from dtensor_ema._collectives import all_gather_single
 
 __all__ = [
     "LayoutBuilder",
@@ -548,19 +550,22 @@ def _check_with_torch(
         )
 
 
-def agree_on_structure(world: DeviceMesh | None, fingerprint: Sequence[str]) -> None:
+def agree_on_structure(world: DeviceMesh | None, structure: Mapping[str, str]) -> None:
     """Refuse a world mesh whose ranks do not track the same model. **Collective**: one
-    all-gather of one integer over each world mesh dim's group (size > 1).
+    all-gather of one integer over each world mesh dim's group (size > 1); only when they
+    differ, one ``all_gather_object`` of ``structure`` over that group to name the tensors.
 
-    Pipeline stages hold different layers: an EMA whose mesh spans stages would split a
-    stage's tensors over ranks that do not hold them and silently drop shards.
+    Args:
+        world: the EMA's world mesh (``None``: one process, nothing to compare).
+        structure: ``fqn -> "shape dtype"`` of every tracked tensor on this rank.
 
     Raises:
-        ValueError: on every rank of a group whose ranks disagree, naming the dim.
+        ValueError: on every rank of a group whose ranks disagree, naming the first
+            differing tensors and the ranks that hold them.
     """
     if world is None:
         return
-    digest = zlib.crc32("\n".join(fingerprint).encode())
+    digest = zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode())
     device = (
         torch.device(world.device_type, torch.cuda.current_device())
         if (world.device_type == "cuda")
@@ -572,15 +577,38 @@ def agree_on_structure(world: DeviceMesh | None, fingerprint: Sequence[str]) -> 
             continue
         group = world.get_group(j)
         everyone = torch.empty(world.size(j), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(everyone, mine, group=group)
+        all_gather_single(everyone, mine, group=group)
         if len(set(everyone.tolist())) > 1:
             ranks = dist.get_process_group_ranks(group)
+            theirs: list[Any] = [None] * len(ranks)
+            dist.all_gather_object(theirs, dict(structure), group=group)
             raise ValueError(
-                f"the EMA's mesh dim {_dim_name(world, j, 'dim')!r} spans ranks {ranks} that track "
-                "different models (different parameter names, shapes or dtypes): pipeline "
-                "stages need one ModelEMA per stage over that stage's own mesh, e.g. "
-                "ModelEMA(stage_module, mesh=world['dp'])"
+                f"the ranks {ranks} of the EMA's mesh dim {_dim_name(world, j, 'dim')!r} track "
+                f"different models: {_structure_differences(ranks, theirs)}. Every rank of the "
+                "mesh must construct the EMA from the same model (same parameter and buffer "
+                "names, shapes and dtypes). One possible cause: pipeline stages, which hold "
+                "different layers, need one ModelEMA per stage over that stage's own mesh, "
+                "e.g. ModelEMA(stage_module, mesh=world['dp'])"
             )
+
+
+def _structure_differences(ranks: list[int], structures: list[dict[str, str]]) -> str:
+    """The first few tensors whose name, shape or dtype is not the same on every rank."""
+    names = list(dict.fromkeys(k for s in structures for k in s))
+    lines = []
+    for name in names:
+        seen = [s.get(name) for s in structures]
+        if len(set(seen)) == 1:
+            continue
+        held = ", ".join(
+            f"{v} on rank {r}" if v is not None else f"absent on rank {r}"
+            for r, v in zip(ranks, seen, strict=True)
+        )
+        lines.append(f"{name!r}: {held}")
+    if not lines:  # gathers lay buckets out in this order, so it must match too
+        return "the same tensors, registered in a different order"
+    more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+    return "; ".join(lines[:3]) + more
 
 
 def cpu_mesh_like(mesh: DeviceMesh) -> DeviceMesh:

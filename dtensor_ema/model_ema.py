@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import cuda_graph as _graphs
-from dtensor_ema._collectives import collective
+from dtensor_ema._collectives import collective, entering
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module
 from dtensor_ema.fused_update import update_groups
@@ -198,8 +198,11 @@ class ModelEMA:
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
     checksum per replicated parameter per replica group, one flag all-reduce per mesh
-    dim). Replicated parameters must be identical across their replicas (build the EMA
-    after DDP wraps the model): a mismatch raises, naming the tensors. The EMA tracks the
+    dim). With ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not construct
+    it makes the others fail after that many seconds, naming the missing ranks (see
+    :data:`dtensor_ema._collectives.CHECK_ENV`). Replicated parameters must be identical
+    across their replicas (build the EMA after DDP wraps the model): a mismatch raises, naming
+    the tensors. The EMA tracks the
     model's live parameters and persistent buffers (never ``state_dict()`` copies), keyed
     by canonical fqns (see :mod:`dtensor_ema.model_keys`). Peak extra memory: the EMA
     shards themselves (``1/W`` of the model's float bytes, in the EMA dtype).
@@ -267,15 +270,16 @@ class ModelEMA:
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
         self._last_decay_from_counter = False  # set by loading a state
-        self._plan: EmaPlan = build_plan(
-            self.model,
-            self.mesh,
-            ema_dtype=ema_dtype,
-            offload=offload,
-            bucket_view=parameters_as_bucket_view,
-            replicate_buffers=replicate_buffers,
-            verify_replicas=verify_replicas,
-        )
+        with entering("ModelEMA", mesh=self.mesh):
+            self._plan: EmaPlan = build_plan(
+                self.model,
+                self.mesh,
+                ema_dtype=ema_dtype,
+                offload=offload,
+                bucket_view=parameters_as_bucket_view,
+                replicate_buffers=replicate_buffers,
+                verify_replicas=verify_replicas,
+            )
         self.replicate_buffers = replicate_buffers
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
@@ -347,9 +351,11 @@ class ModelEMA:
         eagerly; compile its blocks yourself). See ``docs/evaluation.md``.
 
         Calling the module: its forward is **collective** over the EMA mesh (every rank
-        must call it, with the same number of forwards): FSDP all-gathers one unit at a
-        time, and the float buffers (BatchNorm statistics) are all-gathered before each
-        forward. Peak extra memory: about the largest unit's full weights in the compute
+        must call it, with the same number of forwards; with
+        ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a forward that some ranks skip fails
+        after that many seconds, naming them): FSDP all-gathers one unit at a time, and the
+        float buffers (BatchNorm statistics) are all-gathered before each forward. Peak
+        extra memory: about the largest unit's full weights in the compute
         dtype (plus FSDP's prefetch of the next unit) plus activations. Call the module
         itself (its ``forward``); other methods of the root see sharded parameters unless
         registered with ``torch.distributed.fsdp.register_fsdp_forward_method``. Its

@@ -400,7 +400,7 @@ def build_plan(
             f"(state dict keys: {list(followed)[:5]})"
         )
     check_live(module, entries)
-    agree_on_structure(world, [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()])
+    agree_on_structure(world, {k: f"{tuple(t.shape)} {t.dtype}" for k, t in tensors.items()})
     if verify_replicas:
         check_replicas(entries, world)
     if bucket_view:
