@@ -231,8 +231,9 @@ def synthesize(
         snapshot_dir: a directory written by :class:`~dtensor_ema.PostHocEMA`.
         sigma_rel: one relative width in ``(0, 0.2887)``, or several.
         out: where to write instead of returning tensors. A path ending in ``.safetensors``
-            or ``.pt`` is one file (one ``sigma_rel``); another path is a directory that
-            receives one output per ``sigma_rel``, named ``sigma_rel-<value>``. Distributed
+            or ``.pt`` is one file (one ``sigma_rel``; its directory must exist); another
+            path is a directory (created if missing) that receives one output per
+            ``sigma_rel``, named ``sigma_rel-<value>``. Distributed
             runs write DCP checkpoints only.
         format: ``"safetensors"``, ``"pt"`` or ``"dcp"``; default: from ``out``'s suffix, or
             ``"dcp"`` when distributed, else ``"safetensors"`` (``"pt"`` if the safetensors
@@ -520,6 +521,10 @@ def _targets(
         )
     if fmt == "safetensors" and importlib.util.find_spec("safetensors") is None:
         raise ImportError("writing .safetensors needs the safetensors package (pip install it)")
+    if suffix is None and fmt != "dcp":
+        # ``out`` names the directory that receives the files: create it (export_ema's
+        # writer refuses a missing parent directory, which is right for one named file).
+        path.mkdir(parents=True, exist_ok=True)
     return [(p, fmt) for p in paths]
 
 
