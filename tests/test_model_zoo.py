@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
+from dist_harness import require_extra, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -163,7 +163,8 @@ def _titan_tokens() -> tuple[torch.Tensor]:
 
 def _layers(path: str) -> Callable[[nn.Module], list[nn.Module]]:
     def units(model: nn.Module) -> list[nn.Module]:
-        return list(functools.reduce(getattr, path.split("."), model))
+        container = functools.reduce(getattr, path.split("."), model)
+        return list(container.values() if isinstance(container, nn.ModuleDict) else container)
 
     return units
 
@@ -312,7 +313,9 @@ def _train_body(rank: int, world_size: int, family: str, root: str) -> dict[str,
                 ema_module = ema.module
                 ema_module.eval()
                 with torch.no_grad():
-                    return bool(torch.equal(spec.forward(ema_module, batch), expected))
+                    got = spec.forward(ema_module, batch)
+                cell["module_max_diff"] = float((got - expected).abs().max())
+                return bool(torch.equal(got, expected))
 
             cell["module_forward"], cell["module_error"] = _error(module_forward)
             module.train()
@@ -359,7 +362,7 @@ def zoo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _require(family: str) -> None:
-    pytest.importorskip(EXTRAS[family])
+    require_extra(EXTRAS[family], "zoo")
 
 
 _trained: dict[str, dict[str, Any]] = {}
