@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
 
 __all__ = ["UnitSpec", "build_ema_module", "default_units"]
@@ -283,6 +284,7 @@ def _sharded_twin(
             ignored_params=scalars or None,
         )
     twin.to_empty(device=mesh.device_type)
+    _copy_untracked_buffers(model, twin, plan)
     tensors: dict[str, DTensor] = {}
     for fqn, tensor, owner, name, kind in _slots(twin):
         if kind != "param" or fqn in plan.aliases:
@@ -382,6 +384,19 @@ def _buffer_piece(entry: PlanEntry, slot: tuple[nn.Module, str]) -> LocalPiece:
     )
 
 
+@torch.no_grad()
+def _copy_untracked_buffers(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> None:
+    """Fill the twin's buffers that the EMA does not track (non-persistent ones such as
+    Hugging Face rotary ``inv_freq``) from the model: ``to_empty`` leaves them
+    uninitialized. Local; the twin keeps the model's raw fqns (a structural copy)."""
+    by_fqn = plan.by_fqn()
+    for fqn, tensor, _, _, kind in _slots(twin):
+        canonical = canonical_fqn(fqn)
+        if kind != "buffer" or canonical in by_fqn or canonical in plan.aliases:
+            continue
+        tensor.copy_(model.get_buffer(fqn))
+
+
 # ------------------------------------------------------------------------- FSDP2 models
 def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | None) -> nn.Module:
     """Mirror an FSDP2 student: same units, meshes, shard dims and mixed precision."""
@@ -453,6 +468,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
             ),
         )
     twin.to_empty(device=next(iter(layouts.values()))[0].device_type)
+    _copy_untracked_buffers(model, twin, plan)
     tensors: dict[str, DTensor] = {}
     for fqn, tensor in twin.named_parameters():
         assert isinstance(tensor, DTensor), fqn
