@@ -1,11 +1,13 @@
 """ModelEMA: an exponential moving average of a model's weights, sharded across ranks.
 
 Every popular EMA keeps a full replica of the model on every rank and updates all of it
-every step. Here each rank keeps only its ``Shard(0)`` piece of every tensor (a DTensor on a
-1-D mesh; FSDP2 parameters keep their own mesh and placements), so memory and update work
-are about ``1/W`` of a replicated EMA, and ``update()`` never communicates: it is one fused
-``lerp`` per (device, dtype) group over cached local views. Full weights are materialized
-only on request (evaluation, export), with one flat all-gather per bucket.
+every step. Here every EMA element lives on exactly one rank: each tensor's local piece
+(the whole tensor for plain/DDP models, ``to_local()`` for FSDP2/TP parameters) is split
+by rows over the mesh dims it is replicated on (see :mod:`dtensor_ema.layout`), so memory
+and update work are about ``1/W`` of a replicated EMA, and ``update()`` never
+communicates: it is one fused ``lerp`` per (device, dtype) group over cached local views.
+Full weights are materialized only on request (evaluation, export), with one flat
+all-gather per bucket.
 
 The math: every ``update()`` call counts (``updates += 1``); every ``update_every``-th call
 averages, with ``step = updates - update_after_step``:
@@ -89,13 +91,15 @@ class ModelEMA:
         model: a plain ``nn.Module``, a DDP-wrapped one, or an FSDP2 (``fully_shard``) one.
             The EMA tracks the unwrapped module (``ema.model``); keys never carry a
             ``module.`` prefix. ``ema.module`` is the EMA itself as a module (timm's name).
-        mesh: 1-D ``DeviceMesh`` over which replicated tensors are sharded (``Shard(0)``,
-            uneven and empty shards included; 0-dim tensors are ``Replicate()``). ``None``
-            means the whole default process group when one is initialized, and no sharding
-            at all otherwise (single process, no process group needed). FSDP2/DTensor
-            parameters ignore ``mesh``: their EMA uses the parameter's own mesh and
-            placements, so the update stays local; ``mesh`` then shards only plain
-            tensors (buffers). For HSDP pass ``None`` or the shard-dim submesh.
+        mesh: the world ``DeviceMesh`` (any number of dims) whose ranks share the EMA.
+            Each tensor's local piece is split by rows (``Shard(0)``-like, uneven and empty
+            shards included; 0-dim tensors are replicated) over the mesh dims on which the
+            piece is replicated: the whole mesh for plain/DDP tensors, the replicate dim of
+            HSDP, ``tp`` for TP-replicated weights; FSDP2/TP-sharded dims keep the
+            parameter's own placements, so the update stays local. ``None``: the root mesh
+            of the model's DTensor parameters, else the whole default process group as a
+            1-D mesh, else (no process group) plain unsharded tensors. See
+            :func:`~dtensor_ema.layout.resolve_world_mesh`.
         decay: asymptotic decay in ``[0, 1]`` of the default ramp (default ``0.9999``).
         tau: ramp time constant in steps (``>= 0``, default ``2000``); ``None`` or ``0``
             for a constant decay.
@@ -140,15 +144,22 @@ class ModelEMA:
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
 
-    Construction is local (no collective) but must happen on every rank of the mesh, on
-    models whose tensors are identical across ranks where they are replicated (DDP
-    guarantees this).
+    Construction is **collective** over ``mesh``: every rank of it must construct the EMA
+    together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
+    checksum per replicated parameter per replica group, one flag all-reduce per mesh
+    dim). Replicated parameters must be identical across their replicas (build the EMA
+    after DDP wraps the model): a mismatch raises, naming the tensors. The EMA tracks the
+    model's live parameters and persistent buffers (never ``state_dict()`` copies), keyed
+    by canonical fqns (see :mod:`dtensor_ema.model_keys`). Peak extra memory: the EMA
+    shards themselves (``1/W`` of the model's float bytes, in the EMA dtype).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
         ValueError: an option out of range or conflicting with another (``tau`` with
-            ``half_life``), unknown ``exclude`` names, a mesh that is not 1-D or whose
-            device type differs from the model's, a model with no float state.
+            ``half_life``), unknown ``exclude`` names, a mesh whose device type differs
+            from the model's or that does not cover the parameters' meshes, a model with
+            no float state, ranks that track different models, or replicated parameters
+            that differ across ranks.
     """
 
     def __init__(

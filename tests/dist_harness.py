@@ -63,7 +63,7 @@ def run_ranks(
         pytest.skip(f"W={world_size} on nccl needs {world_size} GPUs, {gpus} visible")
     run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     procs = [
         ctx.Process(
             target=_rank_entry,
@@ -90,6 +90,34 @@ def run_ranks(
     if failures:
         pytest.fail(f"{fn.__name__} at W={world_size} failed:\n" + "\n".join(failures))
     return results
+
+
+START_METHOD = os.environ.get("DTENSOR_EMA_TEST_START", "forkserver")
+"""How ranks start: ``forkserver`` (default) forks every rank from one server process that
+imported torch once, so a spawn costs a fork instead of W fresh torch imports; ``spawn``
+starts each rank from scratch (set ``DTENSOR_EMA_TEST_START=spawn``). Neither shares the
+pytest process's state with the ranks."""
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "dtensor_ema",
+    "dist_harness",
+]
+
+
+def _context() -> Any:
+    if START_METHOD not in ("forkserver", "spawn"):
+        raise ValueError(
+            f"DTENSOR_EMA_TEST_START must be 'forkserver' or 'spawn', got {START_METHOD!r}"
+        )
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> None:

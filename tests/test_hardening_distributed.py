@@ -112,6 +112,7 @@ def hardening_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
     # A collective that only rank 0 enters, on groups of their own (WORLD stays usable).
     checked = dist.new_group([0, 1, 2])
     short = dist.new_group([0, 1, 2], timeout=timedelta(seconds=3))
+    torch.manual_seed(0)  # replicas must be identical (construction checks)
     checked_ema = ModelEMA(nn.Linear(4, 5), mesh=DeviceMesh.from_group(checked, "cpu"))
     short_ema = ModelEMA(nn.Linear(4, 5), mesh=DeviceMesh.from_group(short, "cpu"))
     dist.barrier()

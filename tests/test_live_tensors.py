@@ -16,13 +16,13 @@ import copy
 
 import pytest
 import torch
+from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from dtensor_ema import ModelEMA
 from dtensor_ema.model_keys import canonical_fqn, live_tensors, to_model_keys
 from dtensor_ema.plan import check_live
-from tests.dist_harness import run_ranks
 
 DECAY = 0.75
 
