@@ -128,7 +128,9 @@ def _body(rank: int, store_path: str, layers: int, repeats: int, queue: Any) -> 
         )
         ours_ms = _median_ms(ema.update, repeats)
 
-        def titan_update(clones: list[torch.Tensor] = clones) -> None:
+        def titan_update(
+            clones: list[torch.Tensor] = clones, params: list[torch.Tensor] = params
+        ) -> None:
             with torch.no_grad():
                 torch._foreach_lerp_(clones, [p.detach() for p in params], 0.001)
 

@@ -105,9 +105,12 @@ def _differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list
 
 CONFIGS = {
     "half_life": TorchtitanEMA.Config(
-        enable=True, half_life_fractions=[0.05, 0.5], start_step=2, step_bias=1,
+        enable=True,
+        half_life_fractions=[0.05, 0.5],
+        start_step=2,
+        step_bias=1,
         update_every_n_steps=2,
-    ),  # fmt: skip
+    ),
     "decays": TorchtitanEMA.Config(enable=True, decays=[0.5, 0.9]),
 }
 
@@ -118,9 +121,7 @@ def test_torchtitan_ema_matches_torchtitan_math(case: str) -> None:
     model = _titan()
     ema = TorchtitanEMA(config, model_parts=[model])
     names = list(ema)
-    assert names == (
-        ["hlf_0.05", "hlf_0.5"] if case == "half_life" else ["decay_0.5", "decay_0.9"]
-    )
+    assert names == (["hlf_0.05", "hlf_0.5"] if case == "half_life" else ["decay_0.5", "decay_0.9"])
     reference = TitanReference(model, config, names)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(1, 7):
@@ -220,9 +221,7 @@ def _dist_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "bytes": ema["hlf_0.05"].local_nbytes(),
             "total": total,
             "clone": clone,
-            "ema": [
-                _differ(_ema_full(ema, n, reference.keys), reference.emas[n]) for n in ema
-            ],
+            "ema": [_differ(_ema_full(ema, n, reference.keys), reference.emas[n]) for n in ema],
             "resumed": [
                 _differ(_ema_full(fresh, n, reference.keys), reference.emas[n]) for n in fresh
             ],

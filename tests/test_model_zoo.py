@@ -173,9 +173,12 @@ ZOO: dict[str, dict[str, Spec]] = {
     "timm": {
         "resnet": Spec(lambda: _timm("test_resnet"), _images, _classify, _cross_entropy),
         "vit": Spec(
-            lambda: _timm("test_vit", img_size=32), _images, _classify, _cross_entropy,
+            lambda: _timm("test_vit", img_size=32),
+            _images,
+            _classify,
+            _cross_entropy,
             _layers("blocks"),
-        ),  # fmt: skip
+        ),
         "convnext": Spec(lambda: _timm("test_convnext"), _images, _classify, _cross_entropy),
         "efficientnet": Spec(
             lambda: _timm("test_efficientnet"), _images, _classify, _cross_entropy
@@ -277,9 +280,7 @@ def _train_body(rank: int, world_size: int, family: str, root: str) -> dict[str,
                     v.lerp_(live[k].float(), 1 - DECAY)
             cell: dict[str, Any] = {}
             cell["finite"] = all(bool(torch.isfinite(v).all()) for v in reference.values())
-            cell["moved"] = any(
-                not torch.equal(v, live[k].float()) for k, v in reference.items()
-            )
+            cell["moved"] = any(not torch.equal(v, live[k].float()) for k, v in reference.items())
             ema_full = {k: _full(v) for k, v in ema.ema_tensors().items()}
             want = {k: v.to(live[k].dtype) for k, v in reference.items()}
             # The EMA stores each tied tensor once: a tied name must equal its twin.
@@ -303,13 +304,17 @@ def _train_body(rank: int, world_size: int, family: str, root: str) -> dict[str,
                 inside = _full_live(swapped)
                 with torch.no_grad():
                     swapped_out = spec.forward(wrapped, batch)
-            cell["inside"] = _differ(
-                {k: inside[k] for k in want}, {k: v for k, v in want.items()}
-            )
+            cell["inside"] = _differ({k: inside[k] for k in want}, {k: v for k, v in want.items()})
             cell["swapped_forward"] = bool(torch.equal(swapped_out, expected))
             cell["restored"] = _differ(_full_live(module), raw)
 
-            def module_forward(ema: ModelEMA = ema, batch: tuple[Any, ...] = batch) -> bool:
+            def module_forward(
+                ema: ModelEMA = ema,
+                batch: tuple[Any, ...] = batch,
+                spec: Spec = spec,
+                cell: dict[str, Any] = cell,
+                expected: torch.Tensor = expected,
+            ) -> bool:
                 ema_module = ema.module
                 ema_module.eval()
                 with torch.no_grad():
@@ -371,7 +376,11 @@ _trained: dict[str, dict[str, Any]] = {}
 def _train(family: str, root: Path) -> dict[str, Any]:
     if family not in _trained:
         results = run_ranks(_train_body, 2, root, family, str(root), deadline_s=400)
-        assert results[0] == results[1], "ranks disagree"
+        plain = [
+            {k: {n: v for n, v in cell.items() if n != "module_max_diff"} for k, cell in r.items()}
+            for r in results
+        ]
+        assert plain[0] == plain[1], ("ranks disagree", results)
         _trained[family] = results[0]
     return _trained[family]
 
@@ -391,10 +400,9 @@ def test_zoo_ema_swap_and_module(family: str, zoo_root: Path) -> None:
         assert cell["restored"] == [], (key, cell["restored"])
         if cell["module_error"] is not None or not cell["module_forward"]:
             module_failures[key] = cell["module_error"] or "forward differs"
-    if family == "torchtitan" and all(
-        e and "closure" in e.lower() or "IndexError" in str(e) for e in module_failures.values()
-    ) and module_failures:  # fmt: skip
-        pytest.xfail(f"ema.module on torchtitan models is issue 18 item 3: {module_failures}")
+    item3 = ("cannot rebind", "IndexError", "NotImplementedError")
+    if module_failures and all(any(m in str(e) for m in item3) for e in module_failures.values()):
+        pytest.xfail(f"ema.module on these layouts is issue 18 item 3: {module_failures}")
     assert module_failures == {}
 
 
@@ -415,4 +423,3 @@ def test_zoo_dcp_reshards_2_3_1(family: str, zoo_root: Path) -> None:
             got = ema.ema_tensors()
             assert _differ(got, {k: want[k] for k in got}) == [], (name, saved)
             assert ema.updates == STEPS
-
