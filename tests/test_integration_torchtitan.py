@@ -121,7 +121,7 @@ def test_torchtitan_ema_matches_torchtitan_math(case: str) -> None:
     model = _titan()
     ema = TorchtitanEMA(config, model_parts=[model])
     names = list(ema)
-    assert names == (["hlf_0.05", "hlf_0.5"] if case == "half_life" else ["decay_0.5", "decay_0.9"])
+    assert names == (["hlf_0_05", "hlf_0_5"] if case == "half_life" else ["decay_0_5", "decay_0_9"])
     reference = TitanReference(model, config, names)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(1, 7):
@@ -159,8 +159,8 @@ def test_torchtitan_ema_buffer_patterns_and_disabled() -> None:
             model.other_stat += 1.0
         ema.step(step)
         reference.step(model, step)
-    got = ema["decay_0.5"].ema_tensors()
-    assert torch.equal(got["running_bias"], reference.emas["decay_0.5"]["running_bias"])
+    got = ema["decay_0_5"].ema_tensors()
+    assert torch.equal(got["running_bias"], reference.emas["decay_0_5"]["running_bias"])
     assert torch.equal(got["running_bias"], torch.full((4,), 1.25))  # lerp of 1 then 2
     assert torch.equal(got["other_stat"], model.other_stat)  # copied, never averaged
     del buffers
@@ -202,7 +202,7 @@ def _dist_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
             _train_step(trained, opt, step)
             ema.step(step)
             reference.step(model, step)
-        total = sum(v.numel() * v.element_size() for v in reference.emas["hlf_0.05"].values())
+        total = sum(v.numel() * v.element_size() for v in reference.emas["hlf_0_05"].values())
         # torchtitan's clone: every parameter's local tensor, per EMA.
         clone = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
@@ -218,14 +218,14 @@ def _dist_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 e.step(step)
             reference.step(model, step)
         out[wrapper] = {
-            "bytes": ema["hlf_0.05"].local_nbytes(),
+            "bytes": ema["hlf_0_05"].local_nbytes(),
             "total": total,
             "clone": clone,
             "ema": [_differ(_ema_full(ema, n, reference.keys), reference.emas[n]) for n in ema],
             "resumed": [
                 _differ(_ema_full(fresh, n, reference.keys), reference.emas[n]) for n in fresh
             ],
-            "checkpoint_keys": sorted({k.split(".")[0] for k in ema.state_dict()}),
+            "checkpoint_keys": sorted(ema.state_dict()),
         }
     dist.barrier()
     return out
@@ -238,7 +238,7 @@ def test_torchtitan_ema_sharded_and_dcp(tmp_path: Path) -> None:
         for wrapper, cell in result.items():
             assert cell["ema"] == [[], []], (rank, wrapper)
             assert cell["resumed"] == [[], []], (rank, wrapper)
-            assert cell["checkpoint_keys"] == ["hlf_0.05", "hlf_0.5"]
+            assert cell["checkpoint_keys"] == ["hlf_0_05", "hlf_0_5"]
             # one EMA element on exactly one rank: about half the bytes per rank
             assert cell["bytes"] <= cell["total"] / 2 + 4096, (rank, wrapper, cell)
     assert sum(r["ddp"]["bytes"] for r in results) <= results[0]["ddp"]["total"] + 4096

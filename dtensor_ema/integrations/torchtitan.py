@@ -78,7 +78,8 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             (``parallel_dims.world_mesh``) where the default refuses its meshes.
 
     Names of the EMAs: ``decay_<d>`` for each entry of ``decays``, else ``hlf_<f>`` for each
-    entry of ``half_life_fractions``; ``ema[name]`` is a :class:`~dtensor_ema.ModelEMA`.
+    entry of ``half_life_fractions``, with ``_`` for the decimal point (DCP joins keys with
+    dots): ``decay_0_999``, ``hlf_0_05``; ``ema[name]`` is a :class:`~dtensor_ema.ModelEMA`.
 
     Construction is collective over the EMA's mesh (as :class:`~dtensor_ema.ModelEMA`);
     :meth:`step` is local. Memory: each EMA holds ``1/W`` of the averaged bytes per rank.
@@ -143,9 +144,9 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         self.config = config
         self.model = parts[0]
         schedules: dict[str, Any] = (
-            {f"decay_{d:g}": _Fixed(d) for d in config.decays}
+            {_name("decay", d): _Fixed(d) for d in config.decays}
             if config.decays
-            else {f"hlf_{f:g}": _HalfLifeFraction(f) for f in config.half_life_fractions}
+            else {_name("hlf", f): _HalfLifeFraction(f) for f in config.half_life_fractions}
         )
         self._emas: Mapping[str, ModelEMA] = {}
         if not config.enable:
@@ -252,6 +253,10 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             raise ValueError(f"checkpoint EMAs {sorted(state_dict)} != {sorted(self._emas)}")
         for name, ema in self._emas.items():
             ema.load_state_dict(state_dict[name])
+
+
+def _name(kind: str, value: float) -> str:
+    return f"{kind}_{value:g}".replace(".", "_")
 
 
 def _not_averaged(model: nn.Module, buffer_patterns: list[str]) -> set[str]:
