@@ -29,7 +29,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
-    _install(session, "test,lightning,transformers")
+    _install(session, "test,lightning,transformers,compat")
     _pytest(session)
 
 
@@ -92,7 +92,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy on the package."""
-    _install(session, "test,lightning,transformers")
+    _install(session, "test,lightning,transformers,compat")
     session.install("mypy>=1.10")
     session.run("mypy", "dtensor_ema")
 

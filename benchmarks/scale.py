@@ -112,8 +112,8 @@ def time_rows(points: tuple[tuple[str, int], ...], device: torch.device, reps: i
         with fake_world(world):
             model, _ = lay_out(meta_model(name).to(torch.bfloat16), "fsdp2", device.type)
             model = materialize(model, device)
-            eager = ModelEMA(model, decay=DECAY, tau=None, kernel="eager")
-            compiled = ModelEMA(model, decay=DECAY, tau=None, kernel="compiled")
+            eager = ModelEMA(model, decay=DECAY, tau=None, kernel="eager", cuda_graph=False)
+            compiled = ModelEMA(model, decay=DECAY, tau=None, kernel="compiled", cuda_graph=False)
             start = time.perf_counter()
             compiled.update()
             first = time.perf_counter() - start

@@ -24,8 +24,11 @@ __all__ = [
     "CallableDecay",
     "ConstantDecay",
     "DecaySchedule",
+    "DiffusersDecay",
+    "EmaPytorchDecay",
     "HalfLifeDecay",
     "RampDecay",
+    "RunningMeanDecay",
     "WarmupDecay",
 ]
 
@@ -232,3 +235,111 @@ class CallableDecay(_PowerForEvery):
     def config(self) -> dict[str, Any]:
         name = getattr(self.fn, "__qualname__", type(self.fn).__qualname__)
         return {"schedule": "callable", "name": f"{getattr(self.fn, '__module__', '')}.{name}"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmaPytorchDecay:
+    """ema-pytorch ``EMA``'s warmup, rounded as ema-pytorch computes it: in float32 torch
+    ops on CPU, ``d = clamp(1 - (1 + s / gamma) ** -power, min_decay, decay)`` with
+    ``s = step - 1`` and ``d = 0`` (copy) at ``s <= 0``; ``decay == 1`` freezes the EMA
+    (``d = 1``) after the copies, as ema-pytorch's ``is_frozen`` does.
+
+    Unlike the other schedules, an averaging update that stands for ``update_every`` steps
+    applies ``d(step)`` itself, not ``d(step) ** update_every``: ema-pytorch's
+    ``update_every`` skips steps without compensating the decay.
+    """
+
+    decay: float = 0.9999
+    """Upper clamp (ema-pytorch ``beta``), in ``[0, 1]``."""
+    gamma: float = 1.0
+    """Warmup scale (``inv_gamma``), ``> 0``."""
+    power: float = 2 / 3
+    """Warmup exponent, ``> 0``."""
+    min_decay: float = 0.0
+    """Lower clamp (``min_value``), in ``[0, 1]``."""
+
+    def __post_init__(self) -> None:
+        _check_number("decay", self.decay, 0.0, 1.0)
+        _check_number("gamma", self.gamma, 0.0)
+        _check_number("power", self.power, 0.0)
+        if self.gamma == 0 or self.power == 0:
+            raise ValueError(f"gamma and power must be > 0, got {self.gamma}, {self.power}")
+        _check_number("min_decay", self.min_decay, 0.0, 1.0)
+
+    def __call__(self, step: int) -> float:
+        return float(self._decay_tensor(torch.tensor(float(step), dtype=torch.float64)))
+
+    def decay_for(self, step: int, update_every: int) -> float:
+        return self(step)
+
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        return self._decay_tensor(step).to(step.dtype)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        s = (step - 1).clamp(min=0).to(torch.float32)
+        value = 1 - (1 + s / self.gamma) ** -self.power
+        value = value.clamp(min=self.min_decay, max=self.decay)
+        if self.decay == 1:
+            value = torch.ones_like(value)
+        return torch.where(s <= 0, torch.zeros_like(value), value)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "schedule": "ema_pytorch",
+            "decay": float(self.decay),
+            "gamma": float(self.gamma),
+            "power": float(self.power),
+            "min_decay": float(self.min_decay),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiffusersDecay(_PowerForEvery):
+    """diffusers ``EMAModel``'s default schedule (``use_ema_warmup=False``):
+    ``d = clamp((1 + s) / (10 + s), min_decay, decay)`` with ``s = step - 1`` and ``d = 0``
+    at ``s <= 0``. (With ``use_ema_warmup=True`` diffusers computes :class:`WarmupDecay`.)
+    """
+
+    decay: float = 0.9999
+    """Upper clamp, in ``[0, 1]``."""
+    min_decay: float = 0.0
+    """Lower clamp, in ``[0, 1]``."""
+
+    def __post_init__(self) -> None:
+        _check_number("decay", self.decay, 0.0, 1.0)
+        _check_number("min_decay", self.min_decay, 0.0, 1.0)
+
+    def __call__(self, step: int) -> float:
+        s = step - 1
+        if s <= 0:
+            return 0.0
+        return max(min((1 + s) / (10 + s), self.decay), self.min_decay)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        s = (step - 1).clamp(min=0)
+        value = ((1 + s) / (10 + s)).clamp(max=self.decay).clamp(min=self.min_decay)
+        return torch.where(s <= 0, torch.zeros_like(value), value)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "schedule": "diffusers",
+            "decay": float(self.decay),
+            "min_decay": float(self.min_decay),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunningMeanDecay(_PowerForEvery):
+    """Equal weights for every averaged step (SWA, torch ``AveragedModel``'s default):
+    ``d(step) = 1 - 1 / step``, with ``1 / step`` rounded to float32 as torch's
+    ``get_swa_multi_avg_fn`` computes it (so ``1 - d`` is that float32 weight exactly).
+    ``step = 1`` copies the model."""
+
+    def __call__(self, step: int) -> float:
+        return 1.0 - float(torch.ones((), dtype=torch.float32) / step)
+
+    def _decay_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        return 1.0 - (1.0 / step.to(torch.float32)).to(step.dtype)
+
+    def config(self) -> dict[str, Any]:
+        return {"schedule": "running_mean"}

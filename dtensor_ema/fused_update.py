@@ -72,6 +72,8 @@ class UpdateGroup:
     """``False``: the EMA copies the sources (excluded tensors, copied buffers)."""
     kernel: str = "eager"
     """``"eager"`` or ``"compiled"`` (resolved: see :func:`resolve_kernel`)."""
+    formula: str = "lerp"
+    """How an averaging step combines EMA and source: see :data:`FORMULAS`."""
     _cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
     """Per (kind, partner groups, sources list): staged upcast plans, compiled kernels and
     weight tensors, built on first use so later updates only launch kernels."""
@@ -86,17 +88,25 @@ class UpdateGroup:
         return [s.to(dtype) for s in sources]
 
     def apply_(self, decay: float, sources: list[torch.Tensor] | None = None) -> None:
-        """``ema.lerp_(source, 1 - decay)``; a copy for copied tensors or ``decay == 0``.
+        """``ema.lerp_(source, 1 - decay)`` (or the group's :data:`FORMULAS` entry); a copy
+        for copied tensors or ``decay == 0`` (except with the ``"subtract"`` formulas, which
+        compute ``ema - (ema - source)`` then, as diffusers does).
 
         ``sources``: what to read instead of the source locals (a staged host copy); same
         shapes, any float dtype.
         """
-        if not self.averaged or decay == 0.0:
+        if not self.averaged or (decay == 0.0 and not self.formula.startswith("subtract")):
             torch._foreach_copy_(
                 self.ema_locals, self.source_locals if sources is None else sources
             )
+        elif self.formula != "lerp":
+            combine_(self.ema_locals, self.sources_in_ema_dtype(sources), decay, self.formula)
         else:
             lerp_groups_([self], [1.0 - decay], sources)
+
+    def copy_(self) -> None:
+        """Copy the sources into the EMA (``set()``), whatever the formula."""
+        torch._foreach_copy_(self.ema_locals, self.source_locals)
 
     def apply_weight_(self, weight: torch.Tensor) -> None:
         """``ema.lerp_(source, weight)`` with a 0-dim device tensor: no host sync.
@@ -110,8 +120,26 @@ class UpdateGroup:
             if kernel(self.source_locals, [weight]):
                 return
             self.kernel = "eager"
-        weights = [weight] * len(self.ema_locals)
-        torch._foreach_lerp_(self.ema_locals, self.sources_in_ema_dtype(), weights)
+        if self.source_locals[0].dtype == self.ema_locals[0].dtype:
+            torch._foreach_lerp_(
+                self.ema_locals, self.source_locals, [weight] * len(self.ema_locals)
+            )
+            return
+        # Mixed dtypes: upcast through the reused scratch (the same cache entry as
+        # lerp_groups_), so a step's temporaries stay bounded (and a CUDA graph's pool small).
+        sources = self.source_locals
+        staged = self.cached(
+            ("staged", id(self), id(sources)),
+            (self, sources),
+            lambda: _staged_batches([self.ema_locals], sources),
+        )
+        for batch in staged:
+            if batch.scratch:
+                torch._foreach_copy_(batch.scratch, batch.sources)
+                upcast = batch.scratch
+            else:  # non-contiguous tensors: the plain upcast
+                upcast = [s.to(weight.dtype) for s in batch.sources]
+            torch._foreach_lerp_(batch.emas[0], upcast, [weight] * len(upcast))
 
     def cached(self, key: tuple[Any, ...], pins: tuple[Any, ...], build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key``; ``pins`` are the objects whose ``id`` is in the key,
@@ -122,6 +150,44 @@ class UpdateGroup:
         value = build()
         self._cache[key] = (pins, value)
         return value
+
+
+FORMULAS = ("lerp", "weighted_sum", "subtract", "subtract_alpha")
+"""Averaging formulas, all ``d * ema + (1 - d) * source`` in exact arithmetic, rounded as
+the library each one reproduces rounds them (they differ in the last float bit):
+
+* ``"lerp"``: ``ema.lerp_(source, 1 - d)`` (timm, ultralytics, ema-pytorch, torch
+  ``get_ema_multi_avg_fn``); the default, and the only one the compiled, capturable and
+  multi-EMA paths implement;
+* ``"weighted_sum"``: ``d * ema + (1 - d) * source``, each product rounded (torch
+  ``get_ema_avg_fn``, Lightning ``EMAWeightAveraging``);
+* ``"subtract"``: ``ema - (1 - d) * (ema - source)`` (diffusers ``EMAModel``);
+* ``"subtract_alpha"``: the same through ``_foreach_sub_(ema, ema - source, alpha=1 - d)``,
+  which rounds the product and difference together (diffusers ``foreach=True``).
+
+The ``subtract`` formulas are applied at ``d = 0`` too (``ema - (ema - source)``), as
+diffusers does, instead of a copy.
+"""
+
+
+def combine_(
+    emas: list[torch.Tensor], sources: list[torch.Tensor], decay: float, formula: str
+) -> None:
+    """One averaging step with a non-lerp ``formula`` (see :data:`FORMULAS`), in place on
+    ``emas``. Peak extra memory: one temporary of the size of ``sources``."""
+    weight = 1.0 - decay
+    if formula == "weighted_sum":
+        scaled = torch._foreach_mul(sources, weight)
+        torch._foreach_mul_(emas, decay)
+        torch._foreach_add_(emas, scaled)
+    elif formula == "subtract":
+        diff = torch._foreach_sub(emas, sources)
+        torch._foreach_mul_(diff, weight)
+        torch._foreach_sub_(emas, diff)
+    elif formula == "subtract_alpha":
+        torch._foreach_sub_(emas, torch._foreach_sub(emas, sources), alpha=weight)
+    else:
+        raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
 
 
 def lerp_groups_(
@@ -235,11 +301,11 @@ def _staged_batches(
     return batches
 
 
-def update_groups(plan: EmaPlan, kernel: str = "eager") -> list[UpdateGroup]:
+def update_groups(plan: EmaPlan, kernel: str = "eager", formula: str = "lerp") -> list[UpdateGroup]:
     """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped.
 
     ``kernel``: ``"eager"``, ``"compiled"`` or ``"auto"``, resolved per group by
-    :func:`resolve_kernel`.
+    :func:`resolve_kernel` (always eager for a non-lerp ``formula``).
     """
     groups: dict[tuple[Any, ...], UpdateGroup] = {}
     for e in plan:
@@ -247,8 +313,10 @@ def update_groups(plan: EmaPlan, kernel: str = "eager") -> list[UpdateGroup]:
             continue
         key = (e.averaged, e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
         if key not in groups:
-            chosen = resolve_kernel(kernel, e.ema_local.device, e.ema_local.dtype)
-            groups[key] = UpdateGroup([], [], e.averaged, chosen)
+            chosen = resolve_kernel(
+                kernel if formula == "lerp" else "eager", e.ema_local.device, e.ema_local.dtype
+            )
+            groups[key] = UpdateGroup([], [], e.averaged, chosen, formula)
         groups[key].ema_locals.append(e.ema_local)
         groups[key].source_locals.append(e.source_local)
     return list(groups.values())

@@ -25,8 +25,10 @@ Integer buffers (``num_batches_tracked``) follow the model. Because ``lerp`` is
 elementwise, the sharded result equals an unsharded EMA bit for bit at every world size.
 
 Where the work happens: inline (default), on the device with no host sync
-(``capturable=True``), or in a worker thread on host-resident shards (``offload=True``);
-see :mod:`dtensor_ema.updater`. ``state_dict()`` holds this rank's shards only (see
+(``capturable=True``), or through host-resident shards (``offload=True``); see
+:mod:`dtensor_ema.updater`. On CUDA, ``update()`` replays a captured CUDA graph of the
+device-side update where that gives the same bits (``cuda_graph``; see
+:mod:`dtensor_ema.cuda_graph`). ``state_dict()`` holds this rank's shards only (see
 :mod:`dtensor_ema.state`).
 """
 
@@ -44,6 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema import cuda_graph as _graphs
 from dtensor_ema._collectives import collective
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module
@@ -77,7 +80,7 @@ from dtensor_ema.state import (
     tag_rank,
     validate_state,
 )
-from dtensor_ema.updater import DeviceStep, Updater, make_updater
+from dtensor_ema.updater import CapturableUpdater, DeviceStep, Updater, make_updater
 
 __all__ = ["ModelEMA"]
 
@@ -122,11 +125,21 @@ class ModelEMA:
             synchronizes with the host and compiles with ``torch.compile(ema.update,
             fullgraph=True)`` / CUDA graphs. The model must not re-allocate its tensors
             while updates are captured.
-        offload: keep the EMA shards in host memory (pinned for CUDA models); each
-            ``update()`` snapshots the source shards and a worker thread applies the step
-            behind the next training step. Every read waits for it (:meth:`flush`); a step
-            that fails in the worker is not counted and its error is raised by the next
-            call. :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the thread.
+        offload: keep the EMA shards in host memory. CUDA models
+            (:class:`~dtensor_ema.updater.ChunkedOffloadUpdater`): the shards are pinned;
+            each ``update()`` launches, on a side stream, a pipeline that moves the EMA
+            through a device scratch of at most 128 MiB per EMA dtype (as much again to
+            upcast bf16/fp16 sources), lerps it there with the sources (same bits as an
+            on-device EMA) and copies it back; no host sync, no host copy of the sources
+            (host memory: the EMA shards only). The next ``optimizer.step()`` (any
+            ``torch.optim.Optimizer``) waits for it on the device; code that writes the
+            parameters otherwise must call :meth:`flush` first. CPU models: each
+            ``update()`` snapshots the source shards (host memory: the EMA shards plus one
+            copy of the source shards) and a worker thread applies the step behind the
+            next training step; a step that fails in the worker is not counted and its
+            error is raised by the next call. Every read waits for the pending step
+            (:meth:`flush`). :meth:`close` (or ``with ModelEMA(...) as ema:``) stops the
+            thread / removes the optimizer hook.
         kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``: see
             :attr:`dtensor_ema.options.EmaOptions.kernel`. Same results bit for bit.
         parameters_as_bucket_view: keep this rank's EMA shards as views into one flat
@@ -143,6 +156,27 @@ class ModelEMA:
             nonzero storage offset ("Attempted to call copy_() on an invalid python
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
+        cuda_graph: ``None`` (default, auto): on CUDA, ``update()`` captures the
+            device-side update (counter and decay on the device, as ``capturable=True``)
+            in a CUDA graph on its first call and replays it afterwards, where that is
+            safe and gives the same bits as eager (float32 EMA, a built-in schedule, no
+            ``offload``; see :func:`dtensor_ema.cuda_graph.decide`); eager otherwise. The
+            decision and its reason are logged once (logger ``dtensor_ema``) and kept in
+            :attr:`cuda_graph`. ``False``: never. ``True``: required, raises if unsafe.
+            The graph reads the model's tensors at fixed addresses: every call checks
+            the plan (one ``data_ptr`` per tensor) and re-captures after the model
+            re-allocated or re-registered tensors, after :meth:`build_module` and after a
+            load. Extra device memory: the graph's pool, the temporaries of one update
+            (0-dim tensors, plus for bf16/fp16 models the reused upcast scratch, at most
+            64 MiB per mixed-dtype group). The first call costs one eager step plus the
+            capture (a device synchronize and a garbage collection; ``gpu_suite`` reports
+            it, not yet measured).
+        formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
+            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``, to
+            reproduce another library's last bits (see
+            :data:`dtensor_ema.fused_update.FORMULAS`); the others use the eager kernel and
+            one temporary of this rank's shard size per update, and refuse
+            ``capturable=True`` and ``kernel="compiled"``.
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
@@ -159,7 +193,8 @@ class ModelEMA:
             ``half_life``), unknown ``exclude`` names, a mesh whose device type differs
             from the model's or that does not cover the parameters' meshes, a model with
             no float state, ranks that track different models, or replicated parameters
-            that differ across ranks.
+            that differ across ranks, ``cuda_graph=True`` where a graph is unsafe (the
+            message names the reason).
     """
 
     def __init__(
@@ -181,6 +216,8 @@ class ModelEMA:
         offload: bool = False,
         kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
+        cuda_graph: bool | None = None,
+        formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp",
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -192,6 +229,8 @@ class ModelEMA:
             capturable=capturable,
             offload=offload,
             kernel=kernel,
+            cuda_graph=cuda_graph,
+            formula=formula,
         )
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
@@ -222,11 +261,28 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
+        # Decided (and refused, for cuda_graph=True) before any thread or stream exists.
+        self._graph_decision = _graphs.resolve(
+            cuda_graph,
+            device,
+            offload=offload,
+            schedule=self.options.schedule,
+            ema_dtypes={e.ema_local.dtype for e in self._plan},
+            formula=self.options.formula,
+        )
         self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
         self._last_decay: float | None = None
         self._swapped = False
         self._module: nn.Module | None = None
+        _graphs.log_decision(self._graph_decision, device.type)
+        self._graph = _graphs.GraphedStep(device) if self._graph_decision.use else None
+        self._step_t_stale = False  # a host-path update ran in graph mode: _step_t lags
+
+    @property
+    def cuda_graph(self) -> _graphs.GraphDecision:
+        """``(use, reason)``: whether ``update()`` replays a captured CUDA graph, and why."""
+        return self._graph_decision
 
     # ------------------------------------------------------------------ the EMA module
     @property
@@ -303,8 +359,7 @@ class ModelEMA:
             self.model, self._plan, self.mesh, units=units, compute_dtype=compute_dtype
         )
         # The EMA's local shards may have moved into the module: re-cache them.
-        self._groups = update_groups(self._plan, self.options.kernel)
-        self._updater.rebind(self._groups)
+        self._rebind_groups()
         self._module = module
         return module
 
@@ -402,20 +457,63 @@ class ModelEMA:
         self._check_model_argument(model)
         # An earlier offloaded update that failed raises here, before this call is counted.
         self.flush()
+        if (
+            self._graph is not None
+            and self._graph.failed is None
+            and not _graphs.stream_is_capturing()
+        ):
+            self._update_graphed()
+            return
         if self.options.capturable:
             self._refuse_while_swapped()
             self._update_capturable()
             return
         self._sync_sources()
         updates, decay = self._next_step()
+        self._step_t_stale = True
         if decay is None:
             self._count(updates, None)
             return
         self._updater.submit(decay, lambda: self._count(updates, decay))
 
+    def _update_graphed(self) -> None:
+        """The device-side update (:meth:`_device_step`), captured on the first call and
+        replayed afterwards; re-captured after the plan re-binds. The host keeps its own
+        counter beside the device one (unless ``capturable``), so reading ``updates`` or
+        ``last_decay`` does not synchronize."""
+        assert self._graph is not None
+        self._updater._check_open()
+        self._sync_sources()  # refuses while swapped; drops the graph if tensors moved
+        if self._step_t_stale:
+            self._step_t.fill_(float(self._updates))
+            self._step_t_stale = False
+        if self.options.capturable:
+            self._graph(self._device_step_fn)
+        else:
+            updates, decay = self._next_step()
+            self._graph(self._device_step_fn)
+            self._count(updates, decay)
+        if self._graph.failed is not None:
+            # The step ran eagerly once; from now on the host path (its counter is
+            # the host one).
+            self._graph_decision = _graphs.GraphDecision(
+                False, f"capturing failed: {self._graph.failed}"
+            )
+            if self.options.cuda_graph is True:
+                raise RuntimeError(
+                    f"cuda_graph=True, but capturing the update failed ({self._graph.failed}); "
+                    "this call's update was applied eagerly and counted"
+                )
+
+    def _device_step_fn(self) -> Callable[[], None]:
+        """The step the graph captures, bound to the current groups."""
+        updater = CapturableUpdater(self._groups)
+        return lambda: self._device_step(updater)
+
     def flush(self) -> None:
-        """Wait until every submitted ``update()`` has been applied (``offload=True`` runs
-        them in a worker thread). Every method that reads the EMA calls it. Local.
+        """Wait until every submitted ``update()`` has been applied (``offload=True``
+        applies them behind the training step: a worker thread on CPU, a side stream on
+        CUDA). Every method that reads the EMA calls it. Local.
 
         Raises:
             RuntimeError: an offloaded update failed in the worker thread (chained). That
@@ -451,6 +549,10 @@ class ModelEMA:
         in the last bit, as torch's and libm's ``exp`` may). The model must not re-allocate
         its tensors while updates are captured (the host path re-binds; this one cannot).
         """
+        self._device_step(self._updater)
+
+    def _device_step(self, updater: Updater) -> None:
+        """Count and apply one step on the device (what a CUDA graph captures)."""
         # Counted up front, as in the host path's inline mode: a device step cannot fail
         # later in a worker. (Counting in a callback after the lerp compiled to wrong values
         # on torch 2.13.)
@@ -460,7 +562,7 @@ class ModelEMA:
         decay = torch.where(step <= 0, torch.zeros_like(decay), decay)
         active = torch.remainder(self._step_t, self.options.update_every) == 0
         self._last_decay_t.copy_(torch.where(active, decay, self._last_decay_t))
-        self._updater.submit(DeviceStep(decay=decay, active=active))
+        updater.submit(DeviceStep(decay=decay, active=active))
 
     @torch.no_grad()
     def set(self, model: nn.Module | None = None) -> None:
@@ -474,7 +576,7 @@ class ModelEMA:
         self._sync_sources()
         self._updater._check_open()
         for group in self._groups:
-            group.apply_(0.0)
+            group.copy_()
 
     def _next_step(self) -> tuple[int, float | None]:
         """The counter after this call, and its decay (``0.0``: copy; ``None``: skipped)."""
@@ -716,6 +818,7 @@ class ModelEMA:
             if piece is not target:
                 target.copy_(piece)
         self._restore_counter(updates)
+        self._invalidate_graph()
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: StateDict, *, updates: int | None = None) -> None:
@@ -759,6 +862,7 @@ class ModelEMA:
             target.copy_(piece)
         if updates is not None:
             self._restore_counter(updates)
+        self._invalidate_graph()
 
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
@@ -767,6 +871,12 @@ class ModelEMA:
             f"decay={self.decay}, tau={self.tau}, updates={self._counter_no_wait()}, "
             f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
         )
+
+    def _invalidate_graph(self) -> None:
+        """A load writes in place (the addresses hold), but re-capturing after one costs a
+        capture and rules out any state the graph baked in."""
+        if self._graph is not None:
+            self._graph.invalidate()
 
     def _restore_counter(self, updates: int) -> None:
         """Set the counter; ``last_decay`` then follows from it (a state stores only the
@@ -835,9 +945,16 @@ class ModelEMA:
         self._refuse_while_swapped()
         if not self._plan.sync():
             return
+        self._rebind_groups()
+
+    def _rebind_groups(self) -> None:
+        """Rebuild the update groups from the plan; a captured graph read the old
+        addresses, so it is dropped (the next ``update()`` captures again)."""
         self.flush()
-        self._groups = update_groups(self._plan, self.options.kernel)
+        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
         self._updater.rebind(self._groups)
+        if self._graph is not None:
+            self._graph.invalidate()
 
 
 def _renamed(rank0_only: bool | None, only_rank0_receives: bool) -> bool:

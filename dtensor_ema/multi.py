@@ -62,11 +62,13 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         if not emas:
             raise ValueError("emas must name at least one EMA, e.g. {'slow': {'decay': 0.9999}}")
         for name, options in emas.items():
-            unsupported = [k for k in ("capturable", "offload") if k in options]
+            unsupported = [
+                k for k in ("capturable", "offload", "formula", "cuda_graph") if k in options
+            ]
             if unsupported:
                 raise ValueError(
                     f"EMA {name!r}: {unsupported} not supported by MultiModelEMA; use one "
-                    "ModelEMA per decay for capturable or offloaded updates"
+                    "ModelEMA per decay for capturable or offloaded updates or another formula"
                 )
             shared = [k for k in options if k in _SHARED]
             if shared:
@@ -82,6 +84,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
                 exclude=exclude,
                 ema_dtype=ema_dtype,
                 kernel=kernel,
+                cuda_graph=False,  # MultiModelEMA applies the steps itself, never update()
                 **options,
             )
             for name, options in emas.items()

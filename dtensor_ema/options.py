@@ -97,6 +97,15 @@ class EmaOptions:
     same bits; the first update compiles, and falls back to eager with a warning where
     compiling is unavailable), or ``"auto"``: compiled only on device types where it was
     measured faster (none yet: eager). Not part of the checkpoint config."""
+    cuda_graph: bool | None = None
+    """Replay ``update()`` as a captured CUDA graph: ``None`` (auto: on CUDA where it is
+    safe and exact, see :func:`dtensor_ema.cuda_graph.decide`), ``False`` (never) or
+    ``True`` (required: ``ModelEMA`` raises naming the reason where it is unsafe). Not part
+    of the checkpoint config."""
+    formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp"
+    """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
+    :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
+    rounding (eager kernel only)."""
 
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):
@@ -114,6 +123,20 @@ class EmaOptions:
             )
         if self.kernel not in ("eager", "compiled", "auto"):
             raise ValueError(f"kernel must be 'eager', 'compiled' or 'auto', got {self.kernel!r}")
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise ValueError(
+                f"cuda_graph must be None (auto), True or False, got {self.cuda_graph!r}"
+            )
+        if self.formula not in ("lerp", "weighted_sum", "subtract", "subtract_alpha"):
+            raise ValueError(
+                "formula must be 'lerp', 'weighted_sum', 'subtract' or 'subtract_alpha', got "
+                f"{self.formula!r}"
+            )
+        if self.formula != "lerp" and (self.capturable or self.kernel == "compiled"):
+            raise ValueError(
+                f"formula={self.formula!r} has an eager kernel only: it cannot be combined "
+                "with capturable=True or kernel='compiled'"
+            )
         if self.capturable and self.offload:
             raise ValueError(
                 "capturable=True and offload=True cannot be combined: a captured update "
@@ -152,4 +175,4 @@ class EmaOptions:
             "update_after_step": self.update_after_step,
             "copied": sorted(copied),
             "ema_dtype": None if self.ema_dtype is None else str(self.ema_dtype),
-        }
+        } | ({} if self.formula == "lerp" else {"formula": self.formula})

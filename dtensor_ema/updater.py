@@ -7,13 +7,18 @@ Three updaters behind one interface (``submit``, ``wait``, ``rebind``, ``close``
 * :class:`CapturableUpdater` applies a step whose decay lives on the device, with no host
   synchronization (``capturable=True``: ``torch.compile`` / CUDA graphs).
 * :class:`OffloadUpdater` snapshots the sources and applies the step to host-resident EMA
-  shards in a worker thread, behind the training step (``offload=True``).
+  shards in a worker thread, behind the training step (``offload=True``, CPU models).
+* :class:`ChunkedOffloadUpdater` streams host-resident (pinned) EMA shards through a
+  bounded device scratch on a side stream and lerps them on the device (``offload=True``,
+  CUDA models): no host copy of the sources, no host sync per step.
 
 ``submit(step, done)`` calls ``done()`` once the step has been applied, on the caller's
 thread: ``ModelEMA`` counts a step only then, so a step whose worker raised is never
 counted. The worker's error is raised by the next :meth:`Updater.wait`, which every
 ``ModelEMA`` method calls first, and the step it belonged to is lost (the EMA and its counter
-stay at the previous step).
+stay at the previous step). :class:`ChunkedOffloadUpdater` calls ``done()`` once the step is
+queued on the device: like any CUDA work, a device error surfaces at the next
+synchronization.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from __future__ import annotations
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -30,12 +36,16 @@ import torch
 from dtensor_ema.fused_update import UpdateGroup
 
 __all__ = [
+    "OFFLOAD_CHUNK_BYTES",
     "CapturableUpdater",
+    "ChunkedOffloadUpdater",
     "DeviceStep",
     "InlineUpdater",
     "OffloadUpdater",
     "Updater",
+    "host_runs",
     "make_updater",
+    "offload_chunks",
 ]
 
 Done = Callable[[], None]
@@ -209,9 +219,249 @@ class OffloadUpdater(Updater):
             self._executor.shutdown(wait=True)  # joins the thread; its job is done
 
 
+OFFLOAD_CHUNK_BYTES = 128 << 20
+"""Bytes of EMA values one chunk of :class:`ChunkedOffloadUpdater` moves (its device
+scratch; torchtitan's offloaded checkpoint staging uses the same bound)."""
+
+Slice = tuple[int, int, int, int]
+"""``(tensor index, start, stop, scratch offset)``: elements ``[start, stop)`` of a flat
+tensor, at ``scratch[offset : offset + stop - start]``."""
+
+
+def offload_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[Slice]]:
+    """Cut flat tensors of ``numels`` elements into chunks of at most ``chunk_numel``.
+
+    Pure. Tensors keep their order; a tensor larger than the room left in a chunk is split
+    across chunks; zero-size tensors are skipped. Within a chunk the scratch offsets are
+    consecutive from 0, so every chunk fits one scratch buffer of ``chunk_numel`` elements.
+
+    Raises:
+        ValueError: ``chunk_numel < 1`` or a negative numel.
+    """
+    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be an int >= 1, got {chunk_numel!r}")
+    chunks: list[list[Slice]] = []
+    current: list[Slice] = []
+    used = 0
+    for index, numel in enumerate(numels):
+        if numel < 0:
+            raise ValueError(f"numels[{index}] must be >= 0, got {numel}")
+        start = 0
+        while start < numel:
+            take = min(numel - start, chunk_numel - used)
+            current.append((index, start, start + take, used))
+            used += take
+            start += take
+            if used == chunk_numel:
+                chunks.append(current)
+                current, used = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def host_runs(
+    chunk: Sequence[Slice], host_starts: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """Merge a chunk's slices whose host memory is adjacent into single copies.
+
+    Pure. ``host_starts[i]``: ``(storage key, element offset)`` of flat tensor ``i``'s first
+    element in its host storage. Returns ``(storage key, host offset, scratch offset,
+    length)`` per run: consecutive slices merge when they continue both the same storage
+    and the scratch (EMA shards laid out in one buffer, ``parameters_as_bucket_view``, move
+    as one copy per chunk).
+    """
+    runs: list[tuple[int, int, int, int]] = []
+    for index, start, stop, offset in chunk:
+        key, base = host_starts[index]
+        host = base + start
+        if runs:
+            k, h, o, n = runs[-1]
+            if k == key and h + n == host and o + n == offset:
+                runs[-1] = (k, h, o, n + stop - start)
+                continue
+        runs.append((key, host, offset, stop - start))
+    return runs
+
+
+class ChunkedOffloadUpdater(Updater):
+    """Host-resident EMA shards, updated on the device through a bounded scratch buffer.
+
+    Each step, per group and per chunk of at most ``chunk_bytes`` of EMA values
+    (:func:`offload_chunks`): copy the EMA slices host -> scratch, lerp the scratch with the
+    sources (upcast through a second scratch when the sources are not in the EMA dtype),
+    copy the scratch -> host. On CUDA all of it runs on a side stream that first waits for
+    the current stream (so it reads the sources after ``optimizer.step()``), from pinned
+    host memory, with no host synchronization: ``submit`` returns after the launches and
+    the step counts at once (device errors surface at the next synchronization, as for any
+    CUDA work). The lerp is the device's ``_foreach_lerp_`` with the inline path's weight,
+    so the EMA gets the same bits as an on-device EMA (eager kernel).
+
+    The sources stay in use on the side stream until the pipeline ends: any
+    ``torch.optim.Optimizer.step()`` waits for it on the device first (a global step
+    pre-hook, no host sync), and every read of the EMA waits for it on the host
+    (:meth:`wait`). Code that writes the parameters by other means must call
+    ``ema.flush()`` first.
+
+    Memory: host, the EMA shards only (pinned; no staging copy of the sources). Device,
+    at most ``chunk_bytes`` of scratch per EMA dtype, plus as much again per EMA dtype whose
+    sources are in another dtype (the upcast), plus temporaries for the few tensors that
+    are not contiguous (moved whole). Host -> device traffic: the EMA bytes twice per step
+    (in and out); sources never leave the device.
+
+    On a device without streams (CPU, used by the tests) the same pipeline runs inline.
+    """
+
+    def __init__(self, groups: list[UpdateGroup], chunk_bytes: int = OFFLOAD_CHUNK_BYTES) -> None:
+        super().__init__(groups)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
+        self.chunk_bytes = chunk_bytes
+        self._done: Any = None
+        self._hook: Any = None
+        self._stage(groups)
+
+    def _stage(self, groups: list[UpdateGroup]) -> None:
+        devices = {s.device for g in groups for s in g.source_locals}
+        self.device = next(iter(devices), torch.device("cpu"))
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        # Scratch allocated on the side stream belongs to its pool: once freed, only later
+        # side-stream work can reuse it, so freeing it never races the pipeline.
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            self._plans = [self._plan_group(g) for g in groups]
+        if self._cuda and self._hook is None:
+            ref = weakref.ref(self)
+
+            def before_optimizer_step(*_: Any) -> None:
+                updater = ref()
+                if updater is not None:
+                    updater._device_barrier()
+
+            self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
+                before_optimizer_step
+            )
+            self._finalizer = weakref.finalize(self, self._hook.remove)
+
+    def _plan_group(self, group: UpdateGroup) -> tuple[Any, ...]:
+        """(contiguous pairs as flat views, chunks, host runs per chunk, loose pairs)."""
+        flat_ema: list[torch.Tensor] = []
+        flat_src: list[torch.Tensor] = []
+        loose: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for ema, src in zip(group.ema_locals, group.source_locals, strict=True):
+            if ema.is_contiguous() and src.is_contiguous():
+                flat_ema.append(ema.view(-1))
+                flat_src.append(src.view(-1))
+            else:
+                loose.append((ema, src))
+        dtype = group.ema_locals[0].dtype
+        chunk_numel = max(1, self.chunk_bytes // torch.empty((), dtype=dtype).element_size())
+        chunks = offload_chunks([t.numel() for t in flat_ema], chunk_numel)
+        storages: dict[int, torch.Tensor] = {}
+        starts = []
+        for t in flat_ema:
+            key = t.untyped_storage().data_ptr()
+            # A flat view of the whole storage, so a run that spans tensors is one copy.
+            storages.setdefault(
+                key,
+                torch.empty(0, dtype=t.dtype).set_(
+                    t.untyped_storage(),
+                    0,
+                    (t.untyped_storage().nbytes() // t.element_size(),),
+                    (1,),
+                ),
+            )
+            starts.append((key, int(t.storage_offset())))
+        runs = [host_runs(chunk, starts) for chunk in chunks]
+        numel = min(chunk_numel, sum(t.numel() for t in flat_ema))
+        mixed = bool(flat_src) and flat_src[0].dtype != dtype
+        if numel:
+            for kind in ("ema", "upcast") if mixed else ("ema",):
+                old = self._scratch.get((kind, dtype))
+                if old is None or old.numel() < numel:
+                    self._scratch[kind, dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return flat_ema, flat_src, chunks, runs, storages, loose
+
+    def _run(self, group: UpdateGroup, plan: tuple[Any, ...], decay: float) -> None:
+        _, flat_src, chunks, runs, storages, loose = plan
+        dtype = group.ema_locals[0].dtype
+        copy = not group.averaged or decay == 0.0
+        scratch = self._scratch.get(("ema", dtype))
+        upcast = self._scratch.get(("upcast", dtype))
+        blocking = not self._cuda
+        for chunk, chunk_runs in zip(chunks, runs, strict=True):
+            device_ema = [scratch[o : o + b - a] for _, a, b, o in chunk]  # type: ignore[index]
+            sources = [flat_src[i][a:b] for i, a, b, _ in chunk]
+            if copy:
+                torch._foreach_copy_(device_ema, sources)
+            else:
+                for key, h, o, n in chunk_runs:
+                    scratch[o : o + n].copy_(storages[key][h : h + n], non_blocking=not blocking)  # type: ignore[index]
+                if upcast is not None:
+                    staged = [upcast[o : o + b - a] for _, a, b, o in chunk]
+                    torch._foreach_copy_(staged, sources)
+                    sources = staged
+                torch._foreach_lerp_(device_ema, sources, 1.0 - decay)
+            for key, h, o, n in chunk_runs:
+                storages[key][h : h + n].copy_(scratch[o : o + n], non_blocking=not blocking)  # type: ignore[index]
+        for ema, src in loose:  # not contiguous: whole tensors, temporaries
+            if copy:
+                ema.copy_(src, non_blocking=not blocking)
+                continue
+            on_device = ema.to(self.device, non_blocking=not blocking)
+            on_device.lerp_(src.to(dtype), 1.0 - decay)
+            ema.copy_(on_device, non_blocking=not blocking)
+
+    def submit(self, step: float, done: Done | None = None) -> None:
+        """Launch the step (on the side stream on CUDA) and count it (``done``) at once."""
+        self._check_open()
+        if self._stream is None:
+            for group, plan in zip(self.groups, self._plans, strict=True):
+                self._run(group, plan, step)
+        else:
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                for group, plan in zip(self.groups, self._plans, strict=True):
+                    self._run(group, plan, step)
+            self._done = torch.cuda.Event()
+            self._done.record(self._stream)
+        if done is not None:
+            done()
+
+    def _device_barrier(self) -> None:
+        """The current stream waits (on the device) for the pipeline's reads of the sources."""
+        if self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+
+    def wait(self) -> None:
+        """Block the host until the host EMA shards hold the last step."""
+        done, self._done = self._done, None
+        if done is not None:
+            done.synchronize()
+
+    def rebind(self, groups: list[UpdateGroup]) -> None:
+        """New groups, new chunk plans (scratch reused where large enough)."""
+        self.wait()
+        self.groups = groups
+        self._stage(groups)
+
+    def close(self) -> None:
+        """Finish the pending step and remove the optimizer hook. Idempotent."""
+        self._closed = True
+        self.wait()
+        if self._hook is not None:
+            self._finalizer()
+            self._hook = None
+
+
 def make_updater(groups: list[UpdateGroup], *, capturable: bool, offload: bool) -> Updater:
     """The updater for ``ModelEMA``'s ``capturable`` / ``offload`` options."""
     if offload:
+        on_cuda = any(s.device.type == "cuda" for g in groups for s in g.source_locals)
+        if on_cuda and all(g.formula == "lerp" for g in groups):
+            return ChunkedOffloadUpdater(groups)
         return OffloadUpdater(groups)
     if capturable:
         return CapturableUpdater(groups)

@@ -1,0 +1,1 @@
+"""Drop-in replacements for other libraries' EMA classes: ``import dtensor_ema.compat.<library>``."""

@@ -1,0 +1,225 @@
+"""diffusers' ``EMAModel``, sharded: ``from dtensor_ema.compat.diffusers import EMAModel``.
+
+Same constructor (from a parameter iterator), ``step``, ``copy_to``, ``store``,
+``restore``, ``state_dict``/``load_state_dict``, ``save_pretrained``/``from_pretrained``
+(``model_cls``/``model_config``), and the same numbers bit for bit (``tests/test_compat.py``):
+:class:`~dtensor_ema.ModelEMA` with :class:`~dtensor_ema.decay.DiffusersDecay`
+(``(1 + s) / (10 + s)``) or, with ``use_ema_warmup``, :class:`~dtensor_ema.WarmupDecay`,
+diffusers' ``update_after_step``, and ``formula="subtract"`` (``ema - (1 - d) * (ema -
+param)``, applied at ``d = 0`` too, as diffusers does; ``foreach=True``:
+``"subtract_alpha"``, rounded as its ``_foreach_sub_`` rounds). Parameters with
+``requires_grad=False`` at construction are copied instead of averaged.
+
+Layout: DTensor parameters (FSDP2/TP) keep their own mesh and placements; plain
+parameters are taken as replicated over the default process group (DDP) and sharded over
+it. Pass ``model=`` (the module the parameters belong to) for FSDP2 models, so the EMA
+reads the sharded parameters even after a forward without backward. Deliberate
+differences: ``to()``/``pin_memory()`` cannot move the shards (use ``ModelEMA(offload=True)``);
+``load_state_dict`` refuses other hyper-parameters than the constructor's. With more than
+one rank, ``state_dict()`` and ``save_pretrained()`` on rank 0 alone need
+``gather_for_save()`` on every rank first (see :mod:`dtensor_ema.compat._rank0_save`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.compat._rank0_save import Rank0Save
+from dtensor_ema.decay import DiffusersDecay, WarmupDecay
+from dtensor_ema.integrations._common import copy_ema_into_model
+from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.plan import reshard_fsdp
+
+__all__ = ["EMAModel"]
+
+_HYPER = ("decay", "min_decay", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
+
+
+class EMAModel:
+    """diffusers' ``EMAModel`` with each rank holding ``1/W`` of the average.
+
+    Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
+    ``step`` is local; ``copy_to`` the tracked parameters is collective over the EMA's
+    mesh (every rank); ``store``/``restore`` are local.
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter] | nn.Module,
+        decay: float = 0.9999,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
+        use_ema_warmup: bool = False,
+        inv_gamma: float = 1.0,
+        power: float = 2 / 3,
+        foreach: bool = False,
+        model_cls: Any | None = None,
+        model_config: dict[str, Any] | None = None,
+        *,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(parameters, nn.Module):  # diffusers' deprecated form turns warmup on
+            model, use_ema_warmup = parameters, True
+        if model is not None:
+            reshard_fsdp(model)  # the sharded parameters, even after a no-grad forward
+            parameters = model.parameters()
+        decay = kwargs.pop("max_value", None) or decay
+        min_decay = kwargs.pop("min_value", None) or min_decay
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        self._params = nn.ParameterList(params)  # registers the same objects: no copy
+        frozen = {str(i) for i, p in enumerate(params) if not p.requires_grad}
+        self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
+        self.use_ema_warmup, self.inv_gamma, self.power = use_ema_warmup, inv_gamma, power
+        self.foreach, self.model_cls, self.model_config = foreach, model_cls, model_config
+        schedule = (
+            WarmupDecay(decay=decay, gamma=inv_gamma, power=power, min_decay=min_decay)
+            if use_ema_warmup
+            else DiffusersDecay(decay=decay, min_decay=min_decay)
+        )
+        self._engine = ModelEMA(
+            self._params,
+            schedule=schedule,
+            update_after_step=update_after_step,
+            formula="subtract_alpha" if foreach else "subtract",
+            exclude=frozen or None,
+            **kwargs,
+        )
+        self._save = Rank0Save(self._engine, "ema_model")
+        self.temp_stored_params: list[torch.Tensor] | None = None
+        self._private = False  # from_pretrained: parameters nobody else can change
+
+    @property
+    def engine(self) -> ModelEMA:
+        """The :class:`~dtensor_ema.ModelEMA` doing the work."""
+        return self._engine
+
+    @property
+    def optimization_step(self) -> int:
+        return self._engine.updates
+
+    @property
+    def cur_decay_value(self) -> float | None:
+        return self._engine.last_decay
+
+    @property
+    def shadow_params(self) -> list[torch.Tensor]:
+        """The EMA tensors in parameter order (DTensors holding this rank's piece)."""
+        tensors = self._engine.ema_tensors()
+        return [tensors[str(i)] for i in range(len(self._params))]
+
+    def get_decay(self, optimization_step: int) -> float:
+        return self._engine.get_decay(optimization_step)
+
+    def step(self, parameters: Iterable[torch.nn.Parameter] | nn.Module) -> None:
+        """One update. Local: no communication. ``parameters`` must be the tracked ones."""
+        given = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        if len(given) != len(self._params) or any(
+            a is not b for a, b in zip(given, self._params, strict=True)
+        ):
+            raise ValueError("step() got other parameters than the ones this EMAModel tracks")
+        self._engine.update()
+        self._save.version += 1
+
+    def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Tracked parameters: **collective** (every rank), each rank writes its pieces.
+        Other parameters (a fresh model): full tensors by order (see ``gather_for_save``)."""
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        if len(params) == len(self._params) and all(
+            a is b for a, b in zip(params, self._params, strict=True)
+        ):
+            copy_ema_into_model(self._engine, self._params)
+            return
+        full = self._save.full("EMAModel.copy_to(other parameters)")
+        with torch.no_grad():
+            for i, param in enumerate(params):
+                param.data.copy_(full[str(i)].to(param.device))
+
+    def store(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        self.temp_stored_params = [p.detach().cpu().clone() for p in parameters]
+
+    def restore(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        if self.temp_stored_params is None:
+            raise RuntimeError(
+                "This ExponentialMovingAverage has no `store()`ed weights to `restore()`"
+            )
+        with torch.no_grad():
+            for stored, param in zip(self.temp_stored_params, parameters, strict=False):
+                param.data.copy_(stored.data)
+        self.temp_stored_params = None
+
+    def to(self, device: Any = None, dtype: Any = None, non_blocking: bool = False) -> None:
+        first = self._params[0]
+        if (device is not None and torch.device(device) != first.device) or dtype is not None:
+            raise ValueError("the sharded EMA stays on the model's device and dtype")
+
+    def pin_memory(self) -> None:
+        raise NotImplementedError("use ModelEMA(offload=True) to keep the shards in host memory")
+
+    def gather_for_save(self) -> None:
+        """**Collective** (every rank) before a rank-0 ``state_dict()``/``save_pretrained``."""
+        self._save.gather()
+
+    def state_dict(self) -> dict[str, Any]:
+        """diffusers' dict with full ``shadow_params``. Local (see ``gather_for_save``)."""
+        if self._private and self._save.version == 0:  # the EMA is the loaded model
+            full = {str(i): p.detach().clone() for i, p in enumerate(self._params)}
+        else:
+            full = self._save.full("EMAModel.state_dict()")
+        out: dict[str, Any] = {k: getattr(self, k) for k in _HYPER}
+        out["optimization_step"] = self.optimization_step
+        return out | {"shadow_params": [full[str(i)] for i in range(len(self._params))]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Every rank loads the same full tensors and keeps its piece. Local."""
+        state_dict = copy.deepcopy(state_dict)
+        other = {
+            k: state_dict[k]
+            for k in _HYPER
+            if k in state_dict and state_dict[k] != getattr(self, k)
+        }
+        if other:
+            raise ValueError(f"checkpoint hyper-parameters {other} differ from this EMAModel's")
+        step = state_dict.get("optimization_step", self.optimization_step)
+        shadow = state_dict.get("shadow_params")
+        if shadow is None:
+            self._engine.updates = step
+        else:
+            self._engine.load_full_state_dict(
+                {str(i): t for i, t in enumerate(shadow)}, updates=step
+            )
+        self._save.version += 1
+
+    def save_pretrained(self, path: str) -> None:
+        """As diffusers; on rank 0 alone needs ``gather_for_save()`` first when sharded."""
+        if self.model_cls is None or self.model_config is None:
+            raise ValueError("`save_pretrained` needs `model_cls` and `model_config` at __init__.")
+        model = self.model_cls.from_config(self.model_config)
+        state = self.state_dict()
+        state.pop("shadow_params", None)
+        model.register_to_config(**state)
+        self.copy_to(model.parameters())
+        model.save_pretrained(path)
+
+    @classmethod
+    def from_pretrained(cls, path: str, model_cls: Any, foreach: bool = False) -> EMAModel:
+        """Every rank loads the saved model; the EMA starts from it with the saved counter."""
+        _, ema_kwargs = model_cls.from_config(path, return_unused_kwargs=True)
+        model = model_cls.from_pretrained(path)
+        hyper = {k: ema_kwargs[k] for k in _HYPER if k in ema_kwargs}
+        ema = cls(
+            model.parameters(),
+            model_cls=model_cls,
+            model_config=model.config,
+            foreach=foreach,
+            **hyper,
+        )
+        ema._engine.updates = ema_kwargs.get("optimization_step", 0)
+        ema._private = not any(isinstance(p, DTensor) for p in ema._params)
+        return ema

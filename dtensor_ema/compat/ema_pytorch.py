@@ -1,0 +1,186 @@
+"""ema-pytorch's ``EMA``, sharded: ``from dtensor_ema.compat.ema_pytorch import EMA``.
+
+Same constructor (defaults ``beta=0.9999, update_after_step=100, update_every=10``),
+attributes and methods (``ema_model``, ``__call__``, ``update()``,
+``copy_params_from_model_to_ema``, ``get_current_decay``, ``state_dict``); the numbers come
+from :class:`~dtensor_ema.ModelEMA` with :class:`~dtensor_ema.decay.EmaPytorchDecay`, which
+rounds the warmup in float32 as ema-pytorch does. ema-pytorch's ``update_every=N`` counts
+steps and averages on steps ``0, N, 2N, ...`` with the plain decay (no ``** N``): mapped
+onto ``ModelEMA(update_every=N, updates=N - 1, update_after_step=N + update_after_step - 1)``
+with a schedule that does not raise the decay to ``N``. Bit for bit equal to ema-pytorch
+0.8.3 (``tests/test_compat.py``).
+
+Deliberate differences: integer buffers (``num_batches_tracked``) follow the model
+(ema-pytorch leaves them at their construction value); ``ema_model`` is the sharded EMA
+module (its forward is collective: every rank calls it); ``ema_model``, ``ignore_names``,
+``ignore_startswith_names``, ``update_model_with_ema_every``, ``forward_method_names``
+and ``lazy_init_ema`` are refused (``ValueError``). With more than one rank,
+``state_dict()`` needs ``gather_for_save()`` on every rank first (see
+:mod:`dtensor_ema.compat._rank0_save`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtensor_ema.compat._rank0_save import Rank0Save
+from dtensor_ema.decay import EmaPytorchDecay
+from dtensor_ema.integrations._common import copy_ema_into_model
+from dtensor_ema.model_ema import ModelEMA
+
+__all__ = ["EMA"]
+
+_REFUSED: dict[str, Any] = {
+    "ema_model": None,
+    "ignore_names": set(),
+    "ignore_startswith_names": set(),
+    "update_model_with_ema_every": None,
+    "forward_method_names": (),
+    "lazy_init_ema": False,
+}
+
+
+class EMA(nn.Module):
+    """ema-pytorch's ``EMA`` with each rank holding ``1/W`` of the average.
+
+    Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
+    ``update()`` is local. ``mesh`` (keyword only) is passed to ``ModelEMA``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ema_model: nn.Module | Callable[[], nn.Module] | None = None,
+        beta: float = 0.9999,
+        update_after_step: int = 100,
+        update_every: int = 10,
+        inv_gamma: float = 1.0,
+        power: float = 2 / 3,
+        min_value: float = 0.0,
+        param_or_buffer_names_no_ema: set[str] = set(),  # noqa: B006 (ema-pytorch's default)
+        ignore_names: set[str] = set(),  # noqa: B006
+        ignore_startswith_names: set[str] = set(),  # noqa: B006
+        include_online_model: bool = True,
+        allow_different_devices: bool = False,
+        use_foreach: bool = False,
+        update_model_with_ema_every: int | None = None,
+        update_model_with_ema_beta: float = 0.0,
+        forward_method_names: tuple[str, ...] = (),
+        move_ema_to_online_device: bool = False,
+        coerce_dtype: bool = False,
+        lazy_init_ema: bool = False,
+        **engine: Any,
+    ) -> None:
+        super().__init__()
+        given = dict(
+            ema_model=ema_model,
+            ignore_names=ignore_names,
+            ignore_startswith_names=ignore_startswith_names,
+            update_model_with_ema_every=update_model_with_ema_every,
+            forward_method_names=forward_method_names,
+            lazy_init_ema=lazy_init_ema,
+        )
+        refused = [k for k, v in given.items() if v != _REFUSED[k]]
+        if refused:
+            raise ValueError(
+                f"dtensor_ema.compat.ema_pytorch.EMA does not support {refused}: the sharded "
+                "EMA builds its module from the model and averages every float tensor"
+            )
+        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+            raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+        self.beta, self.inv_gamma, self.power, self.min_value = beta, inv_gamma, power, min_value
+        self.update_every, self.update_after_step = update_every, update_after_step
+        self.include_online_model = include_online_model
+        self.online_model: Any = model if include_online_model else [model]
+        self._engine = ModelEMA(
+            model,
+            updates=update_every - 1,  # ema-pytorch averages on steps 0, N, 2N, ...
+            schedule=EmaPytorchDecay(decay=beta, gamma=inv_gamma, power=power, min_decay=min_value),
+            update_every=update_every,
+            update_after_step=update_every + update_after_step - 1,
+            exclude=set(param_or_buffer_names_no_ema) or None,
+            **engine,
+        )
+        self._save = Rank0Save(self._engine, "ema")
+
+    @property
+    def model(self) -> nn.Module:
+        """The online model (ema-pytorch's name)."""
+        model = self.online_model if self.include_online_model else self.online_model[0]
+        assert isinstance(model, nn.Module)
+        return model
+
+    @property
+    def ema_model(self) -> nn.Module:
+        """The sharded EMA as a module (collective forward; see ``ModelEMA.module``)."""
+        return self._engine.module
+
+    @property
+    def engine(self) -> ModelEMA:
+        """The :class:`~dtensor_ema.ModelEMA` doing the work."""
+        return self._engine
+
+    @property
+    def step(self) -> torch.Tensor:
+        """``update()`` calls so far (ema-pytorch's ``step`` buffer)."""
+        return torch.tensor(self._engine.updates - (self.update_every - 1))
+
+    @property
+    def initted(self) -> torch.Tensor:
+        return torch.tensor(bool(self.step > 0))
+
+    def update(self) -> None:
+        """One ema-pytorch step. Local: no communication."""
+        self._engine.update()
+        self._save.version += 1
+
+    def get_current_decay(self) -> float:
+        """The decay of the current ``step`` (0.0: a copy)."""
+        options = self._engine.options
+        return self._engine.schedule(self._engine.updates - options.update_after_step)
+
+    def copy_params_from_model_to_ema(self) -> None:
+        """Local: every rank copies its own piece."""
+        self._engine.set()
+        self._save.version += 1
+
+    def copy_params_from_ema_to_model(self) -> None:
+        """**Collective** (every rank): the model's tensors become the EMA's."""
+        copy_ema_into_model(self._engine, self._engine.model)
+
+    def add_to_optimizer_post_step_hook(self, optimizer: torch.optim.Optimizer) -> Any:
+        return optimizer.register_step_post_hook(lambda *_: self.update())
+
+    def eval(self) -> nn.Module:  # type: ignore[override]
+        return self.ema_model.eval()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ema_model(*args, **kwargs)
+
+    def gather_for_save(self) -> None:
+        """**Collective** (every rank) before a rank-0 ``torch.save(ema.state_dict())``."""
+        self._save.gather()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """ema-pytorch's keys (``initted``, ``step``, ``online_model.*``, ``ema_model.*``)
+        with full tensors. Local, after ``gather_for_save()`` on every rank when sharded."""
+        out: dict[str, Any] = {"initted": self.initted, "step": self.step}
+        if self.include_online_model:
+            out |= {f"online_model.{k}": v for k, v in self.model.state_dict().items()}
+        out |= {f"ema_model.{k}": v for k, v in self._save.full("EMA.state_dict()").items()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
+        """Load full tensors (every rank loads the same file and keeps its piece). Local."""
+        prefix = "ema_model."
+        ema = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        step = int(state_dict["step"])
+        self._engine.load_full_state_dict(ema, updates=step + self.update_every - 1)
+        if self.include_online_model:
+            online = {k[13:]: v for k, v in state_dict.items() if k.startswith("online_model.")}
+            self.model.load_state_dict(online, strict=strict)
+        self._save.version += 1

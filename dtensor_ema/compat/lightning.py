@@ -1,0 +1,197 @@
+"""Lightning 2.6's ``WeightAveraging``/``EMAWeightAveraging``, sharded:
+``from dtensor_ema.compat.lightning import EMAWeightAveraging``.
+
+Same arguments (``device``, ``use_buffers``, ``decay``, ``update_every_n_steps``,
+``update_starting_at_step``, ``update_starting_at_epoch``, ``avg_fn``/``multi_avg_fn``),
+the same overridable ``should_update(step_idx, epoch_idx)``, the same hooks (update after
+optimizer steps and epochs, the average swapped in for validation, copied into the module
+at the end of training) and the same checkpoint layout: ``state_dict`` holds the average
+(so ``load_from_checkpoint`` gives the averaged model), ``current_model_state`` the raw
+weights, ``averaging_state`` ``n_averaged``. The average is this package's
+:class:`~dtensor_ema.compat.swa_utils.AveragedModel` (``EMAWeightAveraging``: torch's
+``get_ema_avg_fn`` rounding, ``formula="weighted_sum"``), bit for bit equal to Lightning's
+(``tests/test_compat.py``), with each DDP rank holding ``1/W`` of it.
+
+Differences: the average is built at ``on_fit_start`` (after the strategy has set the
+module up) rather than in ``setup``; integer buffers follow the model; float buffers that
+differ across DDP ranks (BatchNorm without ``SyncBatchNorm``) are averaged row-wise from
+each rank's own statistics (Lightning's checkpoint holds rank 0's); sharded modules
+(``ModelParallelStrategy``, FSDP) are refused here: use
+:class:`dtensor_ema.integrations.lightning.EMACallback`, which saves sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_avg_fn
+from dtensor_ema.integrations._common import EvalSwap, copy_ema_into_model, is_rank0
+
+__all__ = ["EMAWeightAveraging", "WeightAveraging"]
+
+
+class WeightAveraging(Callback):
+    """Lightning's ``WeightAveraging`` over a sharded :class:`AveragedModel`.
+
+    Communication: updates none; the validation swap and ``on_train_end`` are collective
+    over the EMA's mesh (every rank runs them); saving a checkpoint gathers the average to
+    rank 0 (collective; peak extra memory on rank 0: one full CPU copy).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        use_buffers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self._device = torch.device(device) if isinstance(device, str) else device
+        self._use_buffers = use_buffers
+        self._kwargs = kwargs
+        AveragedModel.check_kwargs(**kwargs)
+        self._average_model: AveragedModel | None = None
+        self._latest_update_step = 0
+        self._latest_update_epoch = -1
+        self._fitting = False
+        self._pending: dict[str, Any] | None = None
+        self._swap = EvalSwap()
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        """Lightning's rule: after every optimizer step. Override to change it."""
+        return step_idx is not None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fitting = stage == "fit"
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if any(isinstance(v, DTensor) for v in pl_module.state_dict().values()):
+            raise ValueError(
+                f"{type(self).__name__} does not support sharded modules "
+                "(ModelParallelStrategy): use dtensor_ema.integrations.lightning.EMACallback, "
+                "which saves sharded checkpoints"
+            )
+        if self._average_model is None:
+            self._average_model = AveragedModel(
+                pl_module, device=self._device, use_buffers=self._use_buffers, **self._kwargs
+            )
+        if self._pending is not None:
+            self._average_model.load_state_dict(self._pending)
+            self._pending = None
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step_idx = trainer.global_step - 1
+        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
+            assert self._average_model is not None
+            self._average_model.update_parameters(pl_module)
+            self._latest_update_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
+            assert self._average_model is not None
+            self._average_model.update_parameters(pl_module)
+            self._latest_update_epoch = epoch
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._average_model is not None
+        copy_ema_into_model(self._average_model.engine, pl_module)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._average_model is not None:
+            self._swap.enter(self._average_model.engine)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap.exit()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._swap.exit()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"latest_update_step": self._latest_update_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._latest_update_step = state_dict["latest_update_step"]
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Lightning's layout. Every rank runs this: the average is gathered to rank 0."""
+        if self._average_model is None:
+            return
+        if self._swap.active:
+            raise RuntimeError("a checkpoint is being saved while the average is swapped in")
+        self._average_model.gather_for_save()
+        if not is_rank0():
+            return  # only rank 0 writes the file
+        average = self._average_model.state_dict()
+        checkpoint["current_model_state"] = checkpoint["state_dict"]
+        checkpoint["state_dict"] = {k[7:]: v for k, v in average.items() if k.startswith("module.")}
+        checkpoint["averaging_state"] = {
+            k: v for k, v in average.items() if not k.startswith("module.")
+        }
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not self._fitting:
+            rank_zero_warn(
+                "WeightAveraging: loading a checkpoint outside 'fit'; its state is not restored."
+            )
+        elif "current_model_state" in checkpoint and "averaging_state" in checkpoint:
+            state = {"module." + k: v for k, v in checkpoint["state_dict"].items()}
+            self._pending = state | checkpoint["averaging_state"]
+            pl_module.load_state_dict(checkpoint["current_model_state"])
+            if self._average_model is not None:
+                self._average_model.load_state_dict(self._pending)
+                self._pending = None
+        else:
+            rank_zero_warn(
+                "The checkpoint was not created with WeightAveraging. Both the current and the "
+                "average model will be initialized with state_dict."
+            )
+
+
+class EMAWeightAveraging(WeightAveraging):
+    """Lightning's ``EMAWeightAveraging`` (``decay=0.999``, torch's ``get_ema_avg_fn``)."""
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        use_buffers: bool = True,
+        decay: float = 0.999,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        update_starting_at_epoch: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            device=device, use_buffers=use_buffers, **kwargs, avg_fn=get_ema_avg_fn(decay=decay)
+        )
+        self.update_every_n_steps = update_every_n_steps
+        self.update_starting_at_step = update_starting_at_step
+        self.update_starting_at_epoch = update_starting_at_epoch
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        """Lightning's rule for ``update_every_n_steps`` and the two start thresholds."""
+        if step_idx is not None:
+            start = self.update_starting_at_step
+            if (start is None or step_idx >= start) and (
+                self.update_every_n_steps > 0 and step_idx % self.update_every_n_steps == 0
+            ):
+                return True
+        start_epoch = self.update_starting_at_epoch
+        return epoch_idx is not None and start_epoch is not None and epoch_idx >= start_epoch

@@ -1,0 +1,170 @@
+"""torch's ``AveragedModel`` for EMAs and SWA, sharded:
+``from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_multi_avg_fn``.
+
+Same constructor, ``update_parameters(model)``, ``n_averaged``, ``use_buffers``,
+``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`:
+
+* the first ``update_parameters`` copies the model (``n_averaged == 0``), the next ones
+  average: ``update_after_step=1`` (SWA: its schedule copies at step 1);
+* ``multi_avg_fn=get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``, lerp (torch's kernel);
+  ``avg_fn=get_ema_avg_fn(d)``: the same decay with ``formula="weighted_sum"``
+  (``d * ema + (1 - d) * model``, as torch rounds it); no function: SWA's running mean,
+  :class:`~dtensor_ema.decay.RunningMeanDecay`. Both torch's functions and this module's are
+  recognized; any other averaging function cannot be mapped and raises ``ValueError``;
+* ``use_buffers=False`` copies the buffers from the model on every call
+  (``buffers="copy"``), ``True`` averages the float buffers.
+
+Bit for bit equal to torch's ``AveragedModel`` (``tests/test_compat.py``), except integer
+buffers (``num_batches_tracked``): they follow the model, where torch with
+``use_buffers=True`` averages them too (and truncates). ``device`` must be the model's
+device or ``None``. With more than one rank ``state_dict()`` needs ``gather_for_save()``
+on every rank first (see :mod:`dtensor_ema.compat._rank0_save`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import swa_utils as _torch_swa
+
+from dtensor_ema.compat._rank0_save import Rank0Save
+from dtensor_ema.decay import ConstantDecay, DecaySchedule, RunningMeanDecay
+from dtensor_ema.model_ema import ModelEMA
+
+__all__ = ["AveragedModel", "get_ema_avg_fn", "get_ema_multi_avg_fn"]
+
+
+def get_ema_multi_avg_fn(decay: float = 0.999) -> Callable[..., None]:
+    """torch's function (usable with torch's ``AveragedModel`` too), tagged with its decay."""
+    fn = _torch_swa.get_ema_multi_avg_fn(decay)
+    fn.ema_decay = (decay, "lerp")
+    return fn
+
+
+def get_ema_avg_fn(decay: float = 0.999) -> Callable[..., Tensor]:
+    """torch's function, tagged with its decay."""
+    fn = _torch_swa.get_ema_avg_fn(decay)
+    fn.ema_decay = (decay, "weighted_sum")
+    return fn
+
+
+def ema_of(fn: Callable[..., Any] | None, multi: bool) -> tuple[float, str] | None:
+    """``(decay, formula)`` of an EMA averaging function from torch's factories, ``None``
+    for none (SWA). Reads the factory's closure: torch exposes no other handle on the
+    decay; a function it cannot read is refused rather than guessed."""
+    if fn is None:
+        return None
+    tagged = getattr(fn, "ema_decay", None)
+    if tagged is not None:
+        return tuple(tagged)
+    factory = "get_ema_multi_avg_fn" if multi else "get_ema_avg_fn"
+    inner = inspect.unwrap(fn)  # torch.no_grad() wraps it
+    code = getattr(inner, "__code__", None)
+    if (
+        getattr(inner, "__module__", None) == "torch.optim.swa_utils"
+        and getattr(inner, "__qualname__", "").startswith(factory + ".")
+        and code is not None
+        and "decay" in code.co_freevars
+    ):
+        cell = inner.__closure__[code.co_freevars.index("decay")]
+        return float(cell.cell_contents), "lerp" if multi else "weighted_sum"
+    raise ValueError(
+        f"{'multi_avg_fn' if multi else 'avg_fn'}={fn!r} cannot be mapped onto the sharded EMA: "
+        "only torch.optim.swa_utils.get_ema_multi_avg_fn(decay) / get_ema_avg_fn(decay) (or "
+        "none, for SWA's running mean) are supported"
+    )
+
+
+class AveragedModel(nn.Module):
+    """torch's ``AveragedModel`` with each rank holding ``1/W`` of the average.
+
+    Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
+    ``update_parameters`` is local; ``forward`` (``.module``) is collective over the EMA's
+    mesh. ``mesh`` (keyword only) is passed to ``ModelEMA``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: int | torch.device | None = None,
+        avg_fn: Callable[[Tensor, Tensor, Tensor | int], Tensor] | None = None,
+        multi_avg_fn: Callable[..., None] | None = None,
+        use_buffers: bool = False,
+        **engine: Any,
+    ) -> None:
+        super().__init__()
+        found = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
+        schedule: DecaySchedule = (
+            RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
+        )
+        formula: Any = "lerp" if found is None else found[1]
+        first = next(iter(model.parameters()))
+        if device is not None and torch.device(device) != first.device:
+            raise ValueError(
+                f"device={device!r}: the sharded EMA lives on the model's device "
+                f"({first.device}); it already holds 1/W of the model per rank"
+            )
+        self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
+        self._engine = ModelEMA(
+            model,
+            schedule=schedule,
+            update_after_step=0 if found is None else 1,  # n_averaged == 0: copy
+            buffers="average" if use_buffers else "copy",
+            formula=formula,
+            **engine,
+        )
+        self._save = Rank0Save(self._engine, "averaged_model")
+
+    @staticmethod
+    def check_kwargs(
+        avg_fn: Callable[..., Any] | None = None,
+        multi_avg_fn: Callable[..., Any] | None = None,
+        **engine: Any,
+    ) -> tuple[float, str] | None:
+        """``(decay, formula)`` of the averaging function, ``None`` for SWA; raises for one
+        that cannot be mapped (before any model exists: Lightning's callback checks early)."""
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
+        return ema_of(multi_avg_fn, True) or ema_of(avg_fn, False)
+
+    @property
+    def engine(self) -> ModelEMA:
+        """The :class:`~dtensor_ema.ModelEMA` doing the work."""
+        return self._engine
+
+    @property
+    def module(self) -> nn.Module:
+        """The sharded average as a module (see ``ModelEMA.module``)."""
+        return self._engine.module
+
+    @property
+    def n_averaged(self) -> Tensor:
+        return torch.tensor(self._engine.updates, dtype=torch.long)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def update_parameters(self, model: nn.Module) -> None:
+        """One averaging step. Local: no communication. ``model`` must be the tracked one."""
+        self._engine.update(model)
+        self._save.version += 1
+
+    def gather_for_save(self) -> None:
+        """**Collective** (every rank) before a rank-0 ``torch.save(model.state_dict())``."""
+        self._save.gather()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """torch's keys (``module.*``, ``n_averaged``) with full tensors. Local, after
+        ``gather_for_save()`` on every rank when sharded."""
+        full = self._save.full("AveragedModel.state_dict()")
+        return {f"module.{k}": v for k, v in full.items()} | {"n_averaged": self.n_averaged}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
+        """Load full tensors (every rank the same; each keeps its piece). Local."""
+        ema = {k[7:]: v for k, v in state_dict.items() if k.startswith("module.")}
+        self._engine.load_full_state_dict(ema, updates=int(state_dict["n_averaged"]))
+        self._save.version += 1

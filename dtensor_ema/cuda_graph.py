@@ -1,0 +1,277 @@
+"""Replaying ``update()`` as a captured CUDA graph: when it is safe, and the graph itself.
+
+On a GPU the sharded update is bound by host launch cost, not by memory: one fused
+``_foreach_lerp_`` per group still costs 0.2-1 ms of Python and dispatch for a few hundred
+tensors, while a ``copy_`` of the same bytes takes 0.04-0.11 ms (benchmarks/README.md, "GPU").
+A CUDA graph of the capturable update (counter and decay on the device) replays all of it
+with one launch.
+
+When it is safe (:func:`decide`, a pure function of its inputs so CPU tests cover every
+reason):
+
+* the model is on CUDA and ``torch.cuda`` works, with ``torch.cuda.graph`` available;
+* no ``offload`` (that path hands work to the host);
+* the schedule computes its decay on the device exactly as on the host (the built-in
+  schedules; a user callable may not be written in torch ops);
+* every EMA tensor is float32: the device decay is rounded to the EMA dtype, which equals
+  eager's Python-float weight bit for bit for float32 only;
+* the sources' storage is stable: the graph reads fixed addresses, so ``update()`` checks
+  the plan first (``EmaPlan.sync``: one integer compare and one ``data_ptr`` per tensor) and
+  re-captures after any re-bind (model surgery, ``build_module``, a load).
+
+:class:`GraphedStep` owns the graph: the first call runs the step once eagerly on a side
+stream (that is this call's update, and the warm-up ``torch.cuda.graph`` requires: lazy
+initialization, cached scratch buffers and compiled kernels happen outside the capture),
+then captures it; later calls replay. :meth:`GraphedStep.invalidate` drops the graph (and
+its memory pool) so the next call captures again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "DEVICE_DECAY_SCHEDULES",
+    "CaptureFailed",
+    "GraphDecision",
+    "GraphedStep",
+    "decide",
+    "log_decision",
+    "resolve",
+]
+
+logger = logging.getLogger("dtensor_ema")
+
+
+def _device_decay_schedules() -> tuple[type, ...]:
+    from dtensor_ema.decay import ConstantDecay, HalfLifeDecay, RampDecay, WarmupDecay
+
+    return (RampDecay, ConstantDecay, WarmupDecay, HalfLifeDecay)
+
+
+DEVICE_DECAY_SCHEDULES: tuple[type, ...] = _device_decay_schedules()
+"""Schedules whose ``decay_tensor_for`` equals ``decay_for`` once rounded to float32
+(tests/test_options.py checks the capturable path against the host path)."""
+
+
+class GraphDecision(NamedTuple):
+    """Whether ``update()`` replays a CUDA graph, and why (or why not)."""
+
+    use: bool
+    reason: str
+
+
+def decide(
+    *,
+    requested: bool | None,
+    device_type: str,
+    cuda_available: bool,
+    graphs_supported: bool,
+    offload: bool,
+    schedule_on_device: bool,
+    ema_dtypes: Collection[torch.dtype],
+    formula: str = "lerp",
+) -> GraphDecision:
+    """Whether the update can replay a captured CUDA graph with the same bits as eager.
+
+    Pure: no torch state is read, so every branch is testable without a GPU.
+
+    Args:
+        requested: the ``cuda_graph`` option: ``None`` (auto), ``False`` (off), ``True``
+            (required; the caller raises with ``reason`` when ``use`` is ``False``).
+        device_type: the model's device type (``"cuda"``, ``"cpu"``, ...).
+        cuda_available: ``torch.cuda.is_available()``.
+        graphs_supported: this torch build has ``torch.cuda.graph``/``CUDAGraph``.
+        offload: the ``offload`` option.
+        schedule_on_device: the schedule's device decay equals its host decay
+            (:data:`DEVICE_DECAY_SCHEDULES`).
+        ema_dtypes: the dtypes of the EMA tensors.
+        formula: the ``formula`` option; the device-side update implements ``"lerp"`` only.
+
+    Returns:
+        ``(use, reason)``; ``reason`` is one line naming the deciding fact.
+    """
+    if requested is False:
+        return GraphDecision(False, "cuda_graph=False")
+    if device_type != "cuda":
+        return GraphDecision(False, f"the model is on {device_type}, not CUDA")
+    if not cuda_available:
+        return GraphDecision(False, "torch.cuda.is_available() is False")
+    if not graphs_supported:
+        return GraphDecision(False, "this torch build has no torch.cuda.CUDAGraph")
+    if offload:
+        return GraphDecision(
+            False, "offload=True updates host-resident shards, which a CUDA graph cannot"
+        )
+    if formula != "lerp":
+        return GraphDecision(
+            False, f"formula={formula!r}: the device-side update implements 'lerp' only"
+        )
+    if not schedule_on_device:
+        return GraphDecision(
+            False,
+            "the decay schedule is not one of the built-in ones (RampDecay, ConstantDecay, "
+            "WarmupDecay, HalfLifeDecay) whose device decay is known to equal the host decay",
+        )
+    others = sorted({str(d) for d in ema_dtypes if d != torch.float32})
+    if others:
+        return GraphDecision(
+            False,
+            f"EMA dtype(s) {others}: the device decay is rounded to the EMA dtype, which "
+            "equals eager's weight bit for bit for float32 EMAs only",
+        )
+    return GraphDecision(
+        True, "CUDA model, float32 EMA, built-in schedule: device counter and decay"
+    )
+
+
+def resolve(
+    requested: bool | None,
+    device: torch.device,
+    *,
+    offload: bool,
+    schedule: Any,
+    ema_dtypes: Collection[torch.dtype],
+    formula: str = "lerp",
+) -> GraphDecision:
+    """:func:`decide` with this process's facts; raises if ``requested`` is ``True`` but
+    the graph is unsafe.
+
+    Raises:
+        ValueError: ``cuda_graph=True`` where the decision is no, naming the reason.
+    """
+    decision = decide(
+        requested=requested,
+        device_type=device.type,
+        cuda_available=torch.cuda.is_available(),
+        graphs_supported=hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"),
+        offload=offload,
+        schedule_on_device=isinstance(schedule, DEVICE_DECAY_SCHEDULES),
+        ema_dtypes=ema_dtypes,
+        formula=formula,
+    )
+    if requested is True and not decision.use:
+        raise ValueError(
+            f"cuda_graph=True, but the update cannot replay a CUDA graph here: "
+            f"{decision.reason}. Pass cuda_graph=None (auto) or False"
+        )
+    return decision
+
+
+_logged: set[str] = set()
+
+
+def log_decision(decision: GraphDecision, device_type: str) -> None:
+    """Log the decision once per distinct reason on the ``dtensor_ema`` logger (INFO for
+    CUDA models, DEBUG for others, where a graph never applies)."""
+    if decision.reason in _logged:
+        return
+    _logged.add(decision.reason)
+    level = logging.INFO if device_type == "cuda" else logging.DEBUG
+    mode = "replays a CUDA graph" if decision.use else "runs eagerly"
+    logger.log(level, "dtensor_ema: update() %s (%s)", mode, decision.reason)
+
+
+def stream_is_capturing() -> bool:
+    """Whether the caller is itself capturing a graph or compiling (then the update runs
+    as written, inside the caller's graph, never a graph of ours)."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class CaptureFailed(RuntimeError):
+    """The step ran (once, eagerly) but capturing it failed: it must not run again."""
+
+
+class _CudaGraph:
+    """``fn`` run once on a side stream (this call's step, and the warm-up), then captured."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device) -> None:
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                fn()
+            current.wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph synchronizes, captures on its own stream and keeps the
+            # temporaries of fn in the graph's private memory pool. "thread_local": other
+            # threads (a DataLoader's pin-memory thread) may keep calling CUDA meanwhile.
+            try:
+                with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
+                    fn()
+            except Exception as err:
+                raise CaptureFailed(f"{type(err).__name__}: {err}") from err
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+GraphFactory = Callable[[Callable[[], None], torch.device], Any]
+
+
+class GraphedStep:
+    """A step captured once, replayed on every later call, re-captured after
+    :meth:`invalidate`.
+
+    Args:
+        device: the CUDA device of the EMA.
+        factory: builds a replayable from ``(fn, device)``, running ``fn`` once for real
+            (tests pass a fake; the default captures a ``torch.cuda.CUDAGraph``).
+
+    Memory: the graph's private pool keeps the temporaries of one step (0-dim decay
+    tensors; upcast copies of bf16/fp16 sources are bounded by the update's reused
+    scratch buffer, which lives in the group cache).
+    """
+
+    def __init__(self, device: torch.device, factory: GraphFactory | None = None) -> None:
+        self.device = device
+        self._factory: GraphFactory = factory or _CudaGraph
+        self._graph: Any = None
+        self.captures = 0
+        """How many times the step was captured (1 + the re-captures after re-binds)."""
+        self.capture_seconds: float | None = None
+        """Wall seconds of the latest capture, warm-up step included (host side)."""
+        self.failed: str | None = None
+        """Why capturing failed (the caller then stays eager), or ``None``."""
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def invalidate(self) -> None:
+        """Drop the graph (its addresses are stale); the next call captures again."""
+        self._graph = None
+
+    def __call__(self, build: Callable[[], Callable[[], None]]) -> None:
+        """Replay; or, with no graph, ``build()`` the step function, run it once and
+        capture it."""
+        if self._graph is not None:
+            self._graph.replay()
+            return
+        start = time.perf_counter()
+        try:
+            self._graph = self._factory(build(), self.device)
+        except CaptureFailed as err:  # this call's step did run, once
+            self.failed = str(err)
+            logger.warning(
+                "dtensor_ema: capturing the update in a CUDA graph failed (%s); "
+                "update() stays eager from now on",
+                self.failed,
+            )
+            return
+        self.captures += 1
+        self.capture_seconds = time.perf_counter() - start
+        logger.debug(
+            "dtensor_ema: captured the update on %s in %.3f s (capture %d)",
+            self.device,
+            self.capture_seconds,
+            self.captures,
+        )
