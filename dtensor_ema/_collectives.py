@@ -2,10 +2,15 @@
 
 * :func:`agree` / :func:`mesh_agree`: every rank learns whether any rank failed a step, so
   all raise or none does (one all-reduce of a flag per rank; per mesh dim on N-D meshes).
-* :func:`collective`: marks a ``ModelEMA`` method as a collective over the EMA's mesh. It
-  names the call when a rank is missing: always when the backend's timeout fires, and
-  early with ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` (a monitored barrier over the
-  mesh before each such call; gloo groups only; costs one barrier per call).
+* :func:`collective` (a ``ModelEMA`` method) and :func:`entering` (any other block):
+  mark a collective over a mesh or a process group. They name the call when a rank is
+  missing: always when the backend's timeout fires, and early with
+  ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` (a monitored barrier over the mesh or group
+  before each such call; gloo groups only; costs one barrier per call, measured in
+  ``benchmarks/checksums.py``). Off by default: see :data:`CHECK_ENV`.
+* :data:`all_gather_single`: the flat all-gather under its current name (torch 2.14
+  deprecates ``all_gather_into_tensor``; older releases lack ``all_gather_single``). Every
+  flat all-gather of the library goes through it.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "CHECK_ENV",
     "agree",
+    "all_gather_single",
     "check_all_ranks_enter",
+    "check_group_enters",
     "collective",
+    "entering",
     "group_of",
     "is_mesh_first",
     "mesh_agree",
@@ -35,7 +43,20 @@ __all__ = [
 ]
 
 CHECK_ENV = "DTENSOR_EMA_CHECK_COLLECTIVES"
-"""Seconds every rank of the mesh has to enter a collective call before it fails loudly."""
+"""Seconds every rank of the mesh has to enter a collective call before it fails loudly.
+
+Unset (the default): no check; a call that some ranks skip hangs until the backend's own
+timeout, and the error then names the call. Not on by default because a short default
+would fail healthy jobs in which one rank is legitimately late (rank 0 evaluating or
+writing alone before a collective save), a default as long as the backend's timeout would
+add nothing but the missing ranks' names, and the check exists on gloo only. Its cost is
+small: one monitored barrier per checked call, 3-4 ms at W=2 on gloo CPU (a loaded
+2-core machine; ``python benchmarks/checksums.py``), against 0.6-2 s for a swap, export,
+checkpoint save or construction of a ResNet-50 EMA there: below the run-to-run noise."""
+
+all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather_single(output, input, group=...)``: the flat all-gather; torch 2.14 deprecates
+its old name ``all_gather_into_tensor`` (FutureWarning), which older releases only have."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,26 +135,40 @@ def check_all_ranks_enter(mesh: DeviceMesh | None, name: str) -> None:
     """With ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>``: a monitored barrier over each dim
     of ``mesh`` (gloo groups), so a rank that never calls ``name`` makes the others fail
     after that many seconds, naming the call and the missing ranks, instead of hanging."""
-    seconds = os.environ.get(CHECK_ENV)
-    if not seconds or mesh is None:
+    if mesh is None or not os.environ.get(CHECK_ENV):
         return
-    timeout = timedelta(seconds=float(seconds))
-    for mesh_dim in range(mesh.ndim):
-        group = mesh.get_group(mesh_dim)
+    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+    _check_groups(groups, mesh.mesh.flatten().tolist(), name, "the EMA's mesh")
+
+
+def check_group_enters(group: dist.ProcessGroup | None, name: str) -> None:
+    """:func:`check_all_ranks_enter` over one process group (``None``: one process, no
+    check)."""
+    if group is None or not os.environ.get(CHECK_ENV) or dist.get_world_size(group) == 1:
+        return
+    _check_groups([group], dist.get_process_group_ranks(group), name, "the process group")
+
+
+def _check_groups(groups: list[dist.ProcessGroup], ranks: list[int], name: str, what: str) -> None:
+    seconds = os.environ.get(CHECK_ENV, "")
+    try:
+        timeout = timedelta(seconds=float(seconds))
+    except ValueError:
+        raise ValueError(f"{CHECK_ENV} must be a number of seconds, got {seconds!r}") from None
+    for group in groups:
         if "gloo" not in str(dist.get_backend(group)):
             warnings.warn(
                 f"{CHECK_ENV} checks only gloo groups; {name}() runs unchecked on "
                 f"{dist.get_backend(group)}",
-                stacklevel=3,
+                stacklevel=4,
             )
             return
         try:
             dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as e:
             raise RuntimeError(
-                f"{name}() is a collective: every rank of the EMA's mesh (global ranks "
-                f"{mesh.mesh.flatten().tolist()}) must call it, but not all did within "
-                f"{seconds} s ({CHECK_ENV}): {e}"
+                f"{name}() is a collective: every rank of {what} (global ranks {ranks}) must "
+                f"call it, but not all did within {seconds} s ({CHECK_ENV}): {e}"
             ) from e
 
 
@@ -151,22 +186,40 @@ def collective(name: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             mesh = getattr(self, "mesh", None)
-            check_all_ranks_enter(mesh, name)
-            try:
+            with entering(name, mesh=mesh):
                 return fn(self, *args, **kwargs)
-            except RuntimeError as e:
-                text = str(e).lower()
-                if mesh is None or not any(w in text for w in _TIMEOUT_WORDS):
-                    raise
-                raise RuntimeError(
-                    f"{name}() timed out in a collective: every rank of the EMA's mesh (global "
-                    f"ranks {mesh.mesh.flatten().tolist()}) must call it; set {CHECK_ENV}="
-                    "<seconds> to find the missing ranks early"
-                ) from e
 
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+@contextlib.contextmanager
+def entering(
+    name: str, *, mesh: DeviceMesh | None = None, group: dist.ProcessGroup | None = None
+) -> Iterator[None]:
+    """The block is the collective ``name`` over ``mesh`` or ``group`` (``None``: one
+    process, nothing to check): :func:`check_all_ranks_enter` / :func:`check_group_enters`
+    on entry, and a backend timeout inside it becomes a ``RuntimeError`` naming the call."""
+    if mesh is not None:
+        check_all_ranks_enter(mesh, name)
+        ranks = mesh.mesh.flatten().tolist()
+    elif group is not None:
+        check_group_enters(group, name)
+        ranks = dist.get_process_group_ranks(group)
+    else:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e).lower()
+        if not any(w in text for w in _TIMEOUT_WORDS) or CHECK_ENV in str(e):
+            raise
+        raise RuntimeError(
+            f"{name}() timed out in a collective: every rank (global ranks {ranks}) must call "
+            f"it; set {CHECK_ENV}=<seconds> to find the missing ranks early"
+        ) from e
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -31,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema._collectives import check_all_ranks_enter
+from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
 
@@ -143,9 +145,11 @@ def build_ema_module(
             (per unit, so an fp32 EMA of a bf16 model runs its forward in bf16).
 
     Raises:
-        NotImplementedError: tensor-parallel (non-FSDP2) DTensor parameters, FSDP2 models
-            with plain float parameters or layouts other than FSDP2's own, or an N-D mesh
-            for a plain model.
+        NotImplementedError: tensor-parallel DTensor parameters (TP alone or FSDP2 + TP:
+            placements other than FSDP2's own ``(Shard(d),)``/``(Replicate(), Shard(d))``),
+            FSDP2 models with plain float parameters, or an N-D mesh for a plain model;
+            each message names the tensor and its layout. A callable the twin would share
+            with the model and cannot re-bind (see :func:`_rebind_callables`).
         ValueError: bad ``units``, or a unit whose parameters mix dtypes with
             ``compute_dtype=None``.
     """
@@ -158,10 +162,15 @@ def build_ema_module(
         raise ValueError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return _fsdp_mirror(model, plan, compute_dtype)
-    if any(e.is_dtensor_source for e in plan):
+    dtensors = [e for e in plan if e.is_dtensor_source]
+    if dtensors:
+        first = dtensors[0].source
+        assert isinstance(first, DTensor)
         raise NotImplementedError(
-            "ema.module for models with DTensor parameters outside FSDP2 (tensor "
-            "parallelism) is not implemented: evaluate with ema.average_parameters()"
+            f"ema.module for models with DTensor parameters outside FSDP2 (tensor "
+            f"parallelism: {dtensors[0].fqn!r} has placements {tuple(first.placements)} on "
+            f"mesh {first.device_mesh.mesh.tolist()}) is not implemented: evaluate with "
+            "ema.average_parameters()"
         )
     if mesh is None:
         return _shared_twin(model, plan, compute_dtype)
@@ -193,6 +202,7 @@ def _shared_twin(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         if target != shared.dtype:
             casts.append((owner, name, kind, memo[id(tensor)], target))
     twin = copy.deepcopy(model, memo)
+    _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
     twin_slots = {fqn: (owner, name, kind) for fqn, _, owner, name, kind in _slots(twin)}
@@ -233,14 +243,21 @@ def _shared_twin(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
 
 def _slots(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, str, str]]:
     """``(fqn, tensor, owner, name, "param" | "buffer")`` for every registered tensor,
-    shared ones under every name."""
+    shared ones under every name. ``fqn`` is canonical (the plan's key: no
+    ``_checkpoint_wrapped_module.`` or ``_orig_mod.`` components)."""
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for name, p in owner._parameters.items():
             if p is not None:
-                yield (f"{prefix}.{name}" if prefix else name), p, owner, name, "param"
+                yield canonical_fqn(f"{prefix}.{name}" if prefix else name), p, owner, name, "param"
         for name, b in owner._buffers.items():
             if b is not None:
-                yield (f"{prefix}.{name}" if prefix else name), b, owner, name, "buffer"
+                yield (
+                    canonical_fqn(f"{prefix}.{name}" if prefix else name),
+                    b,
+                    owner,
+                    name,
+                    "buffer",
+                )
 
 
 # ------------------------------------------------------------------------- FSDP2 twin
@@ -270,6 +287,7 @@ def _sharded_twin(
             dtype = compute_dtype if compute_dtype and entry is not None else tensor.dtype
             memo[id(tensor)] = torch.empty(tensor.shape, dtype=dtype, device="meta")
     twin = copy.deepcopy(model, memo)
+    _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
     # fully_shard refuses 0-dim parameters: they stay plain and share the EMA's
@@ -294,14 +312,16 @@ def _sharded_twin(
             tensors[fqn] = tensor
         else:
             owner._parameters[name] = nn.Parameter(entry.ema_local, requires_grad=False)
+    param_slots = {fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin)}
     for fqn in plan.aliases:  # tied 0-dim parameters: the same shared tensor
-        owner_fqn, _, name = fqn.rpartition(".")
-        owner = twin.get_submodule(owner_fqn)
+        if fqn not in param_slots:
+            continue
+        owner, name = param_slots[fqn]
         if not isinstance(owner._parameters.get(name), DTensor):
             source = by_fqn[plan.aliases[fqn]]
             owner._parameters[name] = nn.Parameter(source.ema_local, requires_grad=False)
     plan.rebind_ema(tensors)
-    _install_forward_hooks(twin, plan)
+    _install_forward_hooks(model, twin, plan)
     return twin
 
 
@@ -323,7 +343,8 @@ def _mp_policy(
     if not owned:
         return MixedPrecisionPolicy()
     if compute_dtype is None:
-        dtypes = {model_dtypes[fqn] for fqn, _ in owned if fqn in model_dtypes}
+        canonical = [canonical_fqn(fqn) for fqn, _ in owned]
+        dtypes = {model_dtypes[fqn] for fqn in canonical if fqn in model_dtypes}
         if len(dtypes) > 1:
             raise ValueError(
                 f"unit {unit_fqn or '<root>'!r} holds parameters of dtypes "
@@ -335,19 +356,27 @@ def _mp_policy(
     return MixedPrecisionPolicy(param_dtype=compute_dtype)
 
 
-def _install_forward_hooks(twin: nn.Module, plan: EmaPlan) -> None:
+def _install_forward_hooks(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> None:
     """Before a forward: gather the EMA's float buffers into the twin (one flat all-gather
-    per bucket over the mesh) and copy the integer ones from the model. After it (also
-    when it raises): reshard every unit, so the root's parameters do not stay gathered and
-    the next forward sees the next update()."""
+    per bucket over the mesh) and copy the integer ones, and the buffers the EMA does not
+    track (non-persistent ones: RoPE tables), from the model. After it (also when it
+    raises): reshard every unit, so the root's parameters do not stay gathered and the
+    next forward sees the next update()."""
     buffer_slots = {
         fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin) if kind == "buffer"
     }
     entries = [e for e in plan if not e.is_parameter and not e.is_dtensor_source]
     pieces = [_buffer_piece(e, buffer_slots[e.fqn]) for e in entries]
     followed = [(buffer_slots[fqn], source) for fqn, source in plan.followed.items()]
+    tracked = {*plan.by_fqn(), *plan.aliases, *plan.followed}
+    followed += [
+        (buffer_slots[fqn], source)
+        for fqn, source, _, _, kind in _slots(model)
+        if kind == "buffer" and fqn not in tracked and fqn in buffer_slots
+    ]
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
+        check_all_ranks_enter(plan.world, "ema.module forward")
         with torch.no_grad():
             for (owner, name), source in followed:
                 owner._buffers[name].copy_(source)  # type: ignore[union-attr]
@@ -390,11 +419,13 @@ def _copy_untracked_buffers(model: nn.Module, twin: nn.Module, plan: EmaPlan) ->
     Hugging Face rotary ``inv_freq``) from the model: ``to_empty`` leaves them
     uninitialized. Local; the twin keeps the model's raw fqns (a structural copy)."""
     by_fqn = plan.by_fqn()
+    originals = {canonical_fqn(n): b for n, b in model.named_buffers(remove_duplicate=False)}
     for fqn, tensor, _, _, kind in _slots(twin):
         canonical = canonical_fqn(fqn)
         if kind != "buffer" or canonical in by_fqn or canonical in plan.aliases:
             continue
-        tensor.copy_(model.get_buffer(fqn))
+        if canonical in originals:
+            tensor.copy_(originals[canonical])
 
 
 # ------------------------------------------------------------------------- FSDP2 models
@@ -414,13 +445,6 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         source = entry.source
         assert isinstance(source, DTensor)
         placements = tuple(source.placements)
-        if entry.levels:
-            raise NotImplementedError(
-                f"ema.module for {entry.fqn!r}: its EMA splits the FSDP2 shard further over "
-                f"{len(entry.levels)} replica dim(s) (EMA placements {entry.placements}, "
-                f"parameter placements {placements}), which FSDP2 cannot hold; use "
-                "ema.average_parameters()"
-            )
         expected = (Replicate(),) * (len(placements) - 1)
         last = placements[-1]
         if not isinstance(last, Shard) or placements[:-1] != expected or type(last) is not Shard:
@@ -442,14 +466,17 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, requires_grad=False) if kind == "param" else meta
     twin = _clone_without_fsdp(model, memo)
+    _rebind_callables(model, twin)
     twin.requires_grad_(False)
     twin.eval()
-    twin_fqn = {id(p): fqn for fqn, p in twin.named_parameters()}
+    twin_fqn = {id(p): canonical_fqn(fqn) for fqn, p in twin.named_parameters()}
     units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
     for fqn in sorted(units, key=lambda f: -f.count(".") if f else 1):
         student = model.get_submodule(fqn)
         managed = [
-            layouts[name] for name in _directly_managed(model, fqn, units) if name in layouts
+            layouts[name]
+            for name in map(canonical_fqn, _directly_managed(model, fqn, units))
+            if name in layouts
         ]
         if not managed:
             continue
@@ -470,12 +497,39 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
     twin.to_empty(device=next(iter(layouts.values()))[0].device_type)
     _copy_untracked_buffers(model, twin, plan)
     tensors: dict[str, DTensor] = {}
+    refreshed: list[tuple[PlanEntry, torch.Tensor]] = []
     for fqn, tensor in twin.named_parameters():
         assert isinstance(tensor, DTensor), fqn
-        tensors[fqn] = tensor
+        entry = by_fqn[canonical_fqn(fqn)]
+        if entry.levels:
+            # The EMA splits the FSDP2 shard further over replica dims (HSDP's replicate
+            # dim, a tp dim of an FSDP-only parameter): FSDP2 cannot hold that, so the
+            # twin keeps its own shard, refreshed from the EMA before every forward.
+            refreshed.append((entry, tensor.to_local()))
+        else:
+            tensors[entry.fqn] = tensor
     plan.rebind_ema(tensors)
-    _install_forward_hooks(twin, plan)
+    _install_forward_hooks(model, twin, plan)
+    if refreshed:
+        _install_refresh_hook(twin, refreshed)
     return twin
+
+
+def _install_refresh_hook(twin: nn.Module, refreshed: list[tuple[PlanEntry, torch.Tensor]]) -> None:
+    """Before a forward: rebuild the twin's FSDP2 shards of ``refreshed`` from the EMA's
+    rows (one all-gather per bucket over each replica dim's group)."""
+
+    def refresh(_module: nn.Module, _args: Any) -> None:
+        pieces = [  # read ema_local now: the plan may have re-bound it since
+            SplitPiece(e.ema_local, e.source_piece.shape, e.levels, e.ema_local.dtype)
+            for e, _ in refreshed
+        ]
+        with torch.no_grad():
+            for bucket in iter_unsplit(pieces):
+                for index, piece in bucket:
+                    refreshed[index][1].copy_(piece)
+
+    twin.register_forward_pre_hook(refresh, prepend=True)
 
 
 def _directly_managed(model: nn.Module, unit: str, units: list[str]) -> list[str]:
@@ -566,3 +620,129 @@ def _fsdp_hook(hook: Any) -> bool:
     return module.startswith("torch.distributed.fsdp") or module.startswith(
         "torch.distributed._composable"
     )
+
+
+# ------------------------------------------------------------------------- callables
+# Per-instance attributes that hold callables a clone would otherwise share with the model.
+_CALLABLE_SLOTS = ("forward", *_HOOK_DICTS[:5])
+
+
+def _rebind_callables(model: nn.Module, twin: nn.Module) -> None:
+    """Point the twin's per-instance callables at the twin, never at ``model``.
+
+    A structural clone inherits what ``model``'s modules hold in their ``__dict__``:
+
+    * ``forward`` set on the instance: torchtitan's ``Module.parallelize`` sets
+      ``self.forward`` to a closure over the module, its bound ``forward`` (or a
+      ``local_map`` wrapper of it) and the ``ParallelDims``; CP wraps attention the same
+      way. Run as is, the twin would call the *training* module's forward.
+    * forward hooks: bound methods or closures over modules.
+    * ``_compiled_call_impl`` (``module.compile()``, torchtitan's per-block compile): a
+      compiled function of the *training* module's ``_call_impl``.
+
+    Bound methods of a module of ``model`` are re-bound to the twin's module of the same
+    fqn; closures and ``functools.partial`` objects are rebuilt with every module (or bound
+    method) they capture replaced the same way. ``_compiled_call_impl`` is dropped: the
+    twin runs eagerly (compile it yourself, e.g. ``block.compile()`` per block of
+    ``ema.module``). Local.
+
+    Raises:
+        NotImplementedError: a callable captures a module outside ``model``, or is an
+            object whose captures cannot be seen (naming the module and attribute).
+    """
+    twins = dict(twin.named_modules(remove_duplicate=False))
+    mapping: dict[int, nn.Module] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if fqn in twins:
+            mapping[id(module)] = twins[fqn]
+    for fqn, module in twin.named_modules():
+        state = module.__dict__
+        if state.get("_compiled_call_impl") is not None:
+            state["_compiled_call_impl"] = None
+        where = fqn or "<root>"
+        if "forward" in state:
+            state["forward"] = _remap(state["forward"], mapping, f"{where}.forward", 0)
+        for name in _HOOK_DICTS[:5]:
+            hooks = state.get(name)
+            if isinstance(hooks, dict) and hooks:
+                state[name] = type(hooks)(
+                    (k, _remap(h, mapping, f"{where}.{name}", 0)) for k, h in hooks.items()
+                )
+
+
+def _remap(obj: Any, mapping: Mapping[int, nn.Module], where: str, depth: int) -> Any:
+    """``obj`` with every module of the model it captures replaced by the twin's."""
+    if depth > 8:
+        raise NotImplementedError(f"ema.module: {where} nests callables too deeply to rebind")
+    if isinstance(obj, nn.Module):
+        if id(obj) in mapping:
+            return mapping[id(obj)]
+        if obj in mapping.values():
+            return obj
+        raise NotImplementedError(
+            f"ema.module: {where} captures a {type(obj).__name__} that is not part of the "
+            "model; the EMA twin cannot run it. Evaluate with ema.average_parameters()"
+        )
+    if isinstance(obj, types.MethodType):
+        owner = _remap(obj.__self__, mapping, where, depth + 1)
+        return obj if owner is obj.__self__ else types.MethodType(obj.__func__, owner)
+    if isinstance(obj, functools.partial):
+        func = _remap(obj.func, mapping, where, depth + 1)
+        args = tuple(_remap(a, mapping, where, depth + 1) for a in obj.args)
+        kwargs = {k: _remap(v, mapping, where, depth + 1) for k, v in obj.keywords.items()}
+        if (
+            func is obj.func
+            and all(a is b for a, b in zip(args, obj.args, strict=True))
+            and all(kwargs[k] is v for k, v in obj.keywords.items())
+        ):
+            return obj
+        return functools.partial(func, *args, **kwargs)
+    if isinstance(obj, types.FunctionType):
+        return _remap_function(obj, mapping, where, depth)
+    if callable(obj) and not isinstance(obj, (type, types.BuiltinFunctionType)):
+        captured = (
+            [v for v in vars(obj).values() if isinstance(v, nn.Module)]
+            if hasattr(obj, "__dict__")
+            else []
+        )
+        if any(id(v) in mapping for v in captured):
+            raise NotImplementedError(
+                f"ema.module: {where} is a {type(obj).__name__} holding a module of the "
+                "model; the EMA twin cannot rebind it. Evaluate with ema.average_parameters()"
+            )
+    return obj
+
+
+def _remap_function(
+    fn: types.FunctionType, mapping: Mapping[int, nn.Module], where: str, depth: int
+) -> types.FunctionType:
+    """``fn`` rebuilt over remapped closure cells, defaults and ``__wrapped__``."""
+    cells = fn.__closure__ or ()
+    values = []
+    changed = False
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned later): keep it as is
+            values.append(cell)
+            continue
+        new = _remap(value, mapping, where, depth + 1)
+        changed |= new is not value
+        values.append(types.CellType(new) if new is not value else cell)
+    defaults = fn.__defaults__
+    if defaults:
+        new_defaults = tuple(_remap(d, mapping, where, depth + 1) for d in defaults)
+        changed |= any(a is not b for a, b in zip(new_defaults, defaults, strict=True))
+        defaults = new_defaults
+    wrapped = fn.__dict__.get("__wrapped__")
+    new_wrapped = _remap(wrapped, mapping, where, depth + 1) if wrapped is not None else None
+    changed |= new_wrapped is not wrapped
+    if not changed:
+        return fn
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, tuple(values))
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    out.__dict__.update(fn.__dict__)
+    if wrapped is not None:
+        out.__dict__["__wrapped__"] = new_wrapped
+    return out

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dtensor_ema._collectives import is_mesh_first, mesh_agree
+from dtensor_ema._collectives import entering, is_mesh_first, mesh_agree
 from dtensor_ema.checkpoint import (
     PARTIAL_SUFFIX,
     _check_files,
@@ -54,10 +54,16 @@ def export_ema(
     keyed like the unwrapped model's ``state_dict()`` (integer buffers from the model), and
     writes it to a temporary file that it renames to ``path``. A ``.safetensors`` suffix
     writes safetensors (needs the ``safetensors`` package; tied weights are stored once:
-    load with ``safetensors.torch.load_model``), any other suffix ``torch.save`` (load with
-    ``torch.load(path, weights_only=True)``).
+    load with ``safetensors.torch.load_model``), ``.pt``/``.pth`` ``torch.save`` (load with
+    ``torch.load(path, weights_only=True)``); other suffixes are refused, and the parent
+    directory must exist (nothing is created), both checked on the writer before any
+    gather. With ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not call this
+    makes the others fail after that many seconds, naming it.
 
     Raises:
+        ValueError: an unknown suffix (on the writer; the other ranks raise ``RuntimeError``
+            naming it).
+        FileNotFoundError: the parent directory of ``path`` does not exist (likewise).
         ImportError: a ``.safetensors`` path without the ``safetensors`` package.
         RuntimeError: writing failed on the writer (raised on every rank of the mesh).
 
@@ -66,15 +72,19 @@ def export_ema(
     (a pipeline stage) gathers the full copy on every rank of it. Communication: one small
     all-reduce per mesh dim before and after, plus the gathers.
     """
-    path = Path(path)
-    error: Exception | None = None
-    if path.suffix == ".safetensors":
+    with entering("export_ema", mesh=ema.mesh):
+        _export(ema, Path(path), bucket_bytes)
+
+
+def _export(ema: ModelEMA, path: Path, bucket_bytes: int) -> None:
+    mesh = ema.mesh
+    writer = is_mesh_first(mesh)
+    error: Exception | None = _check_destination(path) if writer else None
+    if path.suffix == ".safetensors" and error is None:
         try:
             import safetensors.torch  # noqa: F401
         except ImportError as e:
             error = ImportError(f"writing {path} needs the safetensors package: {e}")
-    mesh = ema.mesh
-    writer = is_mesh_first(mesh)
     mesh_agree(mesh, error, f"exporting the EMA to {path}")
     # get_ema_state_dict's only_rank0_receives keeps the result on *global* rank 0; a mesh
     # without it (a pipeline stage) gathers everywhere and only its first rank writes.
@@ -108,15 +118,21 @@ def convert_checkpoint(
     with ``model.load_state_dict(sd, strict=False)`` (or export from a live EMA with
     :func:`export_ema` for a strict-loadable file). ``.safetensors`` paths are written with
     safetensors (the saved counter and options go into its metadata), others with
-    ``torch.save``.
+    ``torch.save`` (``.pt``/``.pth``; other suffixes and missing parent directories are
+    refused before anything is read).
 
     Returns:
         The ``fqn -> tensor`` dict that was written.
 
     Raises:
-        FileNotFoundError: no complete checkpoint at ``checkpoint_dir``.
-        ValueError: the checkpoint has no EMA tensors under ``key``.
+        FileNotFoundError: no complete checkpoint at ``checkpoint_dir``, or no directory
+            for ``path``.
+        ValueError: the checkpoint has no EMA tensors under ``key``, or ``path`` has an
+            unknown suffix.
     """
+    error = _check_destination(Path(path))
+    if error is not None:
+        raise error
     checkpoint_dir = _existing_checkpoint(Path(checkpoint_dir))
     metadata = _read_metadata(checkpoint_dir)
     _check_files(checkpoint_dir, metadata)
@@ -150,10 +166,29 @@ def convert_checkpoint(
     return tensors
 
 
+SUFFIXES = (".pt", ".pth", ".safetensors")
+"""File suffixes :func:`export_ema` and :func:`convert_checkpoint` write: ``torch.save`` for
+``.pt``/``.pth``, safetensors for ``.safetensors``."""
+
+
+def _check_destination(path: Path) -> ValueError | FileNotFoundError | None:
+    """A known suffix and an existing parent directory, else the error (nothing is created)."""
+    if path.suffix not in SUFFIXES:
+        return ValueError(
+            f"cannot export to {path}: unknown suffix {path.suffix!r}; use one of {SUFFIXES} "
+            "(.pt/.pth are written with torch.save, .safetensors with safetensors)"
+        )
+    if not path.parent.is_dir():
+        return FileNotFoundError(
+            f"cannot export to {path}: the directory {path.parent} does not exist (create it "
+            "first; export does not create directories)"
+        )
+    return None
+
+
 def _write_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """Write ``state`` to ``path`` by way of a temporary sibling (never a torn file)."""
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
 

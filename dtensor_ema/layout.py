@@ -23,9 +23,10 @@ replicas", and DCP, ``full_tensor()`` and resharding see an ordinary DTensor.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from dtensor_ema._collectives import all_gather_single
 
 __all__ = [
     "LayoutBuilder",
@@ -42,6 +45,7 @@ __all__ = [
     "chunk_range",
     "contiguous_stride",
     "cpu_mesh_like",
+    "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
 ]
@@ -122,21 +126,32 @@ class TensorLayout:
 def resolve_world_mesh(
     mesh: DeviceMesh | None, tensors: Iterable[torch.Tensor], device: torch.device
 ) -> DeviceMesh | None:
-    """The mesh whose ranks share the EMA: the user's, or a default. Local (no collective).
+    """The mesh whose ranks share the EMA: the user's, or a default. Local (no collective),
+    except when the world needs a process group no existing mesh has (see below).
 
-    ``mesh=None``: the root mesh of the model's DTensor parameters when it has any (the
-    N-D world FSDP2/TP were built on), else the whole default process group as a 1-D mesh,
-    else (no process group) ``None``: plain, unsharded EMA tensors.
+    ``mesh=None``: the world is found from the model's DTensor parameters when it has any:
+
+    1. their meshes' common *root* (the mesh they were sliced, flattened or unflattened
+       from; they must all have the same one);
+    2. if some parameter mesh is not a sub-grid of that root (torchtitan's ``ParallelDims``
+       unflattens a 1-D ``("world",)`` mesh into ``(dp_replicate, fsdp, tp)``, ``(efsdp,
+       ep)``...), the root *refined*: the same ranks in the same order, split into the
+       finest dims that every parameter mesh dim is made of (:func:`refine_world_mesh`).
+
+    Without DTensor parameters: the whole default process group as a 1-D mesh; without a
+    process group: ``None`` (plain, unsharded EMA tensors). A user's ``mesh=`` is refined
+    the same way when a parameter mesh is a sub-grid neither of it nor of its root.
 
     Raises:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
-        ValueError: its device type is not the model's, or the DTensor parameters live on
-            meshes with different roots (pass ``mesh=`` explicitly).
+        ValueError: its device type is not the model's, the DTensor parameters live on
+            meshes with different roots, or their dims do not nest (pass ``mesh=``
+            explicitly).
     """
     if mesh is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)]
+        meshes = _unique_meshes(t.device_mesh for t in tensors if isinstance(t, DTensor))
         # By value: fully_shard() without mesh= builds an equal new default mesh per call.
         roots = {_mesh_key(_root_mesh(m)): m for m in meshes}
         if len(roots) > 1:
@@ -146,7 +161,7 @@ def resolve_world_mesh(
                 "that covers all of them"
             )
         if roots:
-            return _root_mesh(next(iter(roots.values())))
+            return refine_world_mesh(_root_mesh(next(iter(roots.values()))), meshes)
         return init_device_mesh(device.type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
@@ -160,7 +175,150 @@ def resolve_world_mesh(
             f"this rank ({dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; every "
             "rank that constructs the EMA must be part of its mesh"
         )
+    meshes = _unique_meshes(t.device_mesh for t in tensors if isinstance(t, DTensor))
+    if any(_misfit(m, mesh) for m in meshes):
+        # The same ranks as a coarser mesh (torchtitan's 1-D world): refine it. Where that
+        # fails, LayoutBuilder names the parameter that does not fit.
+        try:
+            return refine_world_mesh(mesh, meshes)
+        except ValueError:
+            return mesh
     return mesh
+
+
+def _misfit(pmesh: DeviceMesh, world: DeviceMesh) -> bool:
+    """Whether :class:`LayoutBuilder` can place a parameter of ``pmesh`` on ``world``
+    neither directly nor through ``pmesh``'s root."""
+    if _sub_grid_dims(pmesh, world) is not None:
+        return False
+    root = _root_mesh(pmesh)
+    return _sub_grid_dims(pmesh, root) is None or _sub_grid_dims(world, root) is None
+
+
+def refine_world_mesh(world: DeviceMesh, meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """``world`` split into dims fine enough that every mesh in ``meshes`` is a sub-grid.
+
+    Every rank's *position* is its row-major index in ``world``. A mesh dim whose ranks
+    (through this rank) sit at positions ``base + k * stride`` for ``k < size`` is a
+    *mode* ``(size, stride)``; a flattened dim is several modes. The cut points ``stride``
+    and ``stride * size`` of every mode (and of ``world``'s own dims) must form a chain
+    ``1 = c_0 | c_1 | ... | c_n = W``; the refined world then has dims of sizes
+    ``c_{i+1} / c_i``, outermost first, over ``world``'s ranks in the same order (the
+    ``_unflatten`` that built them, undone and redone as finely as needed). Returns
+    ``world`` itself when every mesh already is a sub-grid of it.
+
+    Each dim reuses the process group of a parameter mesh dim with exactly its ranks; a dim
+    that none has gets new groups, which is **collective** over the default group (every
+    rank must call: the EMA constructor does). Otherwise local.
+
+    Raises:
+        ValueError: a mesh has ranks outside ``world`` or dims that are not strided runs
+            of its positions, or the meshes cut ``world`` in ways that do not nest (e.g.
+            ``(2, 6)`` and ``(3, 4)`` on 12 ranks).
+    """
+    meshes = _unique_meshes([world, *meshes])
+    if all(_sub_grid_dims(m, world) is not None for m in meshes):
+        return world
+    flat = world.mesh.reshape(-1).tolist()
+    position = {rank: i for i, rank in enumerate(flat)}
+    size = len(flat)
+    cuts = {1, size}
+    owners: list[tuple[tuple[int, int], DeviceMesh, int]] = []
+    for m in meshes:
+        coord = m.get_coordinate()
+        for i in range(m.ndim):
+            if m.size(i) == 1:
+                continue
+            line = _ranks_along(m.mesh, coord, [i]) if coord is not None else []
+            if coord is None or any(r not in position for r in line):
+                raise ValueError(
+                    f"the mesh {m.mesh.tolist()} has ranks outside the world mesh "
+                    f"{world.mesh.tolist()}; pass mesh= the world mesh the model was "
+                    "parallelized on"
+                )
+            modes = _modes([position[r] for r in line])
+            if modes is None:
+                raise ValueError(
+                    f"dim {i} of the mesh {m.mesh.tolist()} is not a strided run of the world "
+                    f"mesh {world.mesh.tolist()}; pass mesh= the world mesh the model was "
+                    "parallelized on"
+                )
+            for mode_size, stride in modes:
+                cuts.update((stride, stride * mode_size))
+            if len(modes) == 1:
+                owners.append((modes[0], m, i))
+    chain = sorted(cuts)
+    if any(b % a for a, b in itertools.pairwise(chain)):
+        raise ValueError(
+            f"the model's parameter meshes {[tuple(m.shape) for m in meshes]} split the world "
+            f"mesh {world.mesh.tolist()} into dims that do not nest (strides {chain}); pass "
+            "mesh= the world mesh the model was parallelized on"
+        )
+    modes = [(b // a, a) for a, b in itertools.pairwise(chain)][::-1]  # outermost first
+    ranks = world.mesh.reshape([n for n, _ in modes])
+    here = [position[dist.get_rank()] // stride % n for n, stride in modes]
+    groups: list[dist.ProcessGroup | None] = []
+    for k, mode in enumerate(modes):
+        line = _ranks_along(ranks, here, [k])
+        found = [
+            m.get_group(i)
+            for owned, m, i in owners
+            if owned == mode and _ranks_along(m.mesh, m.get_coordinate() or (), [i]) == line
+        ]
+        groups.append(found[0] if found else None)
+    for k, group in enumerate(groups):
+        if group is None:
+            groups[k] = _new_dim_groups(ranks, k)
+    names = tuple(f"world{k}" for k in range(len(modes)))
+    return DeviceMesh.from_group(
+        [g for g in groups if g is not None], world.device_type, ranks, mesh_dim_names=names
+    )
+
+
+def _modes(positions: Sequence[int]) -> list[tuple[int, int]] | None:
+    """``positions`` as nested strided runs ``[(size, stride), ...]``, innermost first
+    (row-major: the last index moves fastest), or ``None`` if they are not."""
+    n = len(positions)
+    offsets = [p - positions[0] for p in positions]
+    modes: list[tuple[int, int]] = []
+    block = 1
+    while block < n:
+        stride = offsets[block]
+        if stride <= 0:
+            return None
+        run = 1
+        while block * run < n and offsets[block * run] == run * stride:
+            run += 1
+        while run > 1 and n % (block * run):
+            run -= 1
+        if run == 1:
+            return None
+        modes.append((run, stride))
+        block *= run
+    for k, offset in enumerate(offsets):
+        rest, expected = k, 0
+        for run, stride in modes:
+            expected += rest % run * stride
+            rest //= run
+        if offset != expected:
+            return None
+    return modes
+
+
+def _new_dim_groups(ranks: torch.Tensor, dim: int) -> dist.ProcessGroup:
+    """This rank's process group along ``dim`` of ``ranks``; every rank creates every
+    group of that dim (collective over the default group)."""
+    lines = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(lines)
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
+def _unique_meshes(meshes: Iterable[DeviceMesh]) -> list[DeviceMesh]:
+    out: dict[tuple[object, ...], DeviceMesh] = {}
+    for m in meshes:
+        out.setdefault((*_mesh_key(m), m.mesh_dim_names), m)
+    return list(out.values())
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
@@ -392,19 +550,22 @@ def _check_with_torch(
         )
 
 
-def agree_on_structure(world: DeviceMesh | None, fingerprint: Sequence[str]) -> None:
+def agree_on_structure(world: DeviceMesh | None, structure: Mapping[str, str]) -> None:
     """Refuse a world mesh whose ranks do not track the same model. **Collective**: one
-    all-gather of one integer over each world mesh dim's group (size > 1).
+    all-gather of one integer over each world mesh dim's group (size > 1); only when they
+    differ, one ``all_gather_object`` of ``structure`` over that group to name the tensors.
 
-    Pipeline stages hold different layers: an EMA whose mesh spans stages would split a
-    stage's tensors over ranks that do not hold them and silently drop shards.
+    Args:
+        world: the EMA's world mesh (``None``: one process, nothing to compare).
+        structure: ``fqn -> "shape dtype"`` of every tracked tensor on this rank.
 
     Raises:
-        ValueError: on every rank of a group whose ranks disagree, naming the dim.
+        ValueError: on every rank of a group whose ranks disagree, naming the first
+            differing tensors and the ranks that hold them.
     """
     if world is None:
         return
-    digest = zlib.crc32("\n".join(fingerprint).encode())
+    digest = zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode())
     device = (
         torch.device(world.device_type, torch.cuda.current_device())
         if (world.device_type == "cuda")
@@ -416,15 +577,38 @@ def agree_on_structure(world: DeviceMesh | None, fingerprint: Sequence[str]) -> 
             continue
         group = world.get_group(j)
         everyone = torch.empty(world.size(j), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(everyone, mine, group=group)
+        all_gather_single(everyone, mine, group=group)
         if len(set(everyone.tolist())) > 1:
             ranks = dist.get_process_group_ranks(group)
+            theirs: list[Any] = [None] * len(ranks)
+            dist.all_gather_object(theirs, dict(structure), group=group)
             raise ValueError(
-                f"the EMA's mesh dim {_dim_name(world, j, 'dim')!r} spans ranks {ranks} that track "
-                "different models (different parameter names, shapes or dtypes): pipeline "
-                "stages need one ModelEMA per stage over that stage's own mesh, e.g. "
-                "ModelEMA(stage_module, mesh=world['dp'])"
+                f"the ranks {ranks} of the EMA's mesh dim {_dim_name(world, j, 'dim')!r} track "
+                f"different models: {_structure_differences(ranks, theirs)}. Every rank of the "
+                "mesh must construct the EMA from the same model (same parameter and buffer "
+                "names, shapes and dtypes). One possible cause: pipeline stages, which hold "
+                "different layers, need one ModelEMA per stage over that stage's own mesh, "
+                "e.g. ModelEMA(stage_module, mesh=world['dp'])"
             )
+
+
+def _structure_differences(ranks: list[int], structures: list[dict[str, str]]) -> str:
+    """The first few tensors whose name, shape or dtype is not the same on every rank."""
+    names = list(dict.fromkeys(k for s in structures for k in s))
+    lines = []
+    for name in names:
+        seen = [s.get(name) for s in structures]
+        if len(set(seen)) == 1:
+            continue
+        held = ", ".join(
+            f"{v} on rank {r}" if v is not None else f"absent on rank {r}"
+            for r, v in zip(ranks, seen, strict=True)
+        )
+        lines.append(f"{name!r}: {held}")
+    if not lines:  # gathers lay buckets out in this order, so it must match too
+        return "the same tensors, registered in a different order"
+    more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+    return "; ".join(lines[:3]) + more
 
 
 def cpu_mesh_like(mesh: DeviceMesh) -> DeviceMesh:

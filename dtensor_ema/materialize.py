@@ -2,9 +2,10 @@
 
 ``DTensor.full_tensor()`` issues one all-gather per tensor and pads uneven shards (161
 collectives for ResNet-50). Here every rank packs its local shards of many tensors into one
-flat buffer, a single ``all_gather_into_tensor`` per bucket moves them, and each tensor is
-cut back out of the gathered rows. The layout of every rank's buffer is computed from the
-shapes alone (``Shard(0)`` chunk semantics), so nothing but the payload is exchanged.
+flat buffer, a single flat all-gather (``all_gather_single``) per bucket moves them, and
+each tensor is cut back out of the gathered rows. The layout of every rank's buffer is
+computed from the shapes alone (``Shard(0)`` chunk semantics), so nothing but the payload
+is exchanged.
 
 Two stages, each bucketed:
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from dtensor_ema._collectives import all_gather_single
 from dtensor_ema.layout import ReplicaLevel, chunk_range, contiguous_stride, shard_mesh_dim
 
 __all__ = [
@@ -44,8 +46,7 @@ T = TypeVar("T")
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 """Upper bound on one gathered bucket (``W`` ranks' padded rows together)."""
 
-# torch 2.14 deprecates all_gather_into_tensor in favour of all_gather_single (absent in 2.7).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_flat = all_gather_single
 
 
 @dataclass(frozen=True, slots=True)

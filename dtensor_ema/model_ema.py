@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import cuda_graph as _graphs
-from dtensor_ema._collectives import collective
+from dtensor_ema._collectives import collective, entering
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module
 from dtensor_ema.fused_update import update_groups
@@ -156,6 +156,23 @@ class ModelEMA:
             nonzero storage offset ("Attempted to call copy_() on an invalid python
             storage"). ``dcp.save``/``dcp.load`` work. Building :attr:`module` moves the shards into
             FSDP's storage, which ends the view.
+        replicate_buffers: keep the plain float buffers (BatchNorm statistics) whole on
+            every rank, each rank averaging (or, with ``buffers="copy"``, copying) its own
+            model's buffers, exactly as a replicated EMA (timm, ultralytics) does. Default
+            ``False``: buffers are sharded like parameters and a buffer's EMA rows come from
+            the rank that owns them, which equals no replicated EMA under DDP. With ``True``
+            a cross-rank reduce of :meth:`ema_tensors`' buffers (timm's ``distribute_bn``
+            on ``dtensor_ema.compat.timm``) reproduces timm's mean, and
+            :meth:`get_model_state_dict` returns each rank's own values (rank 0's where
+            only rank 0 receives). ``update()`` still never communicates. Costs the
+            buffers' full bytes on every rank (ResNet-50: 0.2 MiB). ``dcp.save`` stores one
+            rank's value of a replicated tensor: reduce or broadcast them first if ranks
+            differ. Not with :meth:`build_module`.
+        verify_replicas: check at construction that replicated parameters are identical
+            on their replica ranks (default ``True``; see :mod:`dtensor_ema.replicas`).
+            ``False`` skips the check and its collectives: only for EMAs whose first
+            update copies the model (timm's ``update(model, step=1)``), which makes the
+            starting weights irrelevant.
         cuda_graph: ``None`` (default, auto): on CUDA, ``update()`` captures the
             device-side update (counter and decay on the device, as ``capturable=True``)
             in a CUDA graph on its first call and replays it afterwards, where that is
@@ -181,8 +198,11 @@ class ModelEMA:
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
     together (one all-gather of a structure fingerprint per mesh dim, one all-gather of one
     checksum per replicated parameter per replica group, one flag all-reduce per mesh
-    dim). Replicated parameters must be identical across their replicas (build the EMA
-    after DDP wraps the model): a mismatch raises, naming the tensors. The EMA tracks the
+    dim). With ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not construct
+    it makes the others fail after that many seconds, naming the missing ranks (see
+    :data:`dtensor_ema._collectives.CHECK_ENV`). Replicated parameters must be identical
+    across their replicas (build the EMA after DDP wraps the model): a mismatch raises, naming
+    the tensors. The EMA tracks the
     model's live parameters and persistent buffers (never ``state_dict()`` copies), keyed
     by canonical fqns (see :mod:`dtensor_ema.model_keys`). Peak extra memory: the EMA
     shards themselves (``1/W`` of the model's float bytes, in the EMA dtype).
@@ -216,6 +236,8 @@ class ModelEMA:
         offload: bool = False,
         kernel: Literal["eager", "compiled", "auto"] = "auto",
         parameters_as_bucket_view: bool = False,
+        replicate_buffers: bool = False,
+        verify_replicas: bool = True,
         cuda_graph: bool | None = None,
         formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp",
     ) -> None:
@@ -248,13 +270,17 @@ class ModelEMA:
         self._step_t = torch.tensor(float(updates), dtype=torch.float64, device=device)
         self._last_decay_t = torch.tensor(math.nan, dtype=torch.float64, device=device)
         self._last_decay_from_counter = False  # set by loading a state
-        self._plan: EmaPlan = build_plan(
-            self.model,
-            self.mesh,
-            ema_dtype=ema_dtype,
-            offload=offload,
-            bucket_view=parameters_as_bucket_view,
-        )
+        with entering("ModelEMA", mesh=self.mesh):
+            self._plan: EmaPlan = build_plan(
+                self.model,
+                self.mesh,
+                ema_dtype=ema_dtype,
+                offload=offload,
+                bucket_view=parameters_as_bucket_view,
+                replicate_buffers=replicate_buffers,
+                verify_replicas=verify_replicas,
+            )
+        self.replicate_buffers = replicate_buffers
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
             {e.fqn for e in self._plan if e.is_parameter},
@@ -312,12 +338,24 @@ class ModelEMA:
         and the EMA's shards move into its sharded parameters (one local copy, then the
         old shards are freed): ``update()`` writes where the forward reads, so the module
         always shows the latest average. Without a process group its parameters and float
-        buffers are the EMA's own tensors.
+        buffers are the EMA's own tensors. An FSDP2 model is mirrored (its units, meshes
+        and mixed precision); where the EMA splits an FSDP2 shard further over a replica
+        dim (HSDP with ``mesh=None``: the replicate dim), the module keeps its own shard of
+        that parameter (extra memory: the model's local shard of it), rebuilt from the EMA
+        before each forward (one all-gather per bucket over the replica group).
+
+        Wrapped and compiled models: parameter names with ``_checkpoint_wrapped_module`` /
+        ``_orig_mod`` pair with the EMA's canonical fqns; a ``forward`` or forward hook set
+        on a module instance (torchtitan's ``Module.parallelize`` closures) is re-bound to
+        the module's twin; ``module.compile()`` per block is dropped (the twin runs
+        eagerly; compile its blocks yourself). See ``docs/evaluation.md``.
 
         Calling the module: its forward is **collective** over the EMA mesh (every rank
-        must call it, with the same number of forwards): FSDP all-gathers one unit at a
-        time, and the float buffers (BatchNorm statistics) are all-gathered before each
-        forward. Peak extra memory: about the largest unit's full weights in the compute
+        must call it, with the same number of forwards; with
+        ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a forward that some ranks skip fails
+        after that many seconds, naming them): FSDP all-gathers one unit at a time, and the
+        float buffers (BatchNorm statistics) are all-gathered before each forward. Peak
+        extra memory: about the largest unit's full weights in the compute
         dtype (plus FSDP's prefetch of the next unit) plus activations. Call the module
         itself (its ``forward``); other methods of the root see sharded parameters unless
         registered with ``torch.distributed.fsdp.register_fsdp_forward_method``. Its
@@ -341,7 +379,8 @@ class ModelEMA:
 
         Raises:
             RuntimeError: the module was already built.
-            NotImplementedError: FSDP2/TP models, ``offload=True``, N-D meshes.
+            NotImplementedError: tensor-parallel models (TP, FSDP2 + TP), ``offload=True``, a
+                plain/DDP model on an N-D mesh (each message names the layout).
             ValueError: bad ``units`` or ``compute_dtype``.
         """
         if self._module is not None:
@@ -349,9 +388,16 @@ class ModelEMA:
                 "ema.module was already built (build_module() runs once, before the first "
                 "access of ema.module); reuse ema.module"
             )
+        if self.replicate_buffers and self.mesh is not None:
+            raise NotImplementedError(
+                "ema.module with replicate_buffers=True is not implemented; use "
+                "average_parameters() or get_model_state_dict() to evaluate"
+            )
         if self.options.offload:
             raise NotImplementedError(
-                "ema.module with offload=True (EMA shards in host memory) is not implemented"
+                "ema.module with offload=True is not implemented: the EMA shards live in host "
+                f"memory on a CPU twin of the mesh {self.mesh.mesh.tolist() if self.mesh else None}"
+                ", where no forward can read them; evaluate with ema.average_parameters()"
             )
         self.flush()
         self._sync_sources()  # refuses inside average_parameters()

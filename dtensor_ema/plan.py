@@ -313,6 +313,8 @@ def build_plan(
     ema_dtype: torch.dtype | None = None,
     offload: bool = False,
     bucket_view: bool = False,
+    replicate_buffers: bool = False,
+    verify_replicas: bool = True,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
@@ -336,6 +338,12 @@ def build_plan(
             a CPU twin of each mesh.
         bucket_view: make every ``ema_local`` a view into one flat buffer per (device,
             dtype), laid out in gather order (see :func:`bucket_view_`).
+        replicate_buffers: keep plain float buffers whole on every rank (a plain tensor,
+            no mesh) instead of sharding them over ``world``: each rank then averages its
+            own model's buffers, as a replicated EMA does.
+        verify_replicas: run :func:`~dtensor_ema.replicas.check_replicas` (default). Off
+            only where the first update is known to copy the model (the check's
+            collectives are then skipped too).
 
     Raises:
         ValueError: the model has no floating-point state, has tensors on the meta device,
@@ -366,7 +374,11 @@ def build_plan(
         seen[id(tensor)] = fqn
         dtype = ema_dtype or default_ema_dtype(tensor.dtype)
         piece = _piece(tensor)
-        layout = builder.layout(fqn, tensor, piece.shape)
+        plain_buffer = id(tensor) not in parameter_ids and not isinstance(tensor, DTensor)
+        if replicate_buffers and plain_buffer:
+            layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
+        else:
+            layout = builder.layout(fqn, tensor, piece.shape)
         source_local = _narrow(piece, layout)
         ema = _ema_tensor(tensor, source_local, layout, dtype, offload)
         entries.append(
@@ -388,8 +400,9 @@ def build_plan(
             f"(state dict keys: {list(followed)[:5]})"
         )
     check_live(module, entries)
-    agree_on_structure(world, [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()])
-    check_replicas(entries, world)
+    agree_on_structure(world, {k: f"{tuple(t.shape)} {t.dtype}" for k, t in tensors.items()})
+    if verify_replicas:
+        check_replicas(entries, world)
     if bucket_view:
         bucket_view_(entries)
     plan = EmaPlan(

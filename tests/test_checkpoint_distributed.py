@@ -470,6 +470,7 @@ def loader_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         if world_size == 3 and (ckpt, wrapper) in (("ddp_tf", "ddp"), ("fsdp_tf", "fsdp")):
             # Export after resuming: the file must hold the EMA after K + N steps.
             out_dir = Path(tmp) / f"export-w{world_size}-{wrapper}"
+            out_dir.mkdir(exist_ok=True)  # export creates no directories
             export_ema(ema, out_dir / "ema.pt", bucket_bytes=4096)  # many small buckets
             if HAVE_SAFETENSORS:
                 export_ema(ema, out_dir / "ema.safetensors")

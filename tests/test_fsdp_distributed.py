@@ -30,7 +30,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import DEVICE_TYPE, run_ranks
-from models import ReferenceEMA, make_batch, make_model, mismatches, with_torchvision
+from models import (
+    ReferenceEMA,
+    clamp_grads_,
+    make_batch,
+    make_model,
+    mismatches,
+    with_torchvision,
+)
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -147,6 +154,7 @@ def _train_step(cfg: dict[str, Any], model: nn.Module, opt: Any, step: int) -> N
     loss = _loss(cfg, model(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    clamp_grads_(model)  # the same elementwise clamp for the FSDP model and its twin
     opt.step()
 
 

@@ -1,0 +1,212 @@
+"""timm's ``ModelEmaV3``/``ModelEmaV2`` over a sharded :class:`~dtensor_ema.ModelEMA`.
+
+Swap ``from timm.utils import ModelEmaV3`` for ``from dtensor_ema.compat.timm import
+ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)``,
+``set``, ``get_decay``, ``forward``, ``.module``); every number comes from the engine:
+
+* ``use_warmup``: :class:`~dtensor_ema.WarmupDecay` (``warmup_gamma``, ``warmup_power``,
+  ``min_decay``) with ``update_after_step``; without it :class:`~dtensor_ema.ConstantDecay`
+  with ``update_after_step + 1``, since timm copies the model on the first step past
+  ``update_after_step`` (``get_decay`` returns 0 there). ``update(model, step=s)`` sets the
+  engine's counter to ``s - 1`` first, so a resumed run that passes its global step lands
+  on the same curve; ``step=None`` means timm's constant ``decay``.
+* ``exclude_buffers``: ``buffers="copy"``. Buffers are replicated
+  (``replicate_buffers=True``): each rank's EMA buffers are what timm's replica on that
+  rank holds, so ``timm.utils.distribute_bn(model_ema, world, reduce)`` gives timm's values.
+
+``.module`` has the model's structure; its parameters are gathered once per evaluation
+(``eval()``, or the first forward after an update; **collective**: every rank validates, as
+timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``train()``. In
+between, each rank holds ``1/W`` of the parameters. See :mod:`dtensor_ema.compat._replica`
+for the save habit.
+
+Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
+EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
+the model. Seed every rank alike, or build after DDP, when calling ``update(model)``
+without ``step=`` (its first call averages, as timm's does, each rank its own rows).
+
+Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
+with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
+stochastic rounding and FSDP2 models' rank-0 ``state_dict`` are not supported (FSDP2:
+``.module`` is the engine's sharded module; save with DCP).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.compat._replica import EmaReplica
+from dtensor_ema.decay import ConstantDecay, WarmupDecay
+from dtensor_ema.model_ema import ModelEMA
+
+__all__ = ["ModelEmaV2", "ModelEmaV3"]
+
+_FIX = (
+    "call model_ema.eval() (or model_ema.materialize()) on every rank before rank 0 saves "
+    "unwrap_model(model_ema).state_dict() or runs model_ema.module alone"
+)
+
+
+class ModelEmaV3(nn.Module):
+    """timm ``ModelEmaV3`` with its EMA sharded across ranks (see the module docstring).
+
+    Construction is local except for the engine's structure check (one small all-gather
+    when a process group is initialized): every rank must construct it. ``update`` and
+    ``set`` never communicate; ``eval()``, ``materialize()`` and a forward after an
+    update all-gather the parameters once (collective over the default group).
+    """
+
+    _FORMULA: Literal["lerp", "weighted_sum"] = "lerp"  # timm's _foreach_lerp_
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.9999,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
+        use_warmup: bool = False,
+        warmup_gamma: float = 1.0,
+        warmup_power: float = 2 / 3,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = True,
+        stochastic_rounding_seed: int = 0,
+        foreach: bool = True,
+        exclude_buffers: bool = False,
+    ) -> None:
+        super().__init__()
+        if device is not None and torch.device(device) != next(model.parameters()).device:
+            raise NotImplementedError(
+                f"device={device!r} (an EMA on another device than the model) is not "
+                "supported by the sharded EMA: pass device=None"
+            )
+        if dtype in (torch.bfloat16, torch.float16):
+            raise NotImplementedError(
+                f"dtype={dtype}: timm's low-precision EMA (stochastic rounding) is not "
+                "reproduced; keep dtype=None (float32 EMA for a bf16 model)"
+            )
+        if use_warmup:
+            schedule: Any = WarmupDecay(
+                decay=decay, gamma=warmup_gamma, power=warmup_power, min_decay=min_decay
+            )
+            after = update_after_step
+        else:
+            schedule, after = ConstantDecay(decay=decay), update_after_step + 1
+        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
+        engine = ModelEMA(
+            model,
+            schedule=schedule,
+            update_after_step=after,
+            buffers="copy" if exclude_buffers else "average",
+            ema_dtype=dtype,
+            replicate_buffers=not sharded_model,
+            # timm's train.py builds the EMA before DDP with a per-rank seed; its first
+            # update(model, step=1) copies the synchronized model, as timm's does.
+            verify_replicas=False,
+            formula=self._FORMULA,
+        )
+        self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
+        self.use_warmup, self.warmup_gamma, self.warmup_power = (
+            use_warmup,
+            warmup_gamma,
+            warmup_power,
+        )
+        self.device, self.dtype, self.foreach = device, dtype, foreach
+        self.stochastic_rounding = stochastic_rounding
+        self.stochastic_rounding_seed = stochastic_rounding_seed
+        self.exclude_buffers = exclude_buffers
+        self._replica: EmaReplica | None = None
+        if sharded_model:
+            self.module = engine.module
+        else:
+            self._replica = EmaReplica(engine, _FIX)
+            self.module = self._replica.module
+        self._engine = engine
+
+    @property
+    def engine(self) -> ModelEMA:
+        """The sharded :class:`~dtensor_ema.ModelEMA` doing the work."""
+        return self._engine
+
+    def get_decay(self, step: int | None = None) -> float:
+        """timm's decay for ``step`` (``decay`` when ``step`` is None), from the engine."""
+        if step is None:
+            return self.decay
+        return self._engine.get_decay(step)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int | None = None) -> None:
+        """One EMA step from ``model`` (``step``: timm's global step). Local, no collective.
+
+        Raises:
+            ValueError: ``step`` is not a positive int, or ``use_warmup`` without ``step``
+                (timm then ignores the warmup; pass ``step``).
+        """
+        engine = self._engine
+        if step is None:
+            if self.use_warmup:
+                raise ValueError(
+                    "update(model) without step= and use_warmup=True: timm then skips the "
+                    "warmup; pass step= (the global step) or use_warmup=False"
+                )
+            engine.updates = max(engine.updates, engine.options.update_after_step)
+        elif isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step must be an int >= 1, got {step!r}")
+        else:
+            engine.updates = step - 1
+        self._release()
+        engine.update(model)
+        if self._replica is not None:
+            self._replica.refresh_ints()
+
+    @torch.no_grad()
+    def set(self, model: nn.Module) -> None:
+        """Copy ``model`` into the EMA. Local."""
+        self._release()
+        self._engine.set(model)
+        if self._replica is not None:
+            self._replica.refresh_ints()
+
+    def materialize(self) -> None:
+        """Gather the full EMA parameters into :attr:`module` until the next update.
+        **Collective** (every rank). Peak: one full copy of the parameters per rank."""
+        if self._replica is not None:
+            self._replica.materialize()
+
+    def train(self, mode: bool = True) -> ModelEmaV3:
+        """``eval()`` gathers the parameters (**collective**); ``train()`` frees them."""
+        if mode:
+            self._release()
+        else:
+            self.materialize()
+        return super().train(mode)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The EMA module's forward; gathers first after an update (**collective**)."""
+        self.materialize()
+        return self.module(*args, **kwargs)
+
+    def _release(self) -> None:
+        if self._replica is not None:
+            self._replica.release()
+
+
+class ModelEmaV2(ModelEmaV3):
+    """timm ``ModelEmaV2(model, decay=0.9999, device=None)``: constant decay from the first
+    ``update(model)``, buffers averaged, rounded as timm's ``decay * ema + (1 - decay) *
+    model`` (the engine's ``formula="weighted_sum"``). Integer buffers follow the model
+    (timm truncates their average)."""
+
+    _FORMULA: Literal["lerp", "weighted_sum"] = "weighted_sum"
+
+    def __init__(
+        self, model: nn.Module, decay: float = 0.9999, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__(model, decay=decay, device=device)
+
+    def update(self, model: nn.Module, step: int | None = None) -> None:
+        super().update(model)
