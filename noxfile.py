@@ -29,7 +29,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
-    _install(session, "test,lightning,transformers,compat,docs")
+    _install(session, "test,lightning,transformers,compat,zoo,docs")
     _pytest(session)
 
 
