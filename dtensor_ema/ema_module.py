@@ -302,7 +302,6 @@ def _sharded_twin(
             ignored_params=scalars or None,
         )
     twin.to_empty(device=mesh.device_type)
-    _copy_untracked_buffers(model, twin, plan)
     tensors: dict[str, DTensor] = {}
     for fqn, tensor, owner, name, kind in _slots(twin):
         if kind != "param" or fqn in plan.aliases:
@@ -413,21 +412,6 @@ def _buffer_piece(entry: PlanEntry, slot: tuple[nn.Module, str]) -> LocalPiece:
     )
 
 
-@torch.no_grad()
-def _copy_untracked_buffers(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> None:
-    """Fill the twin's buffers that the EMA does not track (non-persistent ones such as
-    Hugging Face rotary ``inv_freq``) from the model: ``to_empty`` leaves them
-    uninitialized. Local; the twin keeps the model's raw fqns (a structural copy)."""
-    by_fqn = plan.by_fqn()
-    originals = {canonical_fqn(n): b for n, b in model.named_buffers(remove_duplicate=False)}
-    for fqn, tensor, _, _, kind in _slots(twin):
-        canonical = canonical_fqn(fqn)
-        if kind != "buffer" or canonical in by_fqn or canonical in plan.aliases:
-            continue
-        if canonical in originals:
-            tensor.copy_(originals[canonical])
-
-
 # ------------------------------------------------------------------------- FSDP2 models
 def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | None) -> nn.Module:
     """Mirror an FSDP2 student: same units, meshes, shard dims and mixed precision."""
@@ -495,7 +479,6 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
             ),
         )
     twin.to_empty(device=next(iter(layouts.values()))[0].device_type)
-    _copy_untracked_buffers(model, twin, plan)
     tensors: dict[str, DTensor] = {}
     refreshed: list[tuple[PlanEntry, torch.Tensor]] = []
     for fqn, tensor in twin.named_parameters():

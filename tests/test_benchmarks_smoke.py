@@ -82,7 +82,13 @@ def test_memory_and_materialize_numbers_are_sane(quick_run: tuple[Path, str]) ->
         assert 1.0 <= r["ratio"] < 1.1, r
     for r in summary["materialize"]:
         assert _positive(r["get_model_state_dict_ms"]) and _positive(r["all_gather_flat_ref_ms"])
-        assert r["ema_flat_buckets_collectives"] == 1  # coalesced, and the counter is live
+        # Coalesced (buckets, plus the direct gathers of large evenly split tensors), and
+        # the counter is live; one rank has nothing to gather.
+        buckets, per_tensor = r["ema_flat_buckets_collectives"], r["full_tensor_each_collectives"]
+        if r["world_size"] == 1:
+            assert buckets == 0, r
+        else:
+            assert 1 <= buckets <= per_tensor / 10, r
         assert r["all_gather_flat_ref_collectives"] == 1
 
 
