@@ -104,11 +104,6 @@ def _hooked_modules(module: nn.Module, hooks: str) -> Iterator[tuple[str, nn.Mod
             yield (f"{prefix}." if prefix else ""), sub
 
 
-def has_state_dict_hooks(module: nn.Module) -> bool:
-    """Whether a (non-wrapper) module of ``module`` transforms its state dict on save."""
-    return any(True for _ in _hooked_modules(module, "_state_dict_hooks"))
-
-
 def to_model_keys(module: nn.Module, tensors: StateDict) -> StateDict:
     """Run ``module``'s state-dict post-hooks on ``tensors`` (full tensors keyed by
     canonical fqn), as ``module.state_dict()`` would on its own tensors. Local.
