@@ -1,27 +1,44 @@
-"""The EMA seen as the replicated module other libraries keep (``timm``'s ``.module``,
-ultralytics' ``.ema``), without keeping the replica between evaluations.
+"""One mechanism for every drop-in: the full EMA that other libraries' habits read, gathered
+at a point every rank reaches and kept until the EMA changes.
 
-``EmaReplica.module`` is a structural copy of the model whose
+Every facade of :mod:`dtensor_ema.compat` holds one :class:`EmaReplica`. Its one
+collective, :meth:`EmaReplica.materialize` (the facades' ``gather_for_save()``, and their
+``eval()``/``materialize()`` where they have a module; every rank of the EMA's mesh calls
+it), puts the full EMA where the habits read it. Where it goes depends on the layout:
 
-* float buffers ARE the engine's EMA buffers (``ModelEMA(replicate_buffers=True)``): whole
-  on every rank, live, so ``distribute_bn``-style reductions change the EMA itself;
-* integer buffers are copies of the model's, refreshed by each ``update()``;
-* parameters hold **no storage** (``meta``) between evaluations. :meth:`EmaReplica.
-  materialize` (collective) all-gathers the full EMA parameters into them once; they stay
-  until the next :meth:`EmaReplica.release` (the facades release on ``update()``,
-  ``set()`` and ``train()``). Peak memory while materialized: one full copy of the model's
-  parameters per rank, plus one gather bucket.
+* **replica** (default for plain and DDP models, whose tensors the EMA splits ``1/W`` per
+  rank): :attr:`EmaReplica.module` is a structural copy of the model whose float buffers
+  ARE the engine's EMA buffers when the engine keeps them whole
+  (``ModelEMA(replicate_buffers=True)``: live, so ``distribute_bn``/``update_bn`` act on
+  the EMA itself), whose integer buffers are copies of the model's (refreshed by every
+  update), and whose parameters (and sharded float buffers) hold **no storage** (``meta``)
+  until :meth:`~EmaReplica.materialize` all-gathers the full EMA into them on every rank.
+  They stay until :meth:`~EmaReplica.changed` (the facades call it on ``update``, ``set``
+  and ``load``, and on ``train()``). Evaluation then runs at replica speed: no
+  communication per batch. Peak extra memory while materialized: one full copy of the
+  parameters per rank, on the model's device, plus one gather bucket
+  (``DEFAULT_BUCKET_BYTES``) during the gather.
+* **sharded** (FSDP2/TP models, whose ranks may not fit a full copy; or a plain model with
+  the facade's ``evaluation="sharded"``): the module is the engine's
+  :attr:`~dtensor_ema.ModelEMA.module` (FSDP2 over the EMA mesh: each forward all-gathers
+  one unit at a time, peak about the largest unit), and ``materialize()`` gathers one full
+  CPU copy to global rank 0 only (the other ranks: one bucket), for a rank-0 save.
 
-Without a process group, or on a one-rank mesh, the parameters are the EMA tensors
-themselves (always current, nothing to gather).
+Without a process group, or on a one-rank mesh, everything is live (the module's tensors
+are the EMA's own; nothing to gather, every save works).
 
-A state dict or forward of the module while its parameters are released raises a
-``RuntimeError`` naming the fix, instead of saving or computing with missing weights: the
-rank-0 save habit (``torch.save(ema_module.state_dict())`` on rank 0 alone) works after a
-materialization every rank reached, and refuses loudly otherwise. Loading full tensors into
-the module (``module.load_state_dict(sd)`` on every rank) restores each rank's piece of
-the engine. The hooks are module-level objects so that the module (or a ``deepcopy`` of
-it) still pickles.
+The rules, the same in every facade:
+
+1. A save that rank 0 makes alone (the facade's ``state_dict()``, ``save_pretrained()``,
+   ``module.state_dict()`` of a replica) yields full tensors when unsharded or after a
+   ``materialize()`` that every rank reached since the last change; otherwise it raises a
+   ``RuntimeError`` naming the one-line fix (``<owner>.gather_for_save()`` on every rank).
+   It never returns one rank's piece.
+2. Loading full tensors on every rank (the facade's ``load_state_dict`` or the replica's
+   ``module.load_state_dict``) restores each rank's piece of the engine. Local.
+
+The module's hooks are module-level objects so that the module (or a ``deepcopy`` of it)
+still pickles.
 """
 
 from __future__ import annotations
@@ -35,66 +52,155 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["EmaReplica"]
+__all__ = ["EmaReplica", "fix_message"]
+
+
+def fix_message(owner: str, also: str = "") -> str:
+    """The one-line fix every refusal names (``also``: the library's own call that does the
+    same, e.g. timm's ``model_ema.eval()``)."""
+    alias = f" ({also} does the same)" if also else ""
+    return (
+        f"call `{owner}.gather_for_save()` on every rank first{alias}: one collective that "
+        "gathers the full EMA, kept until the next update"
+    )
 
 
 class EmaReplica:
-    """The engine's EMA as a module with the model's structure (see the module docstring)."""
+    """The full EMA for a facade's module and saves (see the module docstring).
 
-    def __init__(self, engine: ModelEMA, fix: str) -> None:
+    Args:
+        engine: the facade's :class:`~dtensor_ema.ModelEMA`.
+        fix: the one-line fix refusals name (:func:`fix_message`).
+        sharded: evaluate through the engine's sharded module instead of a replica (forced
+            for models with DTensor parameters).
+
+    Construction is local (a ``deepcopy`` of the model's structure with storage-less
+    parameters, sharing the engine's whole float buffers).
+    """
+
+    def __init__(self, engine: ModelEMA, fix: str, *, sharded: bool = False) -> None:
         self.engine = engine
         self.fix = fix
         model = engine.model
-        ema = engine.ema_tensors()
-        named = dict(model.state_dict(keep_vars=True))
         self.live = engine.mesh is None or engine.mesh.size() == 1
+        self.sharded = not self.live and (
+            sharded or any(isinstance(t, DTensor) for t in model.state_dict().values())
+        )
+        self.version = 0
+        """Bumped by :meth:`changed`: the number of changes of the EMA so far."""
+        self._rank0: dict[str, torch.Tensor] | None = None  # sharded: rank 0's full copy
+        self._rank0_version = -1
+        self._module: nn.Module | None = None
+        self._gathered: list[list[str]] = []  # names of each gathered tensor (tied: several)
+        self._ints: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not self.sharded:
+            self._module = self._build(model)
+
+    def _build(self, model: nn.Module) -> nn.Module:
+        ema = self.engine.ema_tensors()
+        named = dict(model.state_dict(keep_vars=True))
         memo: dict[int, Any] = {}
-        self._param_fqns: list[str] = []
+        names: dict[int, list[str]] = {}
         for fqn, tensor in named.items():
             if id(tensor) in memo:
-                if isinstance(tensor, nn.Parameter):
-                    self._param_fqns.append(fqn)
+                names.get(id(tensor), []).append(fqn)
                 continue
+            ours = ema.get(fqn)
+            whole = ours is not None and (self.live or not isinstance(ours, DTensor))
             if isinstance(tensor, nn.Parameter):
-                self._param_fqns.append(fqn)
-                value = _full_local(ema[fqn]) if self.live else _meta_like(tensor)
+                if ours is None:  # not tracked (non-float): the model's value
+                    value = tensor.detach().clone()
+                elif self.live:
+                    value = _full_local(ours)
+                else:
+                    names[id(tensor)] = [fqn]
+                    value = _meta(tensor)
                 memo[id(tensor)] = nn.Parameter(value, requires_grad=False)
-            elif tensor.is_floating_point():
-                memo[id(tensor)] = _full_local(ema[fqn])
+            elif ours is not None and tensor.is_floating_point():
+                if whole:
+                    memo[id(tensor)] = _full_local(ours)
+                else:
+                    names[id(tensor)] = [fqn]
+                    memo[id(tensor)] = _meta(tensor)
             else:
                 memo[id(tensor)] = tensor.detach().clone()
-        self.module: nn.Module = copy.deepcopy(model, memo)
-        self.module.eval()
-        object.__setattr__(self.module, "_dtensor_ema_fix", fix)  # read by the hooks
+        module = copy.deepcopy(model, memo)
+        module.eval()
+        object.__setattr__(module, "_dtensor_ema_fix", self.fix)  # read by the hooks
+        self._gathered = list(names.values())
         self._ints = [
-            (t, named[k]) for k, t in self.module.state_dict().items() if not t.is_floating_point()
+            (t, named[k]) for k, t in module.state_dict().items() if not t.is_floating_point()
         ]
-        self._meta = {k: _meta_like(named[k]) for k in self._param_fqns}
-        self.module.register_state_dict_pre_hook(_refuse_released)
-        self.module.register_forward_pre_hook(_refuse_released_forward)
-        self.module.register_load_state_dict_pre_hook(_LoadIntoEngine(engine))
+        module.register_state_dict_pre_hook(_refuse_released)
+        module.register_forward_pre_hook(_refuse_released_forward)
+        module.register_load_state_dict_pre_hook(_LoadIntoEngine(self.engine))
+        return module
+
+    # ------------------------------------------------------------------ evaluation
+    @property
+    def module(self) -> nn.Module:
+        """The module a facade exposes: the replica, or (sharded) the engine's module,
+        built on first access (see :meth:`~dtensor_ema.ModelEMA.build_module`)."""
+        return self._module if self._module is not None else self.engine.module
 
     @property
     def materialized(self) -> bool:
-        """Whether the module's parameters hold the current EMA (no storage otherwise)."""
-        return not _released(self.module)
+        """Whether a rank-0 save works now without a gather (see the module docstring)."""
+        if self.live:
+            return True
+        if self._module is not None:
+            return not _released(self._module)
+        return self._rank0_version == self.version
 
     def materialize(self) -> None:
-        """Gather the full EMA parameters into :attr:`module`. **Collective** over the EMA's
-        mesh (every rank must call it) unless live; a no-op while already materialized.
-        Peak extra memory: one full copy of the parameters (kept) plus one gather bucket."""
-        if self.live or self.materialized:
+        """Gather the full EMA where the habits read it. **Collective** over the EMA's mesh
+        (every rank must call it) unless live; a no-op while current.
+
+        Replica: every rank all-gathers the full parameters into :attr:`module` (peak
+        extra memory: one full copy of the parameters, kept until :meth:`changed`, plus
+        one bucket). Sharded: global rank 0 receives a full CPU copy (kept until
+        :meth:`changed`); the other ranks hold one bucket while it runs.
+        """
+        if self.materialized:
+            return
+        if self._module is None:
+            full = self.engine.get_ema_state_dict(only_rank0_receives=True, cpu_offload=True)
+            self._rank0, self._rank0_version = (full or None), self.version
             return
         full = self.engine.get_ema_state_dict()
-        for fqn in self._param_fqns:
-            _set_parameter(self.module, fqn, nn.Parameter(full[fqn], requires_grad=False))
+        for names in self._gathered:
+            value = full[names[0]]
+            for fqn in names:
+                _set_tensor(self._module, fqn, value)
+
+    def prepare_eval(self) -> None:
+        """Before a validation pass: the replica is gathered (:meth:`materialize`,
+        **collective** after a change); the sharded module needs nothing (it gathers one
+        unit per forward)."""
+        if self._module is not None:
+            self.materialize()
+
+    def forward_module(self) -> nn.Module:
+        """:meth:`prepare_eval`, then the module to run."""
+        self.prepare_eval()
+        return self.module
 
     def release(self) -> None:
-        """Free the gathered parameters (they no longer match the EMA). Local."""
-        if self.live or not self.materialized:
+        """Free the replica's gathered tensors (evaluation is over). Local."""
+        if self._module is None or self.live or _released(self._module):
             return
-        for fqn in self._param_fqns:
-            _set_parameter(self.module, fqn, nn.Parameter(self._meta[fqn], requires_grad=False))
+        for names in self._gathered:
+            for fqn in names:
+                _set_tensor(self._module, fqn, _meta(_get_tensor(self._module, fqn)))
+
+    def changed(self, *, ints: bool = True) -> None:
+        """The EMA moved (update, set, load): free every gathered copy and (``ints``) copy
+        the model's integer buffers into the replica. Local."""
+        self.version += 1
+        self._rank0 = None
+        self.release()
+        if ints:
+            self.refresh_ints()
 
     def refresh_ints(self) -> None:
         """Copy the model's integer buffers (``num_batches_tracked``), as timm's update does."""
@@ -102,9 +208,25 @@ class EmaReplica:
             for ours, theirs in self._ints:
                 ours.copy_(theirs)
 
-    def refuse_if_released(self) -> None:
-        if _released(self.module):
-            raise RuntimeError(_message(self.fix))
+    # ------------------------------------------------------------------ saves
+    def full_state(self, what: str) -> dict[str, Any]:
+        """The full EMA state dict keyed like the model, for a save one rank makes. Local.
+
+        Raises:
+            RuntimeError: sharded and not materialized on this rank since the last change
+                (the message names ``what`` and the fix).
+        """
+        if self.live:
+            return self.engine.get_ema_state_dict()
+        if self._module is not None and not _released(self._module):
+            return self._module.state_dict()
+        if self._module is None and self._rank0 is not None and self.materialized:
+            return self._rank0
+        world = self.engine.mesh.size() if self.engine.mesh is not None else 1
+        raise RuntimeError(
+            f"{what} on a sharded EMA (each of the {world} ranks holds 1/{world} of every "
+            f"tensor) would save one rank's piece. Fix: {self.fix}"
+        )
 
 
 def _full_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,19 +234,32 @@ def _full_local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    shape = tensor.shape
-    return torch.empty(shape, dtype=tensor.dtype, device="meta")
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
-def _set_parameter(root: nn.Module, fqn: str, value: nn.Parameter) -> None:
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     path, _, name = fqn.rpartition(".")
-    owner = root.get_submodule(path) if path else root
-    setattr(owner, name, value)
+    return (root.get_submodule(path) if path else root), name
+
+
+def _get_tensor(root: nn.Module, fqn: str) -> torch.Tensor:
+    owner, name = _owner(root, fqn)
+    value = getattr(owner, name)
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _set_tensor(root: nn.Module, fqn: str, value: torch.Tensor) -> None:
+    owner, name = _owner(root, fqn)
+    if name in owner._parameters:
+        setattr(owner, name, nn.Parameter(value, requires_grad=False))
+    else:
+        setattr(owner, name, value)
 
 
 def _released(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _message(fix: str) -> str:
@@ -143,7 +278,7 @@ def _refuse_released_forward(module: nn.Module, args: Any) -> None:
     _refuse_released(module, "", False)
 
 
-_DEFAULT_FIX = "call materialize() on the EMA on every rank first"
+_DEFAULT_FIX = "call gather_for_save() on the EMA on every rank first"
 
 
 class _LoadIntoEngine:
@@ -169,12 +304,15 @@ class _LoadIntoEngine:
             return
         ours = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         self.engine.load_full_state_dict(ours)
-        # Released parameters get storage, so the load that follows fills them: the module
+        # Released tensors get storage, so the load that follows fills them: the module
         # then holds the loaded weights (one full copy) until the next update.
-        for fqn, param in list(module.named_parameters()):
-            if param.is_meta and fqn in ours:
-                value = torch.empty_like(param, device=ours[fqn].device)
-                _set_parameter(module, fqn, nn.Parameter(value, requires_grad=False))
+        named: list[tuple[str, torch.Tensor]] = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        for fqn, tensor in named:
+            if tensor.is_meta and fqn in ours:
+                _set_tensor(module, fqn, torch.empty_like(tensor, device=ours[fqn].device))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _LoadIntoEngine:
         return _LoadIntoEngine(None)

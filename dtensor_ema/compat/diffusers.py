@@ -15,9 +15,14 @@ parameters are taken as replicated over the default process group (DDP) and shar
 it. Pass ``model=`` (the module the parameters belong to) for FSDP2 models, so the EMA
 reads the sharded parameters even after a forward without backward. Deliberate
 differences: ``to()``/``pin_memory()`` cannot move the shards (use ``ModelEMA(offload=True)``);
-``load_state_dict`` refuses other hyper-parameters than the constructor's. With more than
-one rank, ``state_dict()`` and ``save_pretrained()`` on rank 0 alone need
-``gather_for_save()`` on every rank first (see :mod:`dtensor_ema.compat._rank0_save`).
+``load_state_dict`` refuses other hyper-parameters than the constructor's.
+
+The rank-0 save (``state_dict()``, ``save_pretrained()``, ``copy_to`` a fresh model) uses
+the mechanism every drop-in shares (:mod:`dtensor_ema.compat._replica`): with more than
+one rank it works after ``ema.gather_for_save()`` on every rank (one collective; plain/DDP
+parameters: every rank then holds one full copy of the EMA, what diffusers keeps always,
+until the next ``step``; DTensor parameters: rank 0 alone holds one full CPU copy), and
+raises naming that fix otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.compat._rank0_save import Rank0Save
+from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import DiffusersDecay, WarmupDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
@@ -91,7 +96,7 @@ class EMAModel:
             exclude=frozen or None,
             **kwargs,
         )
-        self._save = Rank0Save(self._engine, "ema_model")
+        self._replica = EmaReplica(self._engine, fix_message("ema_model"))
         self.temp_stored_params: list[torch.Tensor] | None = None
         self._private = False  # from_pretrained: parameters nobody else can change
 
@@ -124,8 +129,9 @@ class EMAModel:
             a is not b for a, b in zip(given, self._params, strict=True)
         ):
             raise ValueError("step() got other parameters than the ones this EMAModel tracks")
+        self._replica.release()
         self._engine.update()
-        self._save.version += 1
+        self._replica.changed()
 
     def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Tracked parameters: **collective** (every rank), each rank writes its pieces.
@@ -136,7 +142,7 @@ class EMAModel:
         ):
             copy_ema_into_model(self._engine, self._params)
             return
-        full = self._save.full("EMAModel.copy_to(other parameters)")
+        full = self._replica.full_state("EMAModel.copy_to(other parameters)")
         with torch.no_grad():
             for i, param in enumerate(params):
                 param.data.copy_(full[str(i)].to(param.device))
@@ -163,15 +169,17 @@ class EMAModel:
         raise NotImplementedError("use ModelEMA(offload=True) to keep the shards in host memory")
 
     def gather_for_save(self) -> None:
-        """**Collective** (every rank) before a rank-0 ``state_dict()``/``save_pretrained``."""
-        self._save.gather()
+        """**Collective** (every rank) before a rank-0 ``state_dict()``/``save_pretrained``:
+        the full EMA stays until the next ``step`` (plain/DDP: on every rank, one full copy;
+        DTensor parameters: on rank 0's CPU)."""
+        self._replica.materialize()
 
     def state_dict(self) -> dict[str, Any]:
         """diffusers' dict with full ``shadow_params``. Local (see ``gather_for_save``)."""
-        if self._private and self._save.version == 0:  # the EMA is the loaded model
+        if self._private and self._replica.version == 0:  # the EMA is the loaded model
             full = {str(i): p.detach().clone() for i, p in enumerate(self._params)}
         else:
-            full = self._save.full("EMAModel.state_dict()")
+            full = self._replica.full_state("EMAModel.state_dict()")
         out: dict[str, Any] = {k: getattr(self, k) for k in _HYPER}
         out["optimization_step"] = self.optimization_step
         return out | {"shadow_params": [full[str(i)] for i in range(len(self._params))]}
@@ -194,7 +202,7 @@ class EMAModel:
             self._engine.load_full_state_dict(
                 {str(i): t for i, t in enumerate(shadow)}, updates=step
             )
-        self._save.version += 1
+        self._replica.changed()
 
     def save_pretrained(self, path: str) -> None:
         """As diffusers; on rank 0 alone needs ``gather_for_save()`` first when sharded."""

@@ -10,24 +10,36 @@ onto ``ModelEMA(update_every=N, updates=N - 1, update_after_step=N + update_afte
 with a schedule that does not raise the decay to ``N``. Bit for bit equal to ema-pytorch
 0.8.3 (``tests/test_compat.py``).
 
+Evaluation (``ema(x)``, ``ema.eval()``, ``forward_eval``) runs on ``ema_model``, a replica
+gathered once per validation pass: ``ema.eval()`` or the first ``ema(x)`` after an update
+all-gathers the full parameters (**collective**: every rank validates) and keeps them until
+the next ``update()``, ``copy_params_from_model_to_ema()``, ``train()`` or load; each rank
+holds ``1/W`` of the parameters in between (peak while gathered: one full copy per rank,
+what ema-pytorch keeps always). Calling ``ema.ema_model(x)`` directly while the parameters
+are freed raises, naming the fix. Float buffers are kept whole on every rank
+(``replicate_buffers=True``), each rank averaging its own model's, as ema-pytorch's
+replica does. ``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2
+module instead (one unit gathered per forward: peak about the largest unit, about 4x
+slower per batch); FSDP2/TP models always do. The rank-0 save
+``torch.save(ema.state_dict())`` works after ``ema.gather_for_save()`` (or ``ema.eval()``)
+on every rank and refuses naming that fix otherwise (see :mod:`dtensor_ema.compat._replica`).
+
 Deliberate differences: integer buffers (``num_batches_tracked``) follow the model
-(ema-pytorch leaves them at their construction value); ``ema_model`` is the sharded EMA
-module (its forward is collective: every rank calls it); ``ema_model``, ``ignore_names``,
+(ema-pytorch leaves them at their construction value); ``ema_model``, ``ignore_names``,
 ``ignore_startswith_names``, ``update_model_with_ema_every``, ``forward_method_names``
-and ``lazy_init_ema`` are refused (``ValueError``). With more than one rank,
-``state_dict()`` needs ``gather_for_save()`` on every rank first (see
-:mod:`dtensor_ema.compat._rank0_save`).
+and ``lazy_init_ema`` are refused (``ValueError``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from dtensor_ema.compat._rank0_save import Rank0Save
+from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
@@ -48,7 +60,9 @@ class EMA(nn.Module):
     """ema-pytorch's ``EMA`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
-    ``update()`` is local. ``mesh`` (keyword only) is passed to ``ModelEMA``.
+    ``update()`` is local; ``eval()``, ``gather_for_save()`` and the first call after an
+    update are collective over the EMA's mesh (see the module docstring). ``evaluation``
+    and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
     """
 
     def __init__(
@@ -73,6 +87,8 @@ class EMA(nn.Module):
         move_ema_to_online_device: bool = False,
         coerce_dtype: bool = False,
         lazy_init_ema: bool = False,
+        *,
+        evaluation: Literal["replica", "sharded"] = "replica",
         **engine: Any,
     ) -> None:
         super().__init__()
@@ -92,6 +108,10 @@ class EMA(nn.Module):
             )
         if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
             raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+        if evaluation not in ("replica", "sharded"):
+            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
+        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
+        engine.setdefault("replicate_buffers", not sharded_model and evaluation == "replica")
         self.beta, self.inv_gamma, self.power, self.min_value = beta, inv_gamma, power, min_value
         self.update_every, self.update_after_step = update_every, update_after_step
         self.include_online_model = include_online_model
@@ -105,7 +125,14 @@ class EMA(nn.Module):
             exclude=set(param_or_buffer_names_no_ema) or None,
             **engine,
         )
-        self._save = Rank0Save(self._engine, "ema")
+        self.evaluation = evaluation
+        self._replica = EmaReplica(
+            self._engine,
+            fix_message("ema", also="`ema.eval()`"),
+            sharded=evaluation == "sharded",
+        )
+        if not self._replica.sharded:  # registered, as ema-pytorch registers its copy
+            self._modules["ema_model"] = self._replica.module
 
     @property
     def model(self) -> nn.Module:
@@ -116,8 +143,10 @@ class EMA(nn.Module):
 
     @property
     def ema_model(self) -> nn.Module:
-        """The sharded EMA as a module (collective forward; see ``ModelEMA.module``)."""
-        return self._engine.module
+        """The EMA as a module: the replica (parameters gathered by ``eval()``, a call or
+        ``gather_for_save()``; running it while they are freed raises), or with
+        ``evaluation="sharded"`` the engine's sharded module (collective forward)."""
+        return self._replica.module
 
     @property
     def engine(self) -> ModelEMA:
@@ -135,8 +164,9 @@ class EMA(nn.Module):
 
     def update(self) -> None:
         """One ema-pytorch step. Local: no communication."""
+        self._replica.release()
         self._engine.update()
-        self._save.version += 1
+        self._replica.changed()
 
     def get_current_decay(self) -> float:
         """The decay of the current ``step`` (0.0: a copy)."""
@@ -145,8 +175,9 @@ class EMA(nn.Module):
 
     def copy_params_from_model_to_ema(self) -> None:
         """Local: every rank copies its own piece."""
+        self._replica.release()
         self._engine.set()
-        self._save.version += 1
+        self._replica.changed()
 
     def copy_params_from_ema_to_model(self) -> None:
         """**Collective** (every rank): the model's tensors become the EMA's."""
@@ -156,22 +187,52 @@ class EMA(nn.Module):
         return optimizer.register_step_post_hook(lambda *_: self.update())
 
     def eval(self) -> nn.Module:  # type: ignore[override]
+        """``ema_model.eval()``, gathered first (**collective** after an update; replica)."""
+        self._replica.prepare_eval()
         return self.ema_model.eval()
 
+    def train(self, mode: bool = True) -> EMA:
+        """``train()`` frees the gathered replica (local); ``train(False)`` is ``eval()``."""
+        if mode:
+            self._replica.release()
+        else:
+            self._replica.prepare_eval()
+        if self._replica.sharded:
+            self._replica.module.train(mode)
+        return super().train(mode)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.ema_model(*args, **kwargs)
+        """``ema_model(*args)``; gathers first after an update (**collective**; replica)."""
+        return self._replica.forward_module()(*args, **kwargs)
+
+    def forward_eval(self, *args: Any, **kwargs: Any) -> Any:
+        """ema-pytorch's: the forward in eval mode, the mode restored after."""
+        module = self._replica.forward_module()
+        training = module.training
+        module.eval()
+        out = module(*args, **kwargs)
+        module.train(training)
+        return out
+
+    def materialize(self) -> None:
+        """Gather the full EMA on every rank until the next update (replica), or to rank
+        0's CPU (sharded). **Collective**. Peak: one full copy of the parameters."""
+        self._replica.materialize()
 
     def gather_for_save(self) -> None:
-        """**Collective** (every rank) before a rank-0 ``torch.save(ema.state_dict())``."""
-        self._save.gather()
+        """**Collective** (every rank) before a rank-0 ``torch.save(ema.state_dict())``:
+        the same as :meth:`materialize`."""
+        self._replica.materialize()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """ema-pytorch's keys (``initted``, ``step``, ``online_model.*``, ``ema_model.*``)
-        with full tensors. Local, after ``gather_for_save()`` on every rank when sharded."""
+        with full tensors. Local; when sharded, after ``gather_for_save()`` (or ``eval()``)
+        on every rank, else raises."""
         out: dict[str, Any] = {"initted": self.initted, "step": self.step}
         if self.include_online_model:
             out |= {f"online_model.{k}": v for k, v in self.model.state_dict().items()}
-        out |= {f"ema_model.{k}": v for k, v in self._save.full("EMA.state_dict()").items()}
+        full = self._replica.full_state("EMA.state_dict()")
+        out |= {f"ema_model.{k}": v for k, v in full.items()}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
@@ -183,4 +244,4 @@ class EMA(nn.Module):
         if self.include_online_model:
             online = {k[13:]: v for k, v in state_dict.items() if k.startswith("online_model.")}
             self.model.load_state_dict(online, strict=strict)
-        self._save.version += 1
+        self._replica.changed()

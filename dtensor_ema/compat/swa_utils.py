@@ -17,21 +17,34 @@ Same constructor, ``update_parameters(model)``, ``n_averaged``, ``use_buffers``,
 Bit for bit equal to torch's ``AveragedModel`` (``tests/test_compat.py``), except integer
 buffers (``num_batches_tracked``): they follow the model, where torch with
 ``use_buffers=True`` averages them too (and truncates). ``device`` must be the model's
-device or ``None``. With more than one rank ``state_dict()`` needs ``gather_for_save()``
-on every rank first (see :mod:`dtensor_ema.compat._rank0_save`).
+device or ``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``)
+and each rank averages its own model's, as torch's replica on that rank does.
+
+Evaluation (``.module``, forward) runs on a replica gathered once per validation pass:
+``eval()``, or the first forward after an update, all-gathers the full parameters
+(**collective**: every rank validates) and keeps them until the next ``update_parameters``,
+``train()`` or load; each rank holds ``1/W`` of the parameters in between (peak while
+gathered: one full copy per rank, what torch's replica keeps always). ``update_bn(loader,
+swa_model)`` recomputes the EMA's own BatchNorm statistics (each rank its own, as torch).
+``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2 module instead (one
+unit gathered per forward: peak about the largest unit, about 4x slower per batch);
+FSDP2/TP models always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works
+after ``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix
+otherwise (see :mod:`dtensor_ema.compat._replica`).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import swa_utils as _torch_swa
 
-from dtensor_ema.compat._rank0_save import Rank0Save
+from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import ConstantDecay, DecaySchedule, RunningMeanDecay
 from dtensor_ema.model_ema import ModelEMA
 
@@ -83,8 +96,9 @@ class AveragedModel(nn.Module):
     """torch's ``AveragedModel`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
-    ``update_parameters`` is local; ``forward`` (``.module``) is collective over the EMA's
-    mesh. ``mesh`` (keyword only) is passed to ``ModelEMA``.
+    ``update_parameters`` is local; ``eval()``, ``gather_for_save()`` and the first forward
+    after an update are collective over the EMA's mesh (see the module docstring).
+    ``evaluation`` and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
     """
 
     def __init__(
@@ -94,10 +108,14 @@ class AveragedModel(nn.Module):
         avg_fn: Callable[[Tensor, Tensor, Tensor | int], Tensor] | None = None,
         multi_avg_fn: Callable[..., None] | None = None,
         use_buffers: bool = False,
+        *,
+        evaluation: Literal["replica", "sharded"] = "replica",
         **engine: Any,
     ) -> None:
         super().__init__()
         found = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
+        if evaluation not in ("replica", "sharded"):
+            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
         schedule: DecaySchedule = (
             RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
         )
@@ -109,6 +127,8 @@ class AveragedModel(nn.Module):
                 f"({first.device}); it already holds 1/W of the model per rank"
             )
         self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
+        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
+        engine.setdefault("replicate_buffers", not sharded_model and evaluation == "replica")
         self._engine = ModelEMA(
             model,
             schedule=schedule,
@@ -117,7 +137,14 @@ class AveragedModel(nn.Module):
             formula=formula,
             **engine,
         )
-        self._save = Rank0Save(self._engine, "averaged_model")
+        self.evaluation = evaluation
+        self._replica = EmaReplica(
+            self._engine,
+            fix_message("swa_model", also="`swa_model.eval()`"),
+            sharded=evaluation == "sharded",
+        )
+        if not self._replica.sharded:  # registered as torch registers its copy
+            self._modules["module"] = self._replica.module
 
     @staticmethod
     def check_kwargs(
@@ -138,33 +165,55 @@ class AveragedModel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The sharded average as a module (see ``ModelEMA.module``)."""
-        return self._engine.module
+        """The average as a module: the replica (parameters gathered by ``eval()``, the
+        forward or ``gather_for_save()``; calling it while they are freed raises), or with
+        ``evaluation="sharded"`` the engine's sharded module (collective forward)."""
+        return self._replica.module
 
     @property
     def n_averaged(self) -> Tensor:
         return torch.tensor(self._engine.updates, dtype=torch.long)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """The average's forward. **Collective** after an update (the gather; replica), or
+        on every call (sharded)."""
+        return self._replica.forward_module()(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> AveragedModel:
+        """``eval()`` gathers the replica (**collective**); ``train()`` frees it (a forward
+        in train mode, e.g. ``update_bn``, gathers it again)."""
+        if mode:
+            self._replica.release()
+        else:
+            self._replica.prepare_eval()
+        if self._replica.sharded:
+            self._replica.module.train(mode)
+        return super().train(mode)
 
     def update_parameters(self, model: nn.Module) -> None:
         """One averaging step. Local: no communication. ``model`` must be the tracked one."""
+        self._replica.release()
         self._engine.update(model)
-        self._save.version += 1
+        self._replica.changed()
+
+    def materialize(self) -> None:
+        """Gather the full average on every rank until the next update (replica), or to
+        rank 0's CPU (sharded). **Collective**. Peak: one full copy of the parameters."""
+        self._replica.materialize()
 
     def gather_for_save(self) -> None:
-        """**Collective** (every rank) before a rank-0 ``torch.save(model.state_dict())``."""
-        self._save.gather()
+        """**Collective** (every rank) before a rank-0 ``torch.save(model.state_dict())``:
+        the same as :meth:`materialize`."""
+        self._replica.materialize()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """torch's keys (``module.*``, ``n_averaged``) with full tensors. Local, after
-        ``gather_for_save()`` on every rank when sharded."""
-        full = self._save.full("AveragedModel.state_dict()")
+        """torch's keys (``module.*``, ``n_averaged``) with full tensors. Local; when
+        sharded, after ``gather_for_save()`` (or ``eval()``) on every rank, else raises."""
+        full = self._replica.full_state("AveragedModel.state_dict()")
         return {f"module.{k}": v for k, v in full.items()} | {"n_averaged": self.n_averaged}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, **_: Any) -> Any:  # type: ignore[override]
         """Load full tensors (every rank the same; each keeps its piece). Local."""
         ema = {k[7:]: v for k, v in state_dict.items() if k.startswith("module.")}
         self._engine.load_full_state_dict(ema, updates=int(state_dict["n_averaged"]))
-        self._save.version += 1
+        self._replica.changed()

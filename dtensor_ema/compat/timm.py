@@ -17,8 +17,13 @@ ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)
 ``.module`` has the model's structure; its parameters are gathered once per evaluation
 (``eval()``, or the first forward after an update; **collective**: every rank validates, as
 timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``train()``. In
-between, each rank holds ``1/W`` of the parameters. See :mod:`dtensor_ema.compat._replica`
-for the save habit.
+between, each rank holds ``1/W`` of the parameters. Peak while gathered: one full copy of
+the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
+(keyword) evaluates through the engine's FSDP2 module instead (one unit gathered per
+forward: peak about the largest unit, about 4x slower per batch; see
+``benchmarks/compat_eval.py``). The rank-0 save (``unwrap_model(model_ema).state_dict()``)
+works after ``eval()`` or ``gather_for_save()`` on every rank, and refuses naming that fix
+otherwise; see :mod:`dtensor_ema.compat._replica`.
 
 Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
 EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
@@ -27,8 +32,9 @@ without ``step=`` (its first call averages, as timm's does, each rank its own ro
 
 Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
 with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
-stochastic rounding and FSDP2 models' rank-0 ``state_dict`` are not supported (FSDP2:
-``.module`` is the engine's sharded module; save with DCP).
+stochastic rounding are not supported. With an FSDP2 model (or ``evaluation="sharded"``)
+``.module`` is the engine's sharded module, whose ``state_dict()`` holds DTensors, as a
+real timm EMA of an FSDP2 model does: save with DCP.
 """
 
 from __future__ import annotations
@@ -39,16 +45,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.compat._replica import EmaReplica
+from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
 
 __all__ = ["ModelEmaV2", "ModelEmaV3"]
 
-_FIX = (
-    "call model_ema.eval() (or model_ema.materialize()) on every rank before rank 0 saves "
-    "unwrap_model(model_ema).state_dict() or runs model_ema.module alone"
-)
+_FIX = fix_message("model_ema", also="`model_ema.eval()`, as timm's validate() calls it")
 
 
 class ModelEmaV3(nn.Module):
@@ -77,8 +80,12 @@ class ModelEmaV3(nn.Module):
         stochastic_rounding_seed: int = 0,
         foreach: bool = True,
         exclude_buffers: bool = False,
+        *,
+        evaluation: Literal["replica", "sharded"] = "replica",
     ) -> None:
         super().__init__()
+        if evaluation not in ("replica", "sharded"):
+            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
         if device is not None and torch.device(device) != next(model.parameters()).device:
             raise NotImplementedError(
                 f"device={device!r} (an EMA on another device than the model) is not "
@@ -103,7 +110,7 @@ class ModelEmaV3(nn.Module):
             update_after_step=after,
             buffers="copy" if exclude_buffers else "average",
             ema_dtype=dtype,
-            replicate_buffers=not sharded_model,
+            replicate_buffers=not sharded_model and evaluation == "replica",
             # timm's train.py builds the EMA before DDP with a per-rank seed; its first
             # update(model, step=1) copies the synchronized model, as timm's does.
             verify_replicas=False,
@@ -119,12 +126,9 @@ class ModelEmaV3(nn.Module):
         self.stochastic_rounding = stochastic_rounding
         self.stochastic_rounding_seed = stochastic_rounding_seed
         self.exclude_buffers = exclude_buffers
-        self._replica: EmaReplica | None = None
-        if sharded_model:
-            self.module = engine.module
-        else:
-            self._replica = EmaReplica(engine, _FIX)
-            self.module = self._replica.module
+        self.evaluation = evaluation
+        self._replica = EmaReplica(engine, _FIX, sharded=evaluation == "sharded")
+        self.module = self._replica.module
         self._engine = engine
 
     @property
@@ -158,41 +162,40 @@ class ModelEmaV3(nn.Module):
             raise ValueError(f"step must be an int >= 1, got {step!r}")
         else:
             engine.updates = step - 1
-        self._release()
+        self._replica.release()  # before the update: the full copy is stale from here on
         engine.update(model)
-        if self._replica is not None:
-            self._replica.refresh_ints()
+        self._replica.changed()
 
     @torch.no_grad()
     def set(self, model: nn.Module) -> None:
         """Copy ``model`` into the EMA. Local."""
-        self._release()
+        self._replica.release()
         self._engine.set(model)
-        if self._replica is not None:
-            self._replica.refresh_ints()
+        self._replica.changed()
 
     def materialize(self) -> None:
-        """Gather the full EMA parameters into :attr:`module` until the next update.
-        **Collective** (every rank). Peak: one full copy of the parameters per rank."""
-        if self._replica is not None:
-            self._replica.materialize()
+        """Gather the full EMA for evaluation and a rank-0 save until the next update.
+        **Collective** (every rank). Peak: one full copy of the parameters per rank
+        (``evaluation="sharded"``: one full CPU copy on rank 0 only)."""
+        self._replica.materialize()
+
+    def gather_for_save(self) -> None:
+        """The same as :meth:`materialize`: call it on every rank before rank 0 alone saves
+        ``unwrap_model(model_ema).state_dict()`` (``eval()`` does it too). **Collective**."""
+        self._replica.materialize()
 
     def train(self, mode: bool = True) -> ModelEmaV3:
-        """``eval()`` gathers the parameters (**collective**); ``train()`` frees them."""
+        """``eval()`` gathers the parameters (**collective**, replica only); ``train()``
+        frees them."""
         if mode:
-            self._release()
+            self._replica.release()
         else:
-            self.materialize()
+            self._replica.prepare_eval()
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The EMA module's forward; gathers first after an update (**collective**)."""
-        self.materialize()
-        return self.module(*args, **kwargs)
-
-    def _release(self) -> None:
-        if self._replica is not None:
-            self._replica.release()
+        return self._replica.forward_module()(*args, **kwargs)
 
 
 class ModelEmaV2(ModelEmaV3):

@@ -10,11 +10,13 @@ is the engine's default schedule; float buffers are replicated
 
 ``.ema`` has the model's structure; between gathers its parameters hold no storage and
 each rank keeps ``1/W`` of the EMA. ultralytics validates and saves ``deepcopy(ema.ema)``
-on rank 0 alone, where no collective can run: call ``ema.materialize()`` on every rank
-before that (one line in the trainer, e.g. right after the epoch's last ``optimizer_step``);
-without it, a state dict or forward of ``.ema`` after an update raises a ``RuntimeError``
-saying so instead of saving missing weights. A single process, or a one-rank group, needs
-nothing: ``.ema`` then holds the live EMA.
+on rank 0 alone, where no collective can run: call ``ema.materialize()`` (alias
+``ema.gather_for_save()``) on every rank before that (one line in the trainer, e.g. right
+after the epoch's last ``optimizer_step``); without it, a state dict or forward of ``.ema``
+after an update raises a ``RuntimeError`` saying so instead of saving missing weights (a
+pickle of ``.ema`` made then refuses at load). Peak while gathered: one full copy of the
+parameters per rank, freed by the next update; see :mod:`dtensor_ema.compat._replica`. A
+single process, or a one-rank group, needs nothing: ``.ema`` then holds the live EMA.
 
 Differences, deliberate: a tied weight is averaged once (ultralytics lerps it once per
 state-dict name, i.e. with ``d**2``). yolov5 computes ``v *= d; v += (1 - d) * m`` where
@@ -27,15 +29,13 @@ from collections.abc import Callable, Iterable
 
 from torch import nn
 
-from dtensor_ema.compat._replica import EmaReplica
+from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.model_ema import ModelEMA as _Engine
 from dtensor_ema.plan import unwrap_model
 
 __all__ = ["ModelEMA"]
 
-_FIX = (
-    "call ema.materialize() on every rank (a collective) before rank 0 validates or saves ema.ema"
-)
+_FIX = fix_message("ema", also="`ema.materialize()`")
 
 
 class ModelEMA:
@@ -83,7 +83,8 @@ class ModelEMA:
         """One EMA step from ``model`` (DDP-wrapped or not) when enabled. Local."""
         if self.enabled:
             self._replica.release()
-            self._engine.update(model)  # integer buffers keep their first value, as there
+            self._engine.update(model)
+            self._replica.changed(ints=False)  # integer buffers keep their first value
 
     def update_attr(
         self, model: nn.Module, include: Iterable[str] = (), exclude: Iterable[str] = ()
@@ -101,4 +102,8 @@ class ModelEMA:
     def materialize(self) -> None:
         """Gather the full EMA parameters into :attr:`ema` until the next update.
         **Collective** (every rank). Peak: one full copy of the parameters per rank."""
+        self._replica.materialize()
+
+    def gather_for_save(self) -> None:
+        """The same as :meth:`materialize` (the name every drop-in shares). **Collective**."""
         self._replica.materialize()
