@@ -104,8 +104,9 @@ def _swa_kwargs(options: dict[str, Any], ours: bool) -> dict[str, Any]:
     return out
 
 
-def make(name: str, model: nn.Module, ours: bool) -> Any:
+def make(name: str, model: nn.Module, ours: bool, **extra: Any) -> Any:
     lib, options = OPTIONS[name]
+    options = options | (extra if ours else {})
     if lib == "ep":
         return (our_ema_pytorch.EMA if ours else ema_pytorch.EMA)(model, **options)
     if lib == "swa":
@@ -163,12 +164,19 @@ def mirror_(mirror: nn.Module, model: nn.Module) -> None:
 
 
 def compare_run(
-    rank: int, model: nn.Module, tracked: nn.Module, mirror: nn.Module, names: list[str], steps: int
+    rank: int,
+    model: nn.Module,
+    tracked: nn.Module,
+    mirror: nn.Module,
+    names: list[str],
+    steps: int,
+    **extra: Any,
 ) -> tuple[dict[str, bool], dict[str, Any], dict[str, Any]]:
     """Train ``model`` ``steps`` steps; the real EMAs watch ``mirror`` (kept equal to the
-    model), the drop-ins watch ``tracked``. Returns equality per name and both sets."""
+    model), the drop-ins (built with ``extra`` options) watch ``tracked``. Returns equality
+    per name and both sets."""
     real = {n: make(n, mirror, ours=False) for n in names}
-    ours = {n: make(n, tracked, ours=True) for n in names}
+    ours = {n: make(n, tracked, ours=True, **extra) for n in names}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i in range(steps):
         train_step(model, opt, seed=1000 * rank + i)
@@ -198,8 +206,25 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             except RuntimeError as e:
                 refusals[n] = str(e)
     out["refusals"] = refusals
+    # Evaluation: the module itself refuses to run while its weights are not gathered;
+    # eval() gathers them once (every rank), then the drop-in's forward equals the real
+    # EMA model's bit for bit, and rank 0 can save without gather_for_save().
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(11))
+    direct: dict[str, str] = {}
+    forward: dict[str, bool] = {}
     for n in names:
-        ours[n].gather_for_save()
+        if OPTIONS[n][0] == "df":
+            ours[n].gather_for_save()  # no module: the save habit's own call
+            continue
+        try:
+            with torch.no_grad():
+                _module(n, ours[n])(x)
+            direct[n] = "no error"
+        except RuntimeError as e:
+            direct[n] = str(e)
+        forward[n] = _same_forward(n, real[n], ours[n], x)
+    out["direct"], out["forward"] = direct, forward
+    for n in names:
         if rank == 0:
             torch.save(ours[n].state_dict(), base / f"{n}-w{world}.pt")
             torch.save(real[n].state_dict(), base / f"{n}-real-w{world}.pt")
@@ -219,6 +244,8 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             step(n, fresh[n], net)
     for n in names:
         continued[n] = same(real_full(n, real[n]), ours_full(fresh[n]))
+        if OPTIONS[n][0] != "df":
+            continued[n] = continued[n] and _same_forward(n, real[n], fresh[n], x)
     out["resumed"], out["continued"] = resumed, continued
     # FSDP2: the drop-ins track the sharded model (diffusers: its DTensor parameters,
     # layout inferred); the real EMAs a plain mirror of its full weights.
@@ -227,11 +254,81 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
         fully_shard(model.body[0])
         fully_shard(model)
         mirror = Net()
-        out["fsdp2"], _, _ = compare_run(rank, model, model, mirror, names, 12)
+        out["fsdp2"], real, ours = compare_run(rank, model, model, mirror, names, 12)
+        out["fsdp2_save"] = sharded_save(rank, names, real, ours, x)
+        # A plain DDP model with evaluation="sharded": the per-unit forward, same save rule.
+        net = Net()
+        ddp = DDP(net)
+        sharded = [n for n in names if OPTIONS[n][0] != "df"]
+        _, real, ours = compare_run(rank, ddp, net, net, sharded, 6, evaluation="sharded")
+        out["sharded_option"] = sharded_save(rank, sharded, real, ours, x)
     if world == 2:
         out["lightning"] = lightning_runs(world, base / "lightning")
         out["diffusers_habit"] = diffusers_habit(rank, base / "unet_ema")
     return out
+
+
+def _module(name: str, ema: Any) -> nn.Module:
+    return ema.ema_model if OPTIONS[name][0] == "ep" else ema.module
+
+
+def _same_forward(name: str, real: Any, ours: Any, x: torch.Tensor, atol: float = 0.0) -> bool:
+    """The drop-in's forward after ``eval()`` (collective) against the real EMA model's."""
+    real.eval()
+    ours.eval()
+    with torch.no_grad():
+        a, b = real(x), ours(x)
+    return bool(torch.isfinite(a).all()) and bool((a - b).abs().max() <= atol)
+
+
+def sharded_save(
+    rank: int, names: list[str], real: dict[str, Any], ours: dict[str, Any], x: torch.Tensor
+) -> dict[str, Any]:
+    """Drop-ins evaluating through the sharded module (FSDP2 models, evaluation="sharded"):
+    the rank-0 save refuses until gather_for_save() ran on every rank, then equals the real
+    library's state dict bit for bit; the forward matches within FSDP2's rounding."""
+    out: dict[str, Any] = {}
+    for n in names:
+        refusal = "no error"
+        if rank == 0:
+            try:
+                ours[n].state_dict()
+            except RuntimeError as e:
+                refusal = str(e)
+        if OPTIONS[n][0] != "df":
+            ours[n].eval()  # sharded: gathers nothing
+            refusal_after_eval = "no error"
+            if rank == 0:
+                try:
+                    ours[n].state_dict()
+                except RuntimeError as e:
+                    refusal_after_eval = str(e)
+            out[f"{n}/forward"] = _same_forward(n, real[n], ours[n], x, atol=1e-5)
+            out[f"{n}/after_eval"] = refusal_after_eval if rank == 0 else None
+        ours[n].gather_for_save()
+        saved = ours[n].state_dict() if rank == 0 else None
+        out[f"{n}/refusal"] = refusal if rank == 0 else None
+        out[f"{n}/saved"] = rank != 0 or _same_state(
+            _ema_part(saved), _ema_part(real[n].state_dict())
+        )
+    return out
+
+
+def _ema_part(state: Any) -> Any:
+    """ema-pytorch's state dict without the online model (an FSDP2 model's own DTensors)."""
+    return {k: v for k, v in state.items() if not k.startswith("online_model.")}
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Two libraries' state dicts: every tensor (nested in lists too) equal bit for bit."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same_state(u, v) for u, v in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        a, b = a.detach().cpu(), b.detach().cpu()
+        return a.dtype == b.dtype and bool(torch.isfinite(a.float()).all()) and torch.equal(a, b)
+    return bool(a == b)
 
 
 def tiny_unet() -> Any:
@@ -609,11 +706,50 @@ def test_rank0_save_is_refused_with_the_fix(
 
 
 @pytest.mark.distributed
-def test_w2_files_load_into_the_real_libraries(ranks: dict[int, list[dict[str, Any]]]) -> None:
-    root = Path(ranks[0][0]["root"]) / "w2"
+@pytest.mark.parametrize("world", [2, 3])
+def test_evaluation_through_the_dropins_module(
+    ranks: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    """ema(x) / swa_model(x) after eval() equal the real EMA model's forward bit for bit;
+    the module itself refuses to run while its weights are not gathered."""
+    with_module = [n for n in OPTIONS if OPTIONS[n][0] != "df"]
+    for out in ranks[world]:
+        assert out["forward"] == {n: True for n in with_module}
+        assert set(out["direct"]) == set(with_module)
+        for message in out["direct"].values():
+            assert "gather_for_save()" in message and "every rank" in message, message
+    for out in ranks[1]:  # one rank: the module holds the live EMA, nothing to gather
+        assert out["forward"] == {n: True for n in with_module}
+        assert out["direct"] == {n: "no error" for n in with_module}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_evaluation_and_rank0_save(
+    ranks: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    """FSDP2 models, and evaluation="sharded" on DDP: the per-unit forward matches the real
+    EMA model; the rank-0 save refuses (also after eval(), which gathers nothing) until
+    gather_for_save() ran on every rank, then equals the real library's state dict."""
+    for out in ranks[world]:
+        for part in ("fsdp2_save", "sharded_option"):
+            assert out[part], part
+            for key, value in out[part].items():
+                if key.endswith(("/forward", "/saved")):
+                    assert value is True, (part, key)
+                elif value is not None:  # rank 0's refusals
+                    assert "gather_for_save()" in value and "every rank" in value, (key, value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank0_files_load_into_the_real_libraries(
+    ranks: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    root = Path(ranks[0][0]["root"]) / f"w{world}"
     for name in OPTIONS:
-        ours = torch.load(root / f"{name}-w2.pt", weights_only=False)
-        theirs = torch.load(root / f"{name}-real-w2.pt", weights_only=False)
+        ours = torch.load(root / f"{name}-w{world}.pt", weights_only=False)
+        theirs = torch.load(root / f"{name}-real-w{world}.pt", weights_only=False)
         fresh = make(name, Net(), ours=False)
         fresh.load_state_dict(ours)
         assert same(real_full(name, fresh), real_full(name, _loaded(name, theirs))), name
