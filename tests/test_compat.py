@@ -5,9 +5,13 @@ A small model is trained with real SGD steps; every real EMA and its drop-in wat
 model, with default and non-default options: in this process (no process group), and at
 W=1, 2 and 3 on gloo under DDP and FSDP2 (one spawned body per world size). Each library's
 checkpoint habit is exercised: ``torch.save`` of ``state_dict()`` on rank 0 (refused, naming
-the fix, until ``gather_for_save()`` ran on every rank), loaded back on every rank and
-resumed; the W=2 files load into the real libraries in this process; Lightning checkpoints
-keep Lightning's layout (``state_dict`` = the average) and resume.
+the fix, until a gather every rank reached: ``eval()`` for the drop-ins with a module,
+``gather_for_save()`` for diffusers), loaded back on every rank and resumed; the W=2 and
+W=3 files load into the real libraries in this process; Lightning checkpoints keep
+Lightning's layout (``state_dict`` = the average) and resume. Evaluation: the drop-ins'
+forward (a replica gathered once per pass) equals the real EMA model's bit for bit, the
+module refuses to run while released, and the sharded per-unit forward (FSDP2 models,
+``evaluation="sharded"``) matches within FSDP2's rounding.
 """
 
 from __future__ import annotations

@@ -184,6 +184,8 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     )
     out["v2/max_abs"] = max(float(b[k].abs().max()) for k in b if b[k].is_floating_point())
 
+    out.update(_swa_update_bn(rank, distributed))
+
     # ultralytics ModelEMA: default ramp and a non-default one.
     for name, opts in {"default": {}, "short": {"decay": 0.95, "tau": 3}}.items():
         torch.manual_seed(0)
@@ -226,6 +228,39 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out[f"ultra-{name}/saved_half"] = _same(ckpt["ema"].float().state_dict(), half)
         out[f"ultra-{name}/resumed"] = _same(resumed_u.ema.state_dict(), half)
     return out
+
+
+def _swa_update_bn(rank: int, distributed: bool) -> dict[str, Any]:
+    """torch's SWA habit on a BatchNorm model under DDP: ``update_bn(loader, swa_model)``
+    recomputes the average's own statistics (each rank from its own batches), then the
+    forward in eval mode; the drop-in against torch's ``AveragedModel``, bit for bit."""
+    from torch.optim import swa_utils
+
+    from dtensor_ema.compat.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    net = Net()
+    theirs = swa_utils.AveragedModel(net, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+    ours = AveragedModel(net, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+    model = nn.parallel.DistributedDataParallel(net) if distributed else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        _train_step(model, opt, rank, step)
+        theirs.update_parameters(net)
+        ours.update_parameters(net)
+    g = torch.Generator().manual_seed(50 + rank)
+    loader = [torch.randn(4, 3, 9, 9, generator=g) for _ in range(2)]
+    swa_utils.update_bn(loader, theirs)
+    swa_utils.update_bn(loader, ours)
+    ours.eval()
+    theirs.eval()
+    x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        same_forward = torch.equal(ours(x), theirs(x))
+    return {
+        "swa/update_bn": _same(ours.module.state_dict(), theirs.module.state_dict()),
+        "swa/update_bn_forward": same_forward,
+    }
 
 
 def _fsdp2_part(rank: int) -> dict[str, Any]:
@@ -289,6 +324,7 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
             assert out["fsdp2/weights"] == [], rank
             assert out["fsdp2/forward_gap"] <= 1e-5, rank
         assert out["v2/max_abs_gap"] == 0 and math.isfinite(out["v2/max_abs"])
+        assert out["swa/update_bn"] == [] and out["swa/update_bn_forward"], rank
         for name in ("default", "short"):
             assert out[f"ultra-{name}/weights"] == [], (rank, name)
             assert out[f"ultra-{name}/saved_half"] == [], (rank, name)
