@@ -8,7 +8,8 @@ original, our drop-in (``evaluation="replica"``, the default) and our drop-in wi
 does one update, then one validation pass the way the library's users run it:
 ``ema.eval()`` (ours: the replica's one coalesced all-gather, kept until the next update)
 and ``--batches`` forwards under ``no_grad``, the three alternating batch by batch (so load
-from neighbours hits all alike). Reported per batch, the gather amortized over the pass.
+from neighbours hits all alike). Reported per batch: the median forward (robust to bursts
+of load on a shared machine) plus the gather amortized over the pass.
 Before that, one warm-up pass per EMA (one batch) measures the peak resident memory of
 ``eval()`` plus one batch (``VmHWM`` above the resident memory before), as a multiple of
 the model's parameter bytes.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -153,16 +155,21 @@ def rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, q
                 del ema
             emas = {v: build[v](model) for v in VARIANTS}
             gathers = {v: _eval(emas[v]) for v in VARIANTS}
-            spent = dict.fromkeys(VARIANTS, 0.0)
+            spent: dict[str, list[float]] = {v: [] for v in VARIANTS}
             with torch.no_grad():
                 for x in batches:
                     for variant in VARIANTS:
                         dist.barrier()
                         start = time.perf_counter()
                         emas[variant](x)
-                        spent[variant] += time.perf_counter() - start
+                        spent[variant].append(time.perf_counter() - start)
             results[library] = {
-                v: ((spent[v] + gathers[v]) / args.batches, gathers[v], peaks[v]) for v in VARIANTS
+                v: (
+                    statistics.median(spent[v]) + gathers[v] / args.batches,
+                    gathers[v],
+                    peaks[v],
+                )
+                for v in VARIANTS
             }
             del emas
         queue.put((rank, results))
@@ -196,7 +203,8 @@ def main() -> None:
     print(
         f"{args.model}, W={args.world} gloo, batch {args.batch_size}x3x{args.image}^2, "
         f"{args.batches} batches per pass, {args.threads} thread(s) per rank; ms per batch "
-        "(the drop-ins' eval() gather amortized over the pass), ratio to the original; "
+        "(median forward + the drop-ins' eval() gather amortized over the pass), ratio to the "
+        "original; "
         "peak extra memory of eval() + one batch in parameter bytes"
     )
     print(
