@@ -60,9 +60,10 @@ class ModelEmaV3(nn.Module):
     Construction is **collective** over the default group when one is initialized (the
     engine's structure check: one small all-gather and one flag all-reduce; the replica
     check is off, since timm's first update copies the model): every rank must construct
-    it. ``update`` and
-    ``set`` never communicate; ``eval()``, ``materialize()`` and a forward after an
-    update all-gather the parameters once (collective over the default group).
+    it. ``update`` and ``set`` never communicate; ``eval()``, ``materialize()``,
+    ``gather_for_save()`` and a forward after an update all-gather the parameters once
+    (collective over the default group; with ``evaluation="sharded"``, ``eval()`` gathers
+    nothing, each forward is collective, and ``gather_for_save()`` gathers to rank 0).
     """
 
     _FORMULA: Literal["lerp", "weighted_sum"] = "lerp"  # timm's _foreach_lerp_
