@@ -22,15 +22,16 @@ and each rank averages its own model's, as torch's replica on that rank does.
 
 Evaluation (``.module``, forward) runs on a replica gathered once per validation pass:
 ``eval()``, or the first forward after an update, all-gathers the full parameters
-(**collective**: every rank validates) and keeps them until the next ``update_parameters``,
-``train()`` or load; each rank holds ``1/W`` of the parameters in between (peak while
-gathered: one full copy per rank, what torch's replica keeps always). ``update_bn(loader,
-swa_model)`` recomputes the EMA's own BatchNorm statistics (each rank its own, as torch).
-``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2 module instead (one
-unit gathered per forward: peak about the largest unit, about 4x slower per batch);
-FSDP2/TP models always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works
-after ``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix
-otherwise (see :mod:`dtensor_ema.compat._replica`).
+(**collective**: every rank validates) and keeps them until the next
+``update_parameters``, ``train()`` or load; each rank holds ``1/W`` of the parameters in
+between (peak while gathered: one full copy per rank, what torch's replica keeps always).
+``update_bn(loader, swa_model)`` recomputes the EMA's own BatchNorm statistics (each rank
+its own, as torch). ``evaluation="sharded"`` (keyword) evaluates through the engine's
+FSDP2 module instead (one unit gathered per forward: peak about the largest unit, 1.3-1.7x
+the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``); FSDP2/TP models
+always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works after
+``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix otherwise
+(see :mod:`dtensor_ema.compat._replica`).
 """
 
 from __future__ import annotations

@@ -15,15 +15,16 @@ ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)
   rank holds, so ``timm.utils.distribute_bn(model_ema, world, reduce)`` gives timm's values.
 
 ``.module`` has the model's structure; its parameters are gathered once per evaluation
-(``eval()``, or the first forward after an update; **collective**: every rank validates, as
-timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``train()``. In
-between, each rank holds ``1/W`` of the parameters. Peak while gathered: one full copy of
-the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
+(``eval()``, or the first forward after an update; **collective**: every rank validates,
+as timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``train()``.
+In between, each rank holds ``1/W`` of the parameters. Peak while gathered: one full copy
+of the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
 (keyword) evaluates through the engine's FSDP2 module instead (one unit gathered per
-forward: peak about the largest unit, about 4x slower per batch; see
-``benchmarks/compat_eval.py``). The rank-0 save (``unwrap_model(model_ema).state_dict()``)
-works after ``eval()`` or ``gather_for_save()`` on every rank, and refuses naming that fix
-otherwise; see :mod:`dtensor_ema.compat._replica`.
+forward: peak about the largest unit, 1.3-1.7x the replica's time per batch on ResNet-50;
+see ``benchmarks/compat_eval.py``). The rank-0 save
+(``unwrap_model(model_ema).state_dict()``) works after ``eval()`` or ``gather_for_save()``
+on every rank, and refuses naming that fix otherwise; see
+:mod:`dtensor_ema.compat._replica`.
 
 Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
 EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
