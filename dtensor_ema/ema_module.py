@@ -36,6 +36,7 @@ from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
+from dtensor_ema.tp_module import build_tp_twin, needs_tp_twin
 
 __all__ = ["UnitSpec", "build_ema_module", "default_units"]
 
@@ -160,18 +161,13 @@ def build_ema_module(
         isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
     ):
         raise ValueError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp_units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if needs_tp_twin(plan):
+        chosen = fsdp_units or _resolve_units(model, units)
+        unit_order = sorted((u for u in chosen if u), key=lambda fqn: -fqn.count("."))
+        return build_tp_twin(model, plan, unit_order, compute_dtype)
+    if fsdp_units:
         return _fsdp_mirror(model, plan, compute_dtype)
-    dtensors = [e for e in plan if e.is_dtensor_source]
-    if dtensors:
-        first = dtensors[0].source
-        assert isinstance(first, DTensor)
-        raise NotImplementedError(
-            f"ema.module for models with DTensor parameters outside FSDP2 (tensor "
-            f"parallelism: {dtensors[0].fqn!r} has placements {tuple(first.placements)} on "
-            f"mesh {first.device_mesh.mesh.tolist()}) is not implemented: evaluate with "
-            "ema.average_parameters()"
-        )
     if mesh is None:
         return _shared_twin(model, plan, compute_dtype)
     if mesh.ndim != 1:
