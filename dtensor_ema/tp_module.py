@@ -42,9 +42,18 @@ from dtensor_ema.plan import EmaPlan, PlanEntry
 
 __all__ = ["build_tp_twin", "needs_tp_twin"]
 
-ComputeSpec = tuple[DeviceMesh, tuple[Placement, ...]] | None
-"""How the model's forward sees a parameter: a DTensor's mesh and placements, or ``None``
-for a plain full tensor."""
+@dataclass(frozen=True, slots=True)
+class _Compute:
+    """How the model's forward reads a DTensor parameter: a DTensor of ``mesh`` and
+    ``placements``, or with ``local`` its local piece as a plain tensor (FSDP2's
+    ``spmd_types`` path, torchtitan's default). ``None`` stands for a plain full tensor."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    local: bool = False
+
+
+ComputeSpec = _Compute | None
 
 
 def needs_tp_twin(plan: EmaPlan) -> bool:
@@ -91,12 +100,16 @@ class _Gather:
         )
 
     def wrap(self, local: torch.Tensor) -> nn.Parameter:
-        if self.compute is None:
+        if self.compute is None or self.compute.local:
             return nn.Parameter(local, requires_grad=False)
-        mesh, placements = self.compute
         shape = self.entry.source.shape
         value = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape)
+            local,
+            self.compute.mesh,
+            self.compute.placements,
+            run_check=False,
+            shape=shape,
+            stride=contiguous_stride(shape),
         )
         return nn.Parameter(value, requires_grad=False)
 
@@ -248,7 +261,7 @@ def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dt
     if not isinstance(source, DTensor):
         return _Gather(entry, None, (), global_shape, None, dtype)
     mesh, placements = source.device_mesh, tuple(source.placements)
-    cplacements = compute[1] if compute is not None else ()
+    cplacements = compute.placements if compute is not None else ()
     extra = len(placements) - len(cplacements)
     aligned = (Replicate(),) * extra + tuple(cplacements)
     gathered: list[Placement] = []
@@ -257,12 +270,16 @@ def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dt
             gathered.append(Replicate())
         elif want.is_replicate() and _shard_dim(have) is not None:
             gathered.append(Shard(_shard_dim(have)))  # FSDP2 chunks the TP-local piece
-    shape = _local_shape(global_shape, compute) if compute is not None else global_shape
+    shape = (
+        _local_shape(global_shape, compute.mesh, cplacements)
+        if compute is not None
+        else global_shape
+    )
     if (
         extra < 0
         or len(gathered) != len(placements)
         or shape is None
-        or _local_shape(shape, (mesh, tuple(gathered))) != tuple(entry.source_piece.shape)
+        or _local_shape(shape, mesh, tuple(gathered)) != tuple(entry.source_piece.shape)
     ):
         raise NotImplementedError(
             f"ema.module for {entry.fqn!r} with placements {placements} on mesh "
@@ -284,16 +301,15 @@ def _shard_dim(placement: Placement) -> int | None:
 def _own_spec(source: torch.Tensor) -> ComputeSpec:
     """A parameter outside FSDP2 is read as it is."""
     if isinstance(source, DTensor):
-        return source.device_mesh, tuple(source.placements)
+        return _Compute(source.device_mesh, tuple(source.placements))
     return None
 
 
 def _local_shape(
-    shape: Sequence[int], spec: tuple[DeviceMesh, tuple[Placement, ...]]
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> tuple[int, ...] | None:
     """This rank's local shape under ``Shard``/``Replicate`` placements (``torch.chunk``
     per mesh dim, in mesh-dim order, as DTensor does), or ``None`` for other placements."""
-    mesh, placements = spec
     out = list(shape)
     for mesh_dim, placement in enumerate(placements):
         if placement.is_replicate():
@@ -380,5 +396,6 @@ def _fsdp_compute_specs(model: nn.Module) -> dict[int, ComputeSpec]:
                     "unsharded layout of a DTensor parameter where it cannot be read; "
                     "evaluate with ema.average_parameters()"
                 )
-            out[id(sharded)] = (spec.mesh, tuple(spec.placements))
+            local = bool(getattr(fp, "is_spmd_types", False))  # FSDP2 unshards to the local
+            out[id(sharded)] = _Compute(spec.mesh, tuple(spec.placements), local)
     return out
