@@ -379,8 +379,8 @@ class ModelEMA:
 
         Raises:
             RuntimeError: the module was already built.
-            NotImplementedError: tensor-parallel models (TP, FSDP2 + TP), ``offload=True``, a
-                plain/DDP model on an N-D mesh (each message names the layout).
+            NotImplementedError: ``offload=True``, a plain/DDP model on an N-D mesh, a TP
+                layout the module cannot rebuild (each message names the layout).
             ValueError: bad ``units`` or ``compute_dtype``.
         """
         if self._module is not None:

@@ -34,13 +34,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.layout import chunk_range, contiguous_stride
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
 
 __all__ = ["build_tp_twin", "needs_tp_twin"]
+
 
 @dataclass(frozen=True, slots=True)
 class _Compute:
@@ -131,10 +131,17 @@ def build_tp_twin(
         NotImplementedError: a DTensor buffer, or a parameter whose layout the twin cannot
             rebuild (naming it and its placements).
     """
-    from dtensor_ema.ema_module import _clone_without_fsdp, _rebind_callables, _slots
+    from dtensor_ema.ema_module import (
+        _clone_without_fsdp,
+        _install_forward_hooks,
+        _rebind_callables,
+        _slots,
+    )
 
     by_fqn = plan.by_fqn()
-    dtensor_buffers = [f for f, t, _, _, k in _slots(model) if k == "buffer" and _is_dt(t)]
+    dtensor_buffers = [
+        f for f, t, _, _, k in _slots(model) if k == "buffer" and isinstance(t, DTensor)
+    ]
     if dtensor_buffers:
         raise NotImplementedError(
             f"ema.module for a tensor-parallel model with DTensor buffers {dtensor_buffers[:5]}"
@@ -151,8 +158,8 @@ def build_tp_twin(
             memo[id(tensor)] = nn.Parameter(
                 torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), requires_grad=False
             )
-        elif tracked is None:  # never averaged (integer, non-persistent): the model's own
-            memo[id(tensor)] = tensor
+        elif tracked is None:  # never averaged: copied from the model before each forward
+            memo[id(tensor)] = torch.empty_like(tensor)
         else:
             memo[id(tensor)] = torch.empty(
                 tensor.shape, dtype=compute_dtype or tensor.dtype, device=tensor.device
@@ -185,7 +192,7 @@ def build_tp_twin(
     for unit, slots in by_unit.items():
         if slots:
             _install_unit_hooks(twin.get_submodule(unit), slots, rest)
-    _install_root_hooks(model, twin, plan)
+    _install_forward_hooks(model, twin, plan)
     return twin
 
 
@@ -226,28 +233,6 @@ def _install_unit_hooks(
     unit.register_forward_hook(post_forward, always_call=True)
 
 
-def _install_root_hooks(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> None:
-    """Before a forward: check every rank enters it, and gather the EMA's float buffers
-    into the twin's (one flat all-gather per bucket over each replica group)."""
-    from dtensor_ema.ema_module import _buffer_piece, _slots
-
-    slots = {fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin) if kind == "buffer"}
-    entries = [e for e in plan if not e.is_parameter]
-    pieces = [_buffer_piece(e, slots[e.fqn]) for e in entries]
-
-    def pre_forward(_module: nn.Module, _args: Any) -> None:
-        check_all_ranks_enter(plan.world, "ema.module forward")
-        if not pieces:
-            return
-        with torch.no_grad():
-            full = gather_full_tensors(pieces)
-            for entry in entries:
-                owner, name = slots[entry.fqn]
-                owner._buffers[name].copy_(full[entry.fqn])  # type: ignore[union-attr]
-
-    twin.register_forward_pre_hook(pre_forward, prepend=True)
-
-
 def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dtype) -> _Gather:
     """Match the model parameter's (sharded) layout against the layout its forward reads.
 
@@ -268,8 +253,8 @@ def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dt
     for have, want in zip(placements, aligned[-len(placements) :], strict=False):
         if have == want and (want.is_replicate() or type(want) is Shard):
             gathered.append(Replicate())
-        elif want.is_replicate() and _shard_dim(have) is not None:
-            gathered.append(Shard(_shard_dim(have)))  # FSDP2 chunks the TP-local piece
+        elif want.is_replicate() and (dim := _shard_dim(have)) is not None:
+            gathered.append(Shard(dim))  # FSDP2 chunks the TP-local piece
     shape = (
         _local_shape(global_shape, compute.mesh, cplacements)
         if compute is not None
@@ -321,10 +306,6 @@ def _local_shape(
     return tuple(out)
 
 
-def _is_dt(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor)
-
-
 def _assign_units(model: nn.Module, units: list[str]) -> dict[str, str]:
     """Raw parameter fqn (every name of a shared tensor) -> the deepest unit holding it."""
     out = {}
@@ -342,7 +323,7 @@ def _unit_param_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     out = {}
     for fqn, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            dtype = _student_mp_policy(module).param_dtype
+            dtype = _student_mp_policy(module).param_dtype  # type: ignore[arg-type]
             if dtype is not None:
                 out[fqn] = dtype
     return out
@@ -350,9 +331,7 @@ def _unit_param_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
 
 def _fsdp_managed(model: nn.Module) -> set[int]:
     """Ids of the sharded parameters FSDP2 manages (every parameter under an FSDP2 unit)."""
-    return {
-        id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()
-    }
+    return {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
 
 
 def _fsdp_compute_specs(model: nn.Module) -> dict[int, ComputeSpec]:
@@ -372,7 +351,7 @@ def _fsdp_compute_specs(model: nn.Module) -> dict[int, ComputeSpec]:
         if not isinstance(module, FSDPModule):
             continue
         try:
-            state = module._get_fsdp_state()  # type: ignore[operator]
+            state = module._get_fsdp_state()
             groups = getattr(state, "_fsdp_param_groups", None)
             if groups is None:
                 group = state._fsdp_param_group

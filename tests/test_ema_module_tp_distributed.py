@@ -26,12 +26,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -168,9 +166,8 @@ def _case(
         k
         for k, p in rest.items()
         if not isinstance(p, DTensor)
-        or p.to_local().data_ptr() != tensors[k.replace("_checkpoint_wrapped_module.", "")]
-        .to_local()
-        .data_ptr()
+        or p.to_local().data_ptr()
+        != tensors[k.replace("_checkpoint_wrapped_module.", "")].to_local().data_ptr()
     ]
     seen: dict[str, Any] = {}
 
