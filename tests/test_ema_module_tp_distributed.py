@@ -4,7 +4,8 @@ Cases: a TP-only model at W=2 (``parallelize_module`` with ``ColwiseParallel`` /
 ``RowwiseParallel``, a norm replicated on the tp mesh by ``distribute_module``, plain
 parameters outside TP); at W=4 on a 2 x 2 mesh, the same model with TP on the inner dim and
 ``fully_shard`` on the outer (as torchtitan does), the TP-only model with a dp dim it does
-not shard, and torchtitan 0.3.0's own llama3 debugmodel (fused Q/K/V, two layers)
+not shard, the TP-only model over all 4 ranks, and torchtitan 0.3.0's own
+llama3 debugmodel (fused Q/K/V, two layers)
 parallelized by its own ``parallelize_llama`` with FSDP2 + TP on its ``ParallelDims``.
 
 Each case keeps a full-model EMA reference written here (``lerp_`` of ``full_tensor()``
@@ -46,11 +47,11 @@ DIM, HIDDEN = 11, 18  # uneven: FSDP splits TP-local rows 9 -> 5/4 and 11 -> 6/5
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, HIDDEN)
-        self.w2 = nn.Linear(HIDDEN, DIM)
+        self.w1 = nn.Linear(DIM, hidden)
+        self.w2 = nn.Linear(hidden, DIM)
         self.register_buffer("shift", torch.zeros(DIM))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +62,10 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN) -> None:
         super().__init__()
         self.embed = nn.Linear(6, DIM)
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleList([Block(hidden), Block(hidden)])
         self.out = nn.Linear(DIM, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +121,18 @@ def _load(reference: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     return reference.eval()
 
 
+def _not_shared(module: nn.Module, ema: ModelEMA) -> list[str]:
+    """Parameters of ``module`` that are not the EMA's own DTensors (storage-wise)."""
+    tensors = ema.ema_tensors()
+    return [
+        k
+        for k, p in module.named_parameters()
+        if not isinstance(p, DTensor)
+        or p.to_local().data_ptr()
+        != tensors[k.replace("_checkpoint_wrapped_module.", "")].to_local().data_ptr()
+    ]
+
+
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual = _full(actual) if isinstance(actual, DTensor) else actual
     if not torch.isfinite(expected).all():
@@ -160,15 +173,7 @@ def _case(
     bytes_before = ema.local_nbytes()
     module = ema.module
     out: dict[str, Any] = {"bytes_before": bytes_before, "bytes_after": ema.local_nbytes()}
-    tensors = ema.ema_tensors()
-    rest = dict(module.named_parameters())
-    out["rest_not_shared"] = [
-        k
-        for k, p in rest.items()
-        if not isinstance(p, DTensor)
-        or p.to_local().data_ptr()
-        != tensors[k.replace("_checkpoint_wrapped_module.", "")].to_local().data_ptr()
-    ]
+    out["rest_not_shared"] = _not_shared(module, ema)
     seen: dict[str, Any] = {}
 
     def record(m: nn.Module, _args: Any) -> None:
@@ -204,9 +209,7 @@ def _case(
         ema_mismatch=[k for k in ref if not torch.equal(got[k], ref[k])],
         swap_mismatch=[k for k in ref if not torch.equal(inside[k], ref[k])],
         probe=seen.get("probe"),
-        rest_after=[
-            k for k, p in module.named_parameters() if not isinstance(p, DTensor) or k not in rest
-        ],
+        rest_after=_not_shared(module, ema),  # the gathered parameters are dropped
     )
     return out
 
@@ -215,9 +218,9 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(step))
 
 
-def _net() -> tuple[Net, Net]:
+def _net(hidden: int = HIDDEN) -> tuple[Net, Net]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(hidden)
     return model, copy.deepcopy(model)
 
 
@@ -310,7 +313,14 @@ def tp4_body(rank: int, world_size: int) -> dict[str, Any]:
         _tp(model, mesh["tp"])
         return _case(model, reference, _batch, probe="layers.1.w2")
 
-    cases = {"fsdp_tp": fsdp_tp, "tp_on_2d": tp_on_2d}
+    def tp_1d() -> dict[str, Any]:
+        # TP over all 4 ranks (TP's own local outputs need even shards): the replicated
+        # norms and biases (11) split 3, 3, 3, 2 in the EMA.
+        model, reference = _net(hidden=20)
+        _tp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+        return _case(model, reference, _batch, probe="layers.0.w1")
+
+    cases = {"fsdp_tp": fsdp_tp, "tp_on_2d": tp_on_2d, "tp_1d": tp_1d}
     if importlib.util.find_spec("torchtitan") is not None:
 
         def titan_fsdp_tp() -> dict[str, Any]:
@@ -361,7 +371,9 @@ def tp4_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return run_ranks(tp4_body, 4, tmp_path_factory.mktemp("tp4"), deadline_s=400)
 
 
-def _check(results: list[dict[str, Any]], name: str, probe: tuple[Any, ...]) -> None:
+def _check(results: list[dict[str, Any]], name: str, probe: Any) -> None:
+    """``probe``: the probed weight's (type, placements, local shape) during the forward,
+    or a list of them by rank."""
     for rank, cases in enumerate(results):
         out = cases[name]
         assert "error" not in out, f"rank {rank}: {out['error']}"
@@ -372,7 +384,7 @@ def _check(results: list[dict[str, Any]], name: str, probe: tuple[Any, ...]) -> 
         assert out["swap_forward_equal"], out  # bit for bit: the same layouts and kernels
         assert out["bytes_after"] == out["bytes_before"], out
         assert out["rest_not_shared"] == [] and out["rest_after"] == [], out
-        assert out["probe"] == probe, out
+        assert out["probe"] == (probe[rank] if isinstance(probe, list) else probe), out
 
 
 def test_tp_only_module_matches_the_unsharded_reference(tp2_results: list[Any]) -> None:
@@ -390,10 +402,11 @@ def test_offload_module_is_refused_naming_the_layout(tp2_results: list[Any]) -> 
     [
         ("fsdp_tp", ("DTensor", ["S(0)"], [HIDDEN // 2, DIM])),
         ("tp_on_2d", ("DTensor", ["S(1)"], [DIM, HIDDEN // 2])),
+        ("tp_1d", ("DTensor", ["S(0)"], [5, DIM])),
     ],
 )
 def test_2x2_module_matches_the_unsharded_reference(
-    tp4_results: list[Any], name: str, probe: tuple[Any, ...]
+    tp4_results: list[Any], name: str, probe: Any
 ) -> None:
     _check(tp4_results, name, probe)
 
