@@ -35,7 +35,7 @@ from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtensor_ema import ModelEMA
@@ -251,7 +251,19 @@ def tp2_body(rank: int, world_size: int) -> dict[str, Any]:
             return {"refused": str(error)}
         return {"refused": None}
 
-    return _guarded({"tp_only": tp_only, "offload": offload})
+    def dtensor_buffer() -> dict[str, Any]:
+        model, _ = _net()
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        _tp(model, mesh)
+        model.layers[0].register_buffer("scale", distribute_tensor(torch.ones(3), mesh))
+        ema = ModelEMA(model, decay=DECAY)
+        try:
+            ema.build_module()
+        except NotImplementedError as error:
+            return {"refused": str(error)}
+        return {"refused": None}
+
+    return _guarded({"tp_only": tp_only, "offload": offload, "dtensor_buffer": dtensor_buffer})
 
 
 # ------------------------------------------------------------------ W=4: 2 x 2
@@ -391,10 +403,12 @@ def test_tp_only_module_matches_the_unsharded_reference(tp2_results: list[Any]) 
     _check(tp2_results, "tp_only", ("DTensor", ["S(0)"], [HIDDEN // 2, DIM]))
 
 
-def test_offload_module_is_refused_naming_the_layout(tp2_results: list[Any]) -> None:
+def test_layouts_the_module_cannot_hold_are_refused_naming_them(tp2_results: list[Any]) -> None:
     for cases in tp2_results:
         refused = cases["offload"].get("refused")
         assert refused is not None and "offload=True" in refused, cases["offload"]
+        refused = cases["dtensor_buffer"].get("refused")
+        assert refused is not None and "layers.0.scale" in refused, cases["dtensor_buffer"]
 
 
 @pytest.mark.parametrize(
