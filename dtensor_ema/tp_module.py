@@ -86,6 +86,15 @@ class _Gather:
     compute: ComputeSpec
     dtype: torch.dtype
 
+    def in_place(self) -> bool:
+        """The EMA shard already is the compute-layout piece, in the compute dtype."""
+        return (
+            not self.entry.levels
+            and all(p.is_replicate() for p in self.placements)
+            and self.entry.ema_local.dtype == self.dtype
+            and tuple(self.entry.ema_local.shape) == tuple(self.shape)
+        )
+
     def piece(self) -> LocalPiece:
         entry = self.entry  # ema_local read now: the plan may have re-bound it
         return LocalPiece(
@@ -215,12 +224,17 @@ def _install_unit_hooks(
     unit: nn.Module, slots: list[tuple[nn.Module, str, _Gather]], rest: _RestingParameters
 ) -> None:
     """Before ``unit``'s forward: gather its parameters into their compute layout. After it
-    (also when it raises): put the EMA's DTensors back, freeing the gathered copies."""
+    (also when it raises): put the EMA's DTensors back, freeing the gathered copies.
+    **Collective** (when anything is gathered) over the replica and dp groups involved."""
     unique = list({id(g): g for _, _, g in slots}.values())
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
+        # A TP-sharded parameter the EMA does not split further is read in place (no copy).
+        direct = [g for g in unique if g.in_place()]
+        gathered = [g for g in unique if not g.in_place()]
         with torch.no_grad():
-            full = gather_full_tensors([g.piece() for g in unique])
+            full = gather_full_tensors([g.piece() for g in gathered]) if gathered else {}
+            full.update((g.entry.fqn, g.entry.ema_local) for g in direct)
             params = {g.entry.fqn: g.wrap(full[g.entry.fqn]) for g in unique}
         for owner, name, gather in slots:
             owner._parameters[name] = params[gather.entry.fqn]
@@ -340,7 +354,9 @@ def _fsdp_compute_specs(model: nn.Module) -> dict[int, ComputeSpec]:
     torch keeps it only on the private ``FSDPParam`` (``_unsharded_dtensor_spec`` in 2.14,
     ``_tp_spec`` before): the DTensor spec the parameter had when ``fully_shard`` was
     applied (TP mesh and placements, or the full SPMD mesh with ``Replicate()`` on the dp
-    dims), ``None`` for a plain parameter. Read here only, through ``getattr``.
+    dims), ``None`` for a plain parameter. Under ``spmd_types`` (``is_spmd_types``,
+    torchtitan's default backend) FSDP2 hands the forward that spec's *local* piece as a
+    plain tensor. Read here only, through ``getattr``.
 
     Raises:
         NotImplementedError: a torch whose FSDP2 keeps it elsewhere, with a DTensor
