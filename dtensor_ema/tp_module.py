@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dtensor_ema.layout import chunk_range, contiguous_stride
@@ -157,7 +157,8 @@ def build_tp_twin(
             ": evaluate with ema.average_parameters()"
         )
     specs = _fsdp_compute_specs(model)
-    unit_dtypes = _unit_param_dtypes(model)
+    policies = _unit_policies(model)
+    unit_dtypes = {u: p.param_dtype for u, p in policies.items() if p.param_dtype is not None}
     memo: dict[int, Any] = {}
     for fqn, tensor, _, _, kind in _slots(model):
         if id(tensor) in memo:
@@ -199,8 +200,10 @@ def build_tp_twin(
     for owner, name, gather in (s for slots in by_unit.values() for s in slots):
         owner._parameters[name] = rest.get(gather.entry)
     for unit, slots in by_unit.items():
-        if slots:
-            _install_unit_hooks(twin.get_submodule(unit), slots, rest)
+        policy = policies.get(unit, MixedPrecisionPolicy())
+        inputs = compute_dtype or (policy.param_dtype if policy.cast_forward_inputs else None)
+        if slots or inputs is not None or policy.output_dtype is not None:
+            _install_unit_hooks(twin.get_submodule(unit), slots, rest, inputs, policy.output_dtype)
     _install_forward_hooks(model, twin, plan)
     return twin
 
@@ -221,14 +224,20 @@ class _RestingParameters:
 
 
 def _install_unit_hooks(
-    unit: nn.Module, slots: list[tuple[nn.Module, str, _Gather]], rest: _RestingParameters
+    unit: nn.Module,
+    slots: list[tuple[nn.Module, str, _Gather]],
+    rest: _RestingParameters,
+    inputs: torch.dtype | None,
+    output: torch.dtype | None,
 ) -> None:
     """Before ``unit``'s forward: gather its parameters into their compute layout. After it
     (also when it raises): put the EMA's DTensors back, freeing the gathered copies.
-    **Collective** (when anything is gathered) over the replica and dp groups involved."""
+    **Collective** (when anything is gathered) over the replica and dp groups involved.
+    Like FSDP2's ``MixedPrecisionPolicy``, floating-point inputs are cast to ``inputs`` and
+    outputs to ``output`` where set."""
     unique = list({id(g): g for _, _, g in slots}.values())
 
-    def pre_forward(_module: nn.Module, _args: Any) -> None:
+    def pre_forward(_module: nn.Module, args: Any, kwargs: Any) -> Any:
         # A TP-sharded parameter the EMA does not split further is read in place (no copy).
         direct = [g for g in unique if g.in_place()]
         gathered = [g for g in unique if not g.in_place()]
@@ -238,13 +247,28 @@ def _install_unit_hooks(
             params = {g.entry.fqn: g.wrap(full[g.entry.fqn]) for g in unique}
         for owner, name, gather in slots:
             owner._parameters[name] = params[gather.entry.fqn]
+        return (_cast(args, inputs), _cast(kwargs, inputs)) if inputs is not None else None
 
-    def post_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
+    def post_forward(_module: nn.Module, _args: Any, result: Any) -> Any:
         for owner, name, gather in slots:
             owner._parameters[name] = rest.get(gather.entry)
+        return _cast(result, output) if output is not None else None
 
-    unit.register_forward_pre_hook(pre_forward, prepend=True)
+    unit.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
     unit.register_forward_hook(post_forward, always_call=True)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (tuples, lists, dicts) cast."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_cast(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dtype) -> _Gather:
@@ -330,17 +354,15 @@ def _assign_units(model: nn.Module, units: list[str]) -> dict[str, str]:
     return out
 
 
-def _unit_param_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
-    """FSDP2 unit fqn -> the ``param_dtype`` of its ``MixedPrecisionPolicy``, where set."""
+def _unit_policies(model: nn.Module) -> dict[str, MixedPrecisionPolicy]:
+    """FSDP2 unit fqn -> the ``MixedPrecisionPolicy`` it was sharded with."""
     from dtensor_ema.ema_module import _student_mp_policy
 
-    out = {}
-    for fqn, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            dtype = _student_mp_policy(module).param_dtype  # type: ignore[arg-type]
-            if dtype is not None:
-                out[fqn] = dtype
-    return out
+    return {
+        fqn: _student_mp_policy(module)  # type: ignore[arg-type]
+        for fqn, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+    }
 
 
 def _fsdp_managed(model: nn.Module) -> set[int]:

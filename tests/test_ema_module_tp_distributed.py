@@ -34,7 +34,7 @@ import torch
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -57,8 +57,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:  # a running statistic, like BatchNorm's
             with torch.no_grad():
-                self.shift.lerp_(x.detach().mean(dim=(0, 1)), 0.3)
-        return x + self.w2(torch.tanh(self.w1(self.norm(x) + self.shift)))
+                self.shift.lerp_(x.detach().float().mean(dim=(0, 1)), 0.3)
+        return x + self.w2(torch.tanh(self.w1(self.norm(x) + self.shift.to(x.dtype))))
 
 
 class Net(nn.Module):
@@ -332,7 +332,39 @@ def tp4_body(rank: int, world_size: int) -> dict[str, Any]:
         _tp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
         return _case(model, reference, _batch, probe="layers.0.w1")
 
-    cases = {"fsdp_tp": fsdp_tp, "tp_on_2d": tp_on_2d, "tp_1d": tp_1d}
+    def fsdp_tp_bf16() -> dict[str, Any]:
+        # FSDP2 mixed precision: the module gathers bf16 weights and casts the unit inputs,
+        # as the model's FSDP2 does: its forward equals the model's on the EMA bit for bit.
+        model, _ = _net()
+        _tp(model, mesh["tp"])
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        ema = ModelEMA(model, decay=DECAY, tau=None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        for i in range(2):
+            model(_batch(i)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update()
+        seen = []
+        module = ema.module
+        module.get_submodule("layers.0.w1").register_forward_pre_hook(
+            lambda m, args: seen.append((str(m.weight.dtype), str(args[0].dtype)))
+        )
+        model.eval()
+        with torch.no_grad():
+            y = module(_batch(99))
+            with ema.average_parameters():
+                swapped = model(_batch(99))
+        return {
+            "equal": torch.equal(y, swapped),
+            "dtypes": (str(y.dtype), *seen[0]),
+            "ema_dtypes": sorted({str(t.dtype) for t in ema.ema_tensors().values()}),
+        }
+
+    cases = {"fsdp_tp": fsdp_tp, "tp_on_2d": tp_on_2d, "tp_1d": tp_1d, "bf16": fsdp_tp_bf16}
     if importlib.util.find_spec("torchtitan") is not None:
 
         def titan_fsdp_tp() -> dict[str, Any]:
@@ -423,6 +455,15 @@ def test_2x2_module_matches_the_unsharded_reference(
     tp4_results: list[Any], name: str, probe: Any
 ) -> None:
     _check(tp4_results, name, probe)
+
+
+def test_fsdp_tp_mixed_precision_module_equals_the_swapped_model(tp4_results: list[Any]) -> None:
+    for rank, cases in enumerate(tp4_results):
+        out = cases["bf16"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["equal"], out
+        assert out["dtypes"] == ("torch.bfloat16", "torch.bfloat16", "torch.bfloat16"), out
+        assert out["ema_dtypes"] == ["torch.float32"], out
 
 
 def test_torchtitan_fsdp_tp_module_matches_the_unsharded_reference(
