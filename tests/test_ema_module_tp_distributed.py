@@ -104,13 +104,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _live(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full copies of every float parameter and persistent buffer, by module path (no
     state-dict hooks: torchtitan's would split the fused ``wqkv``)."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    persistent = set(model.state_dict(keep_vars=True)) | {n for n, _ in model.named_parameters()}
-    return {
-        n.replace("_checkpoint_wrapped_module.", ""): _full(v)
-        for n, v in named
-        if v.is_floating_point() and (n in persistent or "wqkv" in n)
-    }
+    named = list(model.named_parameters())
+    for prefix, module in model.named_modules():
+        named += [
+            (f"{prefix}.{n}" if prefix else n, b)
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        ]
+    return {n: _full(v) for n, v in named if v.is_floating_point()}
 
 
 def _load(reference: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
