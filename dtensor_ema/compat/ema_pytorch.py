@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtensor_ema.compat._ema_pytorch_posthoc import PostHocEMA
 from dtensor_ema.compat._rank0_save import Rank0Save
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["EMA"]
+__all__ = ["EMA", "PostHocEMA"]
 
 _REFUSED: dict[str, Any] = {
     "ema_model": None,
