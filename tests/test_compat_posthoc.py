@@ -2,7 +2,7 @@
 
 A small model is trained with real SGD steps; the real ``PostHocEMA`` and the drop-in
 watch it with default-like and non-default options, with no process group (this process)
-and at W=2 and W=3 under DDP (one spawned body per world size). Checked:
+at W=1 (a one-rank group in this process) and at W=2 under DDP (one spawned body). Checked:
 
 * every profile's EMA weights, bit for bit;
 * the checkpoints' tensors (ema-pytorch's ``{index}.{step}.pt`` files against our sharded
@@ -138,14 +138,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """``{world: rank 0's results}``; world 0 = no process group (this process)."""
     root = tmp_path_factory.mktemp("posthoc")
     results = {0: _body(0, 0, str(root / "w0"))}
-    for world in (2, 3):
+    # W=1 in this process (a one-rank gloo group: no spawn), then one spawn per W.
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        results[1] = _body(0, 1, str(root / "w1"))
+    finally:
+        dist.destroy_process_group()
+    for world in (2,):
         d = root / f"w{world}"
         d.mkdir()
         results[world] = run_ranks(_body, world, d, str(d))[0]
     return results
 
 
-WORLDS = [0, 2, 3]
+WORLDS = [0, 1, 2]
 
 
 def _read_snapshot(path: Path, key: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
