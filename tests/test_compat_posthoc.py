@@ -126,6 +126,12 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             "ours_dir": str(ours_dir),
             "real_dir": str(real_dir),
             "ema_bytes": sum(p.engine.local_nbytes() for p in ours.ema_models),
+            "real_bytes": sum(
+                v.numel() * v.element_size()
+                for m in real.ema_models
+                for v in m.ema_model.state_dict().values()
+                if v.is_floating_point()
+            ),
         }
     if world:
         dist.barrier()
@@ -249,3 +255,13 @@ def test_synthesized_matches(runs: dict[int, dict[str, Any]], world: int, name: 
         assert _equal(compared, {k: ref[k] for k in compared})
         for k in compared:
             torch.testing.assert_close(compared[k], real[k], rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rank_holds_its_share(runs: dict[int, dict[str, Any]], world: int) -> None:
+    """Rank 0 (the largest shard) holds about 1/W of ema-pytorch's per-rank copies."""
+    run = runs[world]["sigma"]
+    rows = 2 * 7 * 4 * 4  # at most one extra row per tensor and profile from uneven chunks
+    assert run["ema_bytes"] <= run["real_bytes"] // max(world, 1) + rows
+    if world <= 1:
+        assert run["ema_bytes"] == run["real_bytes"]

@@ -117,8 +117,8 @@ class PostHocEMA(nn.Module):
 
     Peak extra memory: one EMA shard per profile (``len(gammas) / W`` of the model's
     floats); ``synthesize_ema_model`` adds one more shard (the result) plus, transiently,
-    one full copy of the model's floats in float64 while summing and a full float32 copy
-    while loading the result.
+    float64 buckets of at most 128 MiB while summing and one full float32 copy of the
+    model's floats while loading the result.
     """
 
     def __init__(
