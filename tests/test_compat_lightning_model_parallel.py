@@ -2,9 +2,9 @@
 ``ModelParallelStrategy`` (FSDP2 via ``fully_shard`` in ``configure_model``, 1-D dp mesh,
 W=2, gloo), against a reference written here.
 
-Lightning's own ``EMAWeightAveraging`` cannot run under this strategy (its ``setup`` builds
-an unsharded ``AveragedModel`` before the strategy shards the module; the first update
-then mixes DTensors and plain tensors), so the reference is torch's ``get_ema_avg_fn``
+Lightning's own ``EMAWeightAveraging`` cannot run under this strategy (its ``setup`` calls
+``configure_model`` and deep-copies the sharded module: ``AssertionError: FSDP does not
+support deepcopy``, Lightning 2.6.6), so the reference is torch's ``get_ema_avg_fn``
 formula on full tensors: the first update copies, then ``d * ema + (1 - d) * model``,
 following the module's actual weights after every optimizer step.
 

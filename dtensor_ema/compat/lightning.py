@@ -19,8 +19,9 @@ strategy's own load puts the average into the module) and of the raw weights und
 ``state_dict["current_model_state.<fqn>"]`` in the same DCP checkpoint, since the strategy
 writes only ``state_dict`` with DCP; ``meta.pt``'s ``current_model_state`` is then the
 marker ``{"format": "dcp", "prefix": "current_model_state."}``. A resume reads both back
-(collective) and continues exactly. Lightning's own callback cannot run there (it builds an
-unsharded copy in ``setup``, before the strategy shards the module).
+(collective) and continues exactly. Lightning's own callback cannot run there: its ``setup`` calls
+``configure_model`` itself and deep-copies the sharded module, which FSDP2 refuses
+(``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6, W=2).
 
 Differences: the average is built at ``on_fit_start`` (after the strategy has set the
 module up) rather than in ``setup``; integer buffers follow the model; float buffers that
