@@ -265,3 +265,36 @@ def test_rank_holds_its_share(runs: dict[int, dict[str, Any]], world: int) -> No
     assert run["ema_bytes"] <= run["real_bytes"] // max(world, 1) + rows
     if world <= 1:
         assert run["ema_bytes"] == run["real_bytes"]
+
+
+def test_engine_takes_exact_gammas(tmp_path: Path) -> None:
+    """``dtensor_ema.PostHocEMA(gammas=)`` keeps the exponents as given (no round trip
+    through ``sigma_rel``) and refuses bad ones."""
+    from dtensor_ema import PostHocEMA as Engine
+    from dtensor_ema.phema_math import gamma_to_sigma_rel
+
+    gammas = (16.972198602303447, 6.937203937601809)
+    engine = Engine(Net(), gammas=gammas, snapshot_dir=tmp_path)
+    assert engine.gammas == gammas
+    assert engine.sigma_rels == tuple(gamma_to_sigma_rel(g) for g in gammas)
+    for bad in ((), (-1.0, 2.0), 3.0):
+        with pytest.raises(ValueError, match="gammas"):
+            Engine(Net(), gammas=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sigma_rels=(0.05, 0.1), ema_model=Net), "ema_model"),
+        (dict(sigma_rels=(0.05, 0.1), ignore_names={"seen"}), "ignore_names"),
+        (dict(sigma_rels=(0.05, 0.1), frozen=True), "frozen"),
+        (dict(), "sigma_rels or gammas"),
+        (dict(gammas=(5.0,)), "at least 2"),
+        (dict(gammas=(5.0, 5.0)), "unique"),
+        (dict(gammas=(5.0, 6.0), update_every=0), "update_every"),
+        (dict(gammas=(5.0, 6.0), checkpoint_every_num_steps=0), "checkpoint_every_num_steps"),
+    ],
+)
+def test_refuses_clearly(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PostHocEMA(Net(), checkpoint_folder=str(tmp_path), **kwargs)
