@@ -151,12 +151,7 @@ class WarmupDecay(_PowerForEvery):
     """Lower clamp, in ``[0, decay]``."""
 
     def __post_init__(self) -> None:
-        _check_number("decay", self.decay, 0.0, 1.0)
-        _check_number("gamma", self.gamma, 0.0)
-        _check_number("power", self.power, 0.0)
-        if self.gamma == 0 or self.power == 0:
-            raise ValueError(f"gamma and power must be > 0, got {self.gamma}, {self.power}")
-        _check_number("min_decay", self.min_decay, 0.0, self.decay)
+        _check_warmup(self.decay, self.gamma, self.power, self.min_decay, self.decay)
 
     def __call__(self, step: int) -> float:
         s = step - 1
@@ -259,12 +254,7 @@ class EmaPytorchDecay:
     """Lower clamp (``min_value``), in ``[0, 1]``."""
 
     def __post_init__(self) -> None:
-        _check_number("decay", self.decay, 0.0, 1.0)
-        _check_number("gamma", self.gamma, 0.0)
-        _check_number("power", self.power, 0.0)
-        if self.gamma == 0 or self.power == 0:
-            raise ValueError(f"gamma and power must be > 0, got {self.gamma}, {self.power}")
-        _check_number("min_decay", self.min_decay, 0.0, 1.0)
+        _check_warmup(self.decay, self.gamma, self.power, self.min_decay, 1.0)
 
     def __call__(self, step: int) -> float:
         return float(self._decay_tensor(torch.tensor(float(step), dtype=torch.float64)))
@@ -343,3 +333,17 @@ class RunningMeanDecay(_PowerForEvery):
 
     def config(self) -> dict[str, Any]:
         return {"schedule": "running_mean"}
+
+
+def _check_warmup(
+    decay: float, gamma: float, power: float, min_decay: float, min_decay_max: float
+) -> None:
+    """The checks the two warmup schedules share (:class:`WarmupDecay`,
+    :class:`EmaPytorchDecay`): ``decay`` in ``[0, 1]``, ``gamma, power > 0``, ``min_decay``
+    in ``[0, min_decay_max]``."""
+    _check_number("decay", decay, 0.0, 1.0)
+    _check_number("gamma", gamma, 0.0)
+    _check_number("power", power, 0.0)
+    if gamma == 0 or power == 0:
+        raise ValueError(f"gamma and power must be > 0, got {gamma}, {power}")
+    _check_number("min_decay", min_decay, 0.0, min_decay_max)

@@ -13,6 +13,9 @@ model whose parameter storage is the EMA itself:
   compute dtype, plus FSDP's prefetch of the next unit) plus activations.
 * **Without a process group**: the twin's parameters and float buffers *are* the EMA's
   (plain, full) tensors.
+* **Tensor parallelism** (TP, FSDP2 + TP): the twin's resting parameters are the EMA's own
+  DTensors, gathered unit by unit into the model's TP layout just for the forward
+  (:mod:`dtensor_ema.tp_module`).
 
 The twin is built from the model's structure on the ``meta`` device (``copy.deepcopy`` with
 every tensor pre-mapped to an empty meta tensor), so no weight is ever copied in full.
@@ -36,6 +39,7 @@ from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
+from dtensor_ema.tp_module import build_tp_twin, needs_tp_twin
 
 __all__ = ["UnitSpec", "build_ema_module", "default_units"]
 
@@ -133,7 +137,11 @@ def build_ema_module(
     parameters (their values are copied once); the caller must rebuild anything cached from
     the plan's ``ema_local`` tensors. See :attr:`ModelEMA.module <dtensor_ema.ModelEMA.module>`.
     FSDP2 models are mirrored: the twin has the student's units, meshes, shard dims and
-    ``MixedPrecisionPolicy`` (``units`` is then ignored).
+    ``MixedPrecisionPolicy`` (``units`` is then ignored). Models with DTensor parameters
+    that FSDP2 alone does not explain (TP, FSDP2 + TP) get the TP twin of
+    :func:`~dtensor_ema.tp_module.build_tp_twin` instead: the EMA is not moved, the twin's
+    parameters are its DTensors, and each unit (the model's FSDP2 units, else ``units``
+    and the root) gathers them into the model's TP layout around its forward.
 
     Args:
         model: the unwrapped, tracked model.
@@ -145,10 +153,10 @@ def build_ema_module(
             (per unit, so an fp32 EMA of a bf16 model runs its forward in bf16).
 
     Raises:
-        NotImplementedError: tensor-parallel DTensor parameters (TP alone or FSDP2 + TP:
-            placements other than FSDP2's own ``(Shard(d),)``/``(Replicate(), Shard(d))``),
-            FSDP2 models with plain float parameters, or an N-D mesh for a plain model;
-            each message names the tensor and its layout. A callable the twin would share
+        NotImplementedError: FSDP2 models with plain float parameters, an N-D mesh for a
+            plain model, or a TP layout the TP twin cannot rebuild (a DTensor buffer, a
+            torch whose FSDP2 hides the unsharded layout); each message names the tensor
+            and its layout. A callable the twin would share
             with the model and cannot re-bind (see :func:`_rebind_callables`).
         ValueError: bad ``units``, or a unit whose parameters mix dtypes with
             ``compute_dtype=None``.
@@ -160,18 +168,13 @@ def build_ema_module(
         isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
     ):
         raise ValueError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp_units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if needs_tp_twin(plan):
+        chosen = fsdp_units or _resolve_units(model, units)
+        unit_order = sorted((u for u in chosen if u), key=lambda fqn: -fqn.count("."))
+        return build_tp_twin(model, plan, unit_order, compute_dtype)
+    if fsdp_units:
         return _fsdp_mirror(model, plan, compute_dtype)
-    dtensors = [e for e in plan if e.is_dtensor_source]
-    if dtensors:
-        first = dtensors[0].source
-        assert isinstance(first, DTensor)
-        raise NotImplementedError(
-            f"ema.module for models with DTensor parameters outside FSDP2 (tensor "
-            f"parallelism: {dtensors[0].fqn!r} has placements {tuple(first.placements)} on "
-            f"mesh {first.device_mesh.mesh.tolist()}) is not implemented: evaluate with "
-            "ema.average_parameters()"
-        )
     if mesh is None:
         return _shared_twin(model, plan, compute_dtype)
     if mesh.ndim != 1:

@@ -13,7 +13,9 @@ Two stages, each bucketed:
    all-gather per replica dim, innermost first, rebuilds each tensor's *local piece* (what
    the rank holds of it in the model). This is all the evaluation swap needs.
 2. :func:`gather_full_tensors` then gathers pieces that are themselves sharded (FSDP2/TP
-   parameters) over their own mesh: one flat all-gather for ``Shard(0)`` on one mesh dim,
+   parameters) over their own mesh, one mesh dim at a time, the last split first: one flat
+   all-gather per mesh dim and bucket, concatenating along whichever tensor dim that mesh
+   dim shards (``Shard(d)``, and FSDP2 over TP's ``_StridedShard``);
    ``DTensor.full_tensor()`` for any other layout.
 """
 
@@ -27,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dtensor_ema._collectives import all_gather_single
 from dtensor_ema.layout import ReplicaLevel, chunk_range, contiguous_stride, shard_mesh_dim
@@ -296,29 +298,174 @@ def gather_full_tensors(
                     out[piece.fqn] = piece_tensor.to("cpu") if cpu_offload else piece_tensor
             else:
                 sharded.append(_replace_local(piece, piece_tensor))
-    flat_groups: dict[tuple[Any, ...], list[LocalPiece]] = {}
-    for piece in sharded:  # the same order on every rank: iter_unsplit's is deterministic
-        mesh_dim = shard_mesh_dim(piece.placements)
-        if mesh_dim is None:
-            full = DTensor.from_local(
-                piece.local,
-                piece.mesh,
-                piece.placements,
-                run_check=False,
-                shape=piece.shape,
-                stride=contiguous_stride(piece.shape),
-            ).full_tensor()
-            if keep:
-                out[piece.fqn] = _to_output(full, piece.out_dtype, cpu_offload)
-        else:
-            key = (piece.mesh, mesh_dim, piece.local.device, piece.out_dtype)
-            flat_groups.setdefault(key, []).append(piece)
-    for (mesh, mesh_dim, _, _), group_pieces in flat_groups.items():
-        assert isinstance(mesh, DeviceMesh)
-        assert isinstance(mesh_dim, int)
-        for full_bucket in _full_buckets(group_pieces, mesh.size(mesh_dim), bucket_bytes):
-            out.update(_gather_bucket(full_bucket, mesh, mesh_dim, keep=keep, cpu=cpu_offload))
+    out.update(_gather_sharded(sharded, keep=keep, cpu=cpu_offload, bucket_bytes=bucket_bytes))
     return {p.fqn: out[p.fqn] for p in pieces if p.fqn in out}
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """One flat all-gather on the way from a local piece to its full tensor: over
+    ``mesh_dim``'s group, concatenating the ranks' chunks along tensor dim ``dim`` into a
+    tensor of ``shape``."""
+
+    mesh_dim: int
+    dim: int
+    shape: tuple[int, ...]
+
+
+def _strided_split_factor(placement: Placement) -> int | None:
+    """``split_factor`` of torch's private ``_StridedShard`` (FSDP2 over TP shards the
+    TP-local piece: ``(_StridedShard(d, split_factor=tp), Shard(d))``), else ``None``. The
+    one place that reads it; an unknown layout falls back to ``full_tensor()``."""
+    if type(placement).__name__ != "_StridedShard":
+        return None
+    factor = getattr(placement, "split_factor", None)
+    return factor if isinstance(factor, int) else None
+
+
+def _shard_stages(piece: LocalPiece) -> list[_Stage] | None:
+    """The flat gathers that rebuild ``piece``'s full tensor, the last split first; ``None``
+    for layouts left to ``DTensor.full_tensor()``.
+
+    Plain ``Shard`` placements split the tensor mesh dim by mesh dim, left to right
+    (``torch.chunk`` semantics, so uneven chunks derive from the shapes alone); FSDP2 over
+    TP, ``(_StridedShard(d, split_factor=n), Shard(d))`` with ``n`` the TP size, splits by
+    the TP dim first, then the FSDP dim."""
+    mesh, placements = piece.mesh, piece.placements
+    coordinate = mesh.get_coordinate() if mesh is not None else None
+    if mesh is None or coordinate is None:
+        return None
+    strided = [m for m, p in enumerate(placements) if _strided_split_factor(p) is not None]
+    shards = [m for m, p in enumerate(placements) if isinstance(p, Shard)]
+    others = set(range(len(placements))) - set(strided) - set(shards)
+    if any(not isinstance(placements[m], Replicate) for m in others):
+        return None  # Partial, or a private placement we do not know
+    dims = {m: getattr(placements[m], "dim", None) for m in (*strided, *shards)}
+    if strided:
+        if len(strided) != 1 or len(shards) != 1:
+            return None
+        fsdp, tp = strided[0], shards[0]
+        if tp <= fsdp or dims[fsdp] != dims[tp]:
+            return None
+        if _strided_split_factor(placements[fsdp]) != mesh.size(tp):
+            return None
+        order = [tp, fsdp]
+    else:
+        order = shards
+    shape = list(piece.shape)
+    shapes = [tuple(shape)]
+    for mesh_dim in order:
+        dim = dims[mesh_dim]
+        assert isinstance(dim, int)
+        shape[dim] = chunk_range(shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim])[1]
+        shapes.append(tuple(shape))
+    if shapes[-1] != tuple(piece.local.shape):
+        return None
+    stages = []
+    for k in reversed(range(len(order))):
+        dim = dims[order[k]]
+        assert isinstance(dim, int)
+        stages.append(_Stage(order[k], dim, shapes[k]))
+    return stages
+
+
+def _gather_sharded(
+    pieces: list[LocalPiece], *, keep: bool, cpu: bool, bucket_bytes: int
+) -> dict[str, torch.Tensor]:
+    """Full tensors of pieces sharded over their own mesh. **Collective** over the mesh
+    dims' groups.
+
+    Pieces go in consecutive runs of at most ``bucket_bytes`` full bytes; for each run,
+    stage ``k`` of every piece is one flat all-gather per (mesh dim, device, dtype), so a
+    2-D FSDP2+TP model costs about two collectives per run instead of one per tensor.
+    Peak extra memory: one run's gathered tensors plus their intermediate pieces.
+    """
+    out: dict[str, torch.Tensor] = {}
+    staged: list[tuple[LocalPiece, list[_Stage]]] = []
+    for piece in pieces:  # the same order on every rank
+        stages = _shard_stages(piece)
+        if stages is not None:
+            staged.append((piece, stages))
+            continue
+        assert piece.mesh is not None
+        full = DTensor.from_local(
+            piece.local,
+            piece.mesh,
+            piece.placements,
+            run_check=False,
+            shape=piece.shape,
+            stride=contiguous_stride(piece.shape),
+        ).full_tensor()
+        if keep:
+            out[piece.fqn] = _to_output(full, piece.out_dtype, cpu)
+    sizes = [math.prod(p.shape) * p.local.element_size() for p, _ in staged]
+    for run in _consecutive_runs(staged, sizes, bucket_bytes):
+        current = [piece.local for piece, _ in run]
+        for k in range(max(len(stages) for _, stages in run)):
+            groups: dict[tuple[Any, ...], list[int]] = {}
+            for i, (piece, stages) in enumerate(run):
+                if k < len(stages):
+                    key = (piece.mesh, stages[k].mesh_dim, piece.local.device, piece.out_dtype)
+                    groups.setdefault(key, []).append(i)
+            for (mesh, mesh_dim, _, dtype), members in groups.items():
+                gathered = _gather_stage(
+                    [current[i] for i in members],
+                    [run[i][1][k] for i in members],
+                    mesh,
+                    mesh_dim,
+                    dtype,
+                )
+                for i, tensor in zip(members, gathered, strict=True):
+                    current[i] = tensor
+        if keep:
+            for (piece, _), tensor in zip(run, current, strict=True):
+                out[piece.fqn] = tensor.to("cpu") if cpu else tensor
+    return out
+
+
+def _gather_stage(
+    locals_: list[torch.Tensor],
+    stages: list[_Stage],
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """One flat all-gather over ``mesh_dim``'s group: output ``i`` of ``stages[i].shape`` is
+    the concatenation along ``stages[i].dim`` of every rank's chunk (``Shard`` semantics)."""
+    size, me = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    segments = [
+        [
+            chunk_range(st.shape[st.dim], size, r)[1] * _numel_without(st.shape, st.dim)
+            for st in stages
+        ]
+        for r in range(size)
+    ]
+    padded = max(sum(row) for row in segments)
+    device = locals_[0].device
+    outputs = [torch.empty(st.shape, dtype=dtype, device=device) for st in stages]
+    if padded == 0:  # every rank derives the same zero: all skip the collective together
+        return outputs
+    send = _send_buffer(locals_, segments[me], padded, dtype)
+    recv = torch.empty(size * padded, dtype=dtype, device=device)
+    _all_gather_flat(recv, send, group=mesh.get_group(mesh_dim))
+    del send
+    rows = recv.view(size, padded)
+    cursors = [0] * size
+    for output, st in zip(outputs, stages, strict=True):
+        for r in range(size):
+            offset, length = chunk_range(st.shape[st.dim], size, r)
+            chunk_shape = list(st.shape)
+            chunk_shape[st.dim] = length
+            numel = length * _numel_without(st.shape, st.dim)
+            chunk = rows[r, cursors[r] : cursors[r] + numel].view(chunk_shape)
+            output.narrow(st.dim, offset, length).copy_(chunk)
+            cursors[r] += numel
+    return outputs
+
+
+def _numel_without(shape: Sequence[int], dim: int) -> int:
+    """Elements per index of ``dim`` (the product of the other dims)."""
+    return math.prod(size for d, size in enumerate(shape) if d != dim)
 
 
 def _is_full(piece: LocalPiece) -> bool:
@@ -337,53 +484,6 @@ def _all_replicate(placements: Iterable[Placement]) -> bool:
 def _to_output(tensor: torch.Tensor, dtype: torch.dtype, cpu: bool) -> torch.Tensor:
     device = torch.device("cpu") if cpu else tensor.device
     return tensor.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-
-
-def _full_buckets(
-    pieces: list[LocalPiece], world_size: int, bucket_bytes: int
-) -> Iterable[list[LocalPiece]]:
-    """Consecutive runs of pieces whose gathered (padded) size stays under ``bucket_bytes``."""
-    sizes = [
-        math.ceil(p.shape[0] / world_size)
-        * _row_numel(p.shape)
-        * world_size
-        * p.local.element_size()
-        for p in pieces
-    ]
-    return _consecutive_runs(pieces, sizes, bucket_bytes)
-
-
-def _gather_bucket(
-    pieces: list[LocalPiece], mesh: DeviceMesh, mesh_dim: int, *, keep: bool, cpu: bool
-) -> dict[str, torch.Tensor]:
-    """One flat all-gather over ``mesh_dim``'s group, then cut the full tensors out."""
-    world_size = mesh.size(mesh_dim)
-    my_rank = mesh.get_local_rank(mesh_dim)
-    # segment[r][i]: numel of piece i in rank r's buffer; every rank derives all of them.
-    segments = [
-        [chunk_range(p.shape[0], world_size, r)[1] * _row_numel(p.shape) for p in pieces]
-        for r in range(world_size)
-    ]
-    padded = max(sum(row) for row in segments)
-    dtype = pieces[0].out_dtype
-    device = pieces[0].local.device
-    if padded == 0:  # every rank derives the same zero: all skip the collective together
-        target = torch.device("cpu") if cpu else device
-        return (
-            {p.fqn: torch.empty(p.shape, dtype=dtype, device=target) for p in pieces}
-            if keep
-            else {}
-        )
-    send = _send_buffer([p.local for p in pieces], segments[my_rank], padded, dtype)
-    recv = torch.empty(world_size * padded, dtype=dtype, device=device)
-    _all_gather_flat(recv, send, group=mesh.get_group(mesh_dim))
-    del send
-    if not keep:
-        return {}
-    target = torch.device("cpu") if cpu else device
-    fulls = [torch.empty(p.shape, dtype=dtype, device=target) for p in pieces]
-    _unpack_(fulls, recv.view(world_size, padded), segments)
-    return {p.fqn: full for p, full in zip(pieces, fulls, strict=True)}
 
 
 def gather_to_rank0(

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.plan import PlanEntry, ema_local_from_full
+from dtensor_ema.plan import EmaPlan, PlanEntry, ema_local_from_full
 
 __all__ = [
     "CONFIG",
@@ -41,7 +41,9 @@ __all__ = [
     "TensorSpec",
     "compare_tensors",
     "format_mismatch",
+    "load_local_state",
     "local_piece",
+    "local_state",
     "tag_rank",
     "validate_state",
 ]
@@ -180,6 +182,42 @@ def validate_state(state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
         updates = int(updates.item())
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
         raise ValueError(f"checkpoint 'updates' must be an int >= 0, got {updates!r}")
+    return updates
+
+
+def local_state(plan: EmaPlan, updates: int, config: str) -> dict[str, Any]:
+    """The :data:`STATE_KEYS` state of ``plan``'s EMA: its live tensors (no copy), each
+    tagged with this rank's mesh coordinate (see :func:`local_piece`). Local."""
+    for entry in plan:
+        tag_rank(entry.ema)
+    return {UPDATES: updates, CONFIG: config, EMA_TENSORS: {e.fqn: e.ema for e in plan}}
+
+
+def load_local_state(plan: EmaPlan, state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
+    """Validate ``state`` against ``ours`` (the EMA's own :func:`local_state`), then copy
+    this rank's piece of every saved tensor into ``plan``'s EMA; return the saved counter.
+
+    Local, no collective. Nothing is written unless everything validates (a plain
+    ``dcp.load`` may already have filled the live tensors in place; the error then says
+    so). Peak extra memory: none (pieces are copied in place).
+    """
+    values = state.get(EMA_TENSORS) if isinstance(state, Mapping) else None
+    in_place = isinstance(values, Mapping) and any(values.get(e.fqn) is e.ema for e in plan)
+    try:
+        updates = validate_state(state, ours)
+    except ValueError as e:
+        if in_place and "options differ" in str(e):
+            raise ValueError(
+                f"{e} The EMA tensors were already overwritten in place by dcp.load; "
+                "dtensor_ema.load_checkpoint validates before it writes."
+            ) from None
+        raise
+    assert isinstance(values, Mapping)
+    pieces = [(e.ema_local, local_piece(e, values[e.fqn])) for e in plan]
+    with torch.no_grad():
+        for target, piece in pieces:
+            if piece is not target:
+                target.copy_(piece)
     return updates
 
 

@@ -380,6 +380,10 @@ def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
         EMACallback(decau=0.9)
     with pytest.raises(ValueError, match="half_life=10 conflicts with tau"):
         EMACallback(tau=5, half_life=10)
+    # ModelEMA's construction-only flags are options too (a TypeError from EmaOptions before)
+    EMACallback(parameters_as_bucket_view=True, replicate_buffers=True, verify_replicas=False)
+    with pytest.raises(TypeError, match="replicate_buffers must be a bool, got 'yes'"):
+        EMACallback(replicate_buffers="yes")
     with pytest.raises(RuntimeError, match="state_key` must be unique"):  # Lightning's check
         _trainer(1, [EMACallback(), EMACallback()], tmp_path, max_steps=1)
     trainer = _trainer(1, [EMACallback(), EMACallback(name="slow")], tmp_path, max_steps=1)

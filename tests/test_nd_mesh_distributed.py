@@ -117,7 +117,10 @@ def _check(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    got = ema.get_ema_state_dict()
+    with CommDebugMode() as comm:
+        got = ema.get_ema_state_dict()
+    out["gather_collectives"] = comm.get_total_counts()
+    out["tensors"] = len(ref)
     out["ema_mismatch"] = [k for k in ref if not torch.equal(got[k], ref[k])]
     raw = _params(model)
     with ema.average_parameters():
@@ -331,6 +334,17 @@ def test_every_rank_holds_about_one_wth(nd_results: Any, world_size: int, name: 
     """Per-rank EMA bytes / (total / W): the rule in numbers (1.0 is perfect)."""
     ratios = [result[name]["ratio"] for result in nd_results[world_size]]
     assert max(ratios) <= 1.1, ratios
+
+
+@pytest.mark.parametrize(("world_size", "name"), SCENARIOS)
+def test_materializing_costs_a_few_collectives_not_one_per_tensor(
+    nd_results: Any, world_size: int, name: str
+) -> None:
+    """``get_ema_state_dict`` gathers in flat buckets, one mesh dim at a time (FSDP2 + TP
+    included), so its collectives do not grow with the number of tensors."""
+    for rank, result in enumerate(nd_results[world_size]):
+        out = result[name]
+        assert out["gather_collectives"] <= min(8, out["tensors"]), (rank, name, out)
 
 
 def test_pipeline_mesh_spanning_stages_is_refused(nd_results: Any) -> None:

@@ -256,6 +256,8 @@ def test_bad_inputs(run: dict, tmp_path: Path) -> None:
         synthesize(run["dir"], 0.08, max_condition=10.0)
     with pytest.raises(ValueError, match="one file but 2 outputs"):
         synthesize(run["dir"], [0.06, 0.08], out=tmp_path / "x.pt")
+    with pytest.raises(FileNotFoundError, match=r"the directory .*missing does not exist"):
+        synthesize(run["dir"], 0.08, out=tmp_path / "missing" / "x.safetensors")
     # snapshots of another model in the same directory
     mixed = tmp_path / "mixed"
     shutil.copytree(run["dir"], mixed)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from torch import nn
 
-import dtensor_ema.model_ema as model_ema_module
+import dtensor_ema.swap as swap_module
 from dtensor_ema import ModelEMA
 
 DECAY = 0.7
@@ -77,7 +77,7 @@ def _failing_unsplit(after_buckets: int, mode: str) -> Any:
     """Wrap ``iter_unsplit``: fail after ``after_buckets`` buckets were yielded, either by
     raising in the gather ("gather") or by yielding a wrong-shaped tensor so the model's
     ``copy_`` fails part-way through a bucket ("copy"). Only the first swap-in fails."""
-    real = model_ema_module.iter_unsplit
+    real = swap_module.iter_unsplit
     state = {"calls": 0}
 
     def wrapper(pieces: Any, **kwargs: Any) -> Any:
@@ -125,15 +125,15 @@ def swap_body(rank: int, world_size: int) -> dict[str, Any]:
 
     # Failures mid-gather and mid-copy restore the raw weights; the EMA is untouched.
     for mode in ("gather", "copy"):
-        original = model_ema_module.iter_unsplit
-        model_ema_module.iter_unsplit = _failing_unsplit(1, mode)  # type: ignore[assignment]
+        original = swap_module.iter_unsplit
+        swap_module.iter_unsplit = _failing_unsplit(1, mode)  # type: ignore[assignment]
         try:
             with ema.average_parameters(bucket_bytes=256):
                 out[f"{mode}_entered"] = True
         except (_Boom, RuntimeError) as e:
             out[f"{mode}_error"] = type(e).__name__
         finally:
-            model_ema_module.iter_unsplit = original  # type: ignore[assignment]
+            swap_module.iter_unsplit = original  # type: ignore[assignment]
         out[f"{mode}_restore_mismatch"] = [
             k for k in raw if not torch.equal(_floats(model)[k], raw[k])
         ]

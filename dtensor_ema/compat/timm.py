@@ -54,8 +54,10 @@ _FIX = (
 class ModelEmaV3(nn.Module):
     """timm ``ModelEmaV3`` with its EMA sharded across ranks (see the module docstring).
 
-    Construction is local except for the engine's structure check (one small all-gather
-    when a process group is initialized): every rank must construct it. ``update`` and
+    Construction is **collective** over the default group when one is initialized (the
+    engine's structure check: one small all-gather and one flag all-reduce; the replica
+    check is off, since timm's first update copies the model): every rank must construct
+    it. ``update`` and
     ``set`` never communicate; ``eval()``, ``materialize()`` and a forward after an
     update all-gather the parameters once (collective over the default group).
     """

@@ -29,6 +29,9 @@ __all__ = [
 _NOT_OPTIONS = ("self", "model", "mesh")
 
 
+_CONSTRUCTION_FLAGS = ("parameters_as_bucket_view", "replicate_buffers", "verify_replicas")
+
+
 def check_ema_options(options: dict[str, Any]) -> None:
     """Refuse unknown or invalid :class:`~dtensor_ema.ModelEMA` keywords when the callback
     is created, not at the first training step.
@@ -49,6 +52,10 @@ def check_ema_options(options: dict[str, Any]) -> None:
     updates = given.pop("updates", 0)
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
         raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+    for name in _CONSTRUCTION_FLAGS:  # shape the plan, not the update: not EmaOptions fields
+        value = given.pop(name, False)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
     schedule = resolve_schedule(
         given.pop("decay", UNSET),
         given.pop("tau", UNSET),

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema.checkpoint import save_checkpoint
-from dtensor_ema.export import _write_file
+from dtensor_ema.export import _check_destination, _write_file
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.phema_math import (
     DEFAULT_MAX_CONDITION,
@@ -259,7 +259,8 @@ def synthesize(
     ``out`` (held together when returned).
 
     Raises:
-        FileNotFoundError: a missing snapshot directory.
+        FileNotFoundError: a missing snapshot directory, or a missing parent directory of a
+            one-file ``out`` (checked before any snapshot is read).
         ValueError: see :func:`plan_synthesis`; a ``.safetensors``/``.pt`` output when
             distributed, or several ``sigma_rel`` into one file.
     """
@@ -505,6 +506,9 @@ def _targets(
             raise ValueError(f"format={format!r} contradicts the suffix of out={str(out)!r}")
         fmt: Format = suffix  # type: ignore[assignment]
         paths = [path]
+        missing = _check_destination(path)  # before any snapshot is read
+        if missing is not None:
+            raise missing
     else:
         if format is not None:
             fmt = format

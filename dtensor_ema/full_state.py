@@ -1,0 +1,129 @@
+"""Full state dicts keyed like the model: gathered out of the EMA, and loaded back into it.
+
+Out (:func:`gather_state`): the EMA's (or the model's) local pieces travel in flat buckets
+(:mod:`dtensor_ema.materialize`), then the integer buffers and tied aliases are filled in, in
+the model's key order, and the model's own state-dict post-hooks run
+(:func:`dtensor_ema.model_keys.to_model_keys`: torchtitan's fused ``wqkv`` comes out as
+``wq``/``wk``/``wv``). In (:func:`load_full_state`): the model's load pre-hooks run first,
+everything is checked, then each rank copies its own piece. Keys are the unwrapped model's
+``state_dict()`` keys, without wrapper components (``_checkpoint_wrapped_module``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema.materialize import LocalPiece, gather_full_tensors, gather_to_rank0
+from dtensor_ema.model_keys import from_model_keys, to_model_keys
+from dtensor_ema.plan import EmaPlan, PlanEntry, ema_local_from_full
+from dtensor_ema.state import compare_tensors
+
+__all__ = ["gather_state", "load_full_state", "rank0_flag"]
+
+StateDict = dict[str, Any]
+
+
+def gather_state(
+    plan: EmaPlan,
+    model: nn.Module,
+    which: Literal["ema", "model"],
+    *,
+    rank0_only: bool,
+    cpu_offload: bool,
+    bucket_bytes: int,
+) -> StateDict:
+    """Full tensors of the EMA (``which="ema"``) or of the model's current weights.
+    **Collective** over every mesh of the pieces (as :func:`gather_full_tensors`; with
+    ``rank0_only`` a gather to rank 0 where the layout allows, and ``{}`` on other ranks).
+
+    Returns contiguous tensors in the model's dtypes and key order, sharing no memory with
+    the model or the EMA; integer buffers carry the model's value.
+    """
+    piece = _ema_piece if which == "ema" else _source_piece
+    pieces = [piece(entry) for entry in plan]
+    if rank0_only:  # a gather to rank 0: the other ranks receive nothing
+        full = gather_to_rank0(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
+        if not full:
+            return {}
+    else:
+        full = gather_full_tensors(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
+    device = torch.device("cpu") if cpu_offload else None
+    followed = {k: v.detach().to(device=device, copy=True) for k, v in plan.followed.items()}
+    ordered: StateDict = {}
+    for key in plan.keys:
+        if key in full:
+            ordered[key] = full[key]
+        elif key in followed:
+            ordered[key] = followed[key]
+        elif key in plan.aliases:
+            ordered[key] = full[plan.aliases[key]]
+    return to_model_keys(model, ordered)
+
+
+@torch.no_grad()
+def load_full_state(plan: EmaPlan, model: nn.Module, state_dict: StateDict) -> None:
+    """Copy this rank's piece of every full tensor in ``state_dict`` into the EMA. Local.
+
+    Values are cast to the EMA dtype; integer buffers and tied aliases may be present or
+    absent. Peak extra memory: none beyond the given tensors (and their casts).
+
+    Raises:
+        ValueError: missing or unexpected names, shape mismatches, non-float values for
+            averaged tensors. Nothing is written then.
+    """
+    state_dict = from_model_keys(model, state_dict)
+    ours = {e.fqn: e.ema for e in plan}
+    saved = {
+        k: (
+            v.to(ours[k].dtype)
+            if isinstance(v, torch.Tensor) and k in ours and v.is_floating_point()
+            else v
+        )
+        for k, v in state_dict.items()
+    }
+    problems = compare_tensors(saved, ours, ignore=[*plan.followed, *plan.aliases])
+    if problems:
+        raise ValueError(f"full EMA state dict does not match the model: {problems}")
+    pieces = [(e.ema_local, ema_local_from_full(e, saved[e.fqn])) for e in plan]
+    for target, piece in pieces:
+        target.copy_(piece)
+
+
+def rank0_flag(rank0_only: bool | None, only_rank0_receives: bool) -> bool:
+    """``rank0_only`` read as "only rank 0 calls", which hangs the collective: renamed to
+    ``only_rank0_receives``; the old name still works, with a ``DeprecationWarning``."""
+    if rank0_only is None:
+        return only_rank0_receives
+    warnings.warn(
+        "rank0_only= is deprecated: every rank must still call; use only_rank0_receives=",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return rank0_only or only_rank0_receives
+
+
+def _ema_piece(entry: PlanEntry) -> LocalPiece:
+    return dataclasses.replace(
+        _source_piece(entry),
+        local=entry.ema_local,
+        levels=entry.levels,
+        piece_shape=entry.source_piece.shape,
+    )
+
+
+def _source_piece(entry: PlanEntry) -> LocalPiece:
+    source = entry.source
+    return LocalPiece(
+        fqn=entry.fqn,
+        local=entry.source_piece,
+        shape=source.shape,
+        mesh=source.device_mesh if isinstance(source, DTensor) else None,
+        placements=tuple(source.placements) if isinstance(source, DTensor) else (),
+        out_dtype=source.dtype,
+    )
