@@ -2,7 +2,8 @@
 
 A small model is trained with real SGD steps; the real ``PostHocEMA`` and the drop-in
 watch it with default-like and non-default options, with no process group (this process)
-at W=1 (a one-rank group in this process) and at W=2 under DDP (one spawned body). Checked:
+at W=1 (a one-rank group in this process) and at W=2 and W=3 under DDP (one spawned body
+per world size). Checked:
 
 * every profile's EMA weights, bit for bit;
 * the checkpoints' tensors (ema-pytorch's ``{index}.{step}.pt`` files against our sharded
@@ -152,14 +153,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
         results[1] = _body(0, 1, str(root / "w1"))
     finally:
         dist.destroy_process_group()
-    for world in (2,):
+    for world in (2, 3):
         d = root / f"w{world}"
         d.mkdir()
         results[world] = run_ranks(_body, world, d, str(d))[0]
     return results
 
 
-WORLDS = [0, 1, 2]
+WORLDS = [0, 1, 2, 3]
 
 
 def _read_snapshot(path: Path, key: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
