@@ -12,16 +12,17 @@ weights, ``averaging_state`` ``n_averaged``. The average is this package's
 ``get_ema_avg_fn`` rounding, ``formula="weighted_sum"``), bit for bit equal to Lightning's
 (``tests/test_compat.py``), with each DDP rank holding ``1/W`` of it.
 
-Under ``ModelParallelStrategy`` (FSDP2 and/or TP applied in ``configure_model``) the average
-mirrors the module's placements (each rank ``1/W``), and checkpoints stay sharded: every
-rank writes its own shards of the average as ``state_dict`` (Lightning's layout, so the
-strategy's own load puts the average into the module) and of the raw weights under
-``state_dict["current_model_state.<fqn>"]`` in the same DCP checkpoint, since the strategy
-writes only ``state_dict`` with DCP; ``meta.pt``'s ``current_model_state`` is then the
-marker ``{"format": "dcp", "prefix": "current_model_state."}``. A resume reads both back
-(collective) and continues exactly. Lightning's own callback cannot run there: its ``setup`` calls
-``configure_model`` itself and deep-copies the sharded module, which FSDP2 refuses
-(``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6, W=2).
+Under ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``; TP layouts take the
+same path, untested here) the average mirrors the module's placements (each rank ``1/W``),
+and checkpoints stay sharded: every rank writes its own shards of the average as
+``state_dict`` (Lightning's layout, so the strategy's own load puts the average into the
+module) and of the raw weights under ``state_dict["current_model_state.<fqn>"]`` in the
+same DCP checkpoint, since the strategy writes only ``state_dict`` with DCP; ``meta.pt``'s
+``current_model_state`` is then the marker ``{"format": "dcp", "prefix":
+"current_model_state."}``. A resume reads both back (collective) and continues exactly
+(``tests/test_compat_lightning_model_parallel.py``). Lightning's own callback cannot run
+there: its ``setup`` calls ``configure_model`` itself and deep-copies the sharded module,
+which FSDP2 refuses (``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6).
 
 Differences: the average is built at ``on_fit_start`` (after the strategy has set the
 module up) rather than in ``setup``; integer buffers follow the model; float buffers that
