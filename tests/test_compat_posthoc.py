@@ -100,13 +100,36 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             ours.update()
             if real is not None:
                 real.update()
-        profiles = [p.engine.get_ema_state_dict() for p in ours.ema_models]
+        profiles = [_floats(p.engine.get_ema_state_dict()) for p in ours.ema_models]
         synthesized = []
         for sigma_rel, gamma, step in requests:
             s = ours.synthesize_ema_model(sigma_rel=sigma_rel, gamma=gamma, step=step)
             synthesized.append(_floats(s.engine.get_ema_state_dict()))
         x = torch.randn(2, 5)
         forwards = [y.detach() for y in ours(x)]
+        steps = int(ours.step)
+        # Resume: a fresh drop-in loads ours.state_dict() through DCP; both go on 3 steps.
+        ckpt = Path(root) / f"state-{name}"
+        dcp.save(ours.state_dict(), checkpoint_id=str(ckpt), no_dist=not world)
+        resumed = PostHocEMA(
+            net if not world else model,
+            checkpoint_folder=str(Path(root) / f"resumed-{name}"),
+            **{**options, "checkpoint_every_num_steps": "manual"},
+        )
+        state = resumed.state_dict()
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=not world)
+        resumed.load_state_dict(state)
+        for _ in range(3):
+            loss = model(torch.randn(4, 5)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ours.update()
+            resumed.update()
+        resume_exact = int(resumed.step) == int(ours.step) == STEPS + 3 and all(
+            _equal(_floats(a.engine.get_ema_state_dict()), _floats(b.engine.get_ema_state_dict()))
+            for a, b in zip(ours.ema_models, resumed.ema_models, strict=True)
+        )
         if real is None:
             continue
         real_synth = [
@@ -116,14 +139,15 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             for s, g, t in requests
         ]
         out[name] = {
-            "ours": [_floats(p) for p in profiles],
+            "ours": profiles,
             "real": [_floats(m.state_dict(), "ema_model.") for m in real.ema_models],
             "synth": synthesized,
             "real_synth": real_synth,
             "forwards": forwards,
+            "resume_exact": resume_exact,
             "real_forwards": [y.detach() for y in real(x)],
             "gammas": (ours.gammas, real.gammas),
-            "step": (int(ours.step), int(real.step)),
+            "step": (steps, int(real.step)),
             "ours_dir": str(ours_dir),
             "real_dir": str(real_dir),
             "ema_bytes": sum(p.engine.local_nbytes() for p in ours.ema_models),
@@ -203,6 +227,7 @@ def test_checkpoint_tensors_bit_exact(
     run = runs[world][name]
     real_files = sorted(Path(run["real_dir"]).glob("*.pt"))
     ours = {int(p.name.split("-")[1]): p for p in Path(run["ours_dir"]).glob("step-*")}
+    ours = {k: v for k, v in ours.items() if k <= STEPS}  # later ones: the resume check's
     every = OPTIONS[name][0]["checkpoint_every_num_steps"]
     assert sorted(ours) == list(range(every, STEPS + 1, every))
     assert len(real_files) == 2 * len(ours)
@@ -256,6 +281,13 @@ def test_synthesized_matches(runs: dict[int, dict[str, Any]], world: int, name: 
         assert _equal(compared, {k: ref[k] for k in compared})
         for k in compared:
             torch.testing.assert_close(compared[k], real[k], rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_state_dict_resume_is_exact(runs: dict[int, dict[str, Any]], world: int, name: str) -> None:
+    """``dcp.save(ph.state_dict())``, a fresh drop-in ``load_state_dict``s it, both go on."""
+    assert runs[world][name]["resume_exact"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
