@@ -331,3 +331,25 @@ def test_engine_takes_exact_gammas(tmp_path: Path) -> None:
 def test_refuses_clearly(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PostHocEMA(Net(), checkpoint_folder=str(tmp_path), **kwargs)
+
+
+def test_copy_params_both_ways(tmp_path: Path) -> None:
+    """ema-pytorch's ``copy_params_from_model_to_ema`` / ``copy_params_from_ema_to_model``
+    (the latter leaves the last profile in the model, as ema-pytorch's loop does)."""
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ph = PostHocEMA(net, checkpoint_folder=str(tmp_path), gammas=(5.0, 12.0), update_every=1)
+    for _ in range(3):
+        net(torch.randn(4, 5)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ph.update()
+    model = _floats(net.state_dict())
+    last = _floats(ph.ema_models[-1].engine.get_ema_state_dict())
+    assert not _equal(model, last)
+    ph.copy_params_from_ema_to_model()
+    assert _equal(_floats(net.state_dict()), last)
+    net.body[0].weight.data.add_(1.0)
+    ph.copy_params_from_model_to_ema()
+    for profile in ph.ema_models:
+        assert _equal(_floats(profile.engine.get_ema_state_dict()), _floats(net.state_dict()))
