@@ -6,7 +6,8 @@
 One process acts as rank 0 of W ranks (torch's fake process group: collectives move no
 data). Rank 0 holds the most (shards follow ``torch.chunk``: the first chunks are full).
 The original's bytes are those of the EMA copy it keeps on every rank, measured on the real
-object: ema-pytorch's ``ema_model`` (a deepcopy: parameters and all buffers), torch's
+object: ema-pytorch's ``ema_model`` (a deepcopy: parameters and all buffers; ``PostHocEMA``:
+one per profile, two here), torch's
 ``AveragedModel.module`` (likewise; Lightning's ``EMAWeightAveraging`` keeps one), diffusers'
 ``shadow_params`` (parameters only). The drop-in's bytes are
 ``ModelEMA.local_nbytes()`` of the engine underneath (Lightning's drop-in holds the same
@@ -46,6 +47,14 @@ def original_bytes(lib: str, model: nn.Module) -> int:
         import ema_pytorch
 
         return nbytes(ema_pytorch.EMA(model).ema_model.state_dict().values())
+    if lib == "ema_pytorch PostHocEMA":
+        import tempfile
+
+        import ema_pytorch
+
+        with tempfile.TemporaryDirectory() as folder:
+            ph = ema_pytorch.PostHocEMA(model, sigma_rels=(0.05, 0.28), checkpoint_folder=folder)
+            return sum(nbytes(m.ema_model.state_dict().values()) for m in ph.ema_models)
     if lib == "swa_utils / lightning":
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -61,6 +70,14 @@ def ours_bytes(lib: str, model: nn.Module) -> int:
         from dtensor_ema.compat.ema_pytorch import EMA
 
         return EMA(model).engine.local_nbytes()
+    if lib == "ema_pytorch PostHocEMA":
+        import tempfile
+
+        from dtensor_ema.compat.ema_pytorch import PostHocEMA
+
+        with tempfile.TemporaryDirectory() as folder:
+            ph = PostHocEMA(model, sigma_rels=(0.05, 0.28), checkpoint_folder=folder)
+            return sum(m.engine.local_nbytes() for m in ph.ema_models)
     if lib == "swa_utils / lightning":
         from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -79,7 +96,7 @@ def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     model = build(args.model)
-    libs = ["ema_pytorch", "swa_utils / lightning", "diffusers"]
+    libs = ["ema_pytorch", "ema_pytorch PostHocEMA", "swa_utils / lightning", "diffusers"]
     original = {lib: original_bytes(lib, model) for lib in libs}
     rows = []
     for world in (int(w) for w in args.world_sizes.split(",")):

@@ -39,12 +39,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.compat._ema_pytorch_posthoc import PostHocEMA
 from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["EMA"]
+__all__ = ["EMA", "PostHocEMA"]
 
 _REFUSED: dict[str, Any] = {
     "ema_model": None,

@@ -12,28 +12,44 @@ weights, ``averaging_state`` ``n_averaged``. The average is this package's
 ``get_ema_avg_fn`` rounding, ``formula="weighted_sum"``), bit for bit equal to Lightning's
 (``tests/test_compat.py``), with each DDP rank holding ``1/W`` of it.
 
+Under ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``; TP layouts take the
+same path, untested here) the average mirrors the module's placements (each rank ``1/W``),
+and checkpoints stay sharded: every rank writes its own shards of the average as
+``state_dict`` (Lightning's layout, so the strategy's own load puts the average into the
+module) and of the raw weights under ``state_dict["current_model_state.<fqn>"]`` in the
+same DCP checkpoint, since the strategy writes only ``state_dict`` with DCP; ``meta.pt``'s
+``current_model_state`` is then the marker ``{"format": "dcp", "prefix":
+"current_model_state."}``. A resume reads both back (collective) and continues exactly
+(``tests/test_compat_lightning_model_parallel.py``). Lightning's own callback cannot run
+there: its ``setup`` calls ``configure_model`` itself and deep-copies the sharded module,
+which FSDP2 refuses (``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6).
+
 Differences: the average is built at ``on_fit_start`` (after the strategy has set the
 module up) rather than in ``setup``; integer buffers follow the model; float buffers that
 differ across DDP ranks (BatchNorm without ``SyncBatchNorm``) are averaged row-wise from
-each rank's own statistics (Lightning's checkpoint holds rank 0's); sharded modules
-(``ModelParallelStrategy``, FSDP) are refused here: use
-:class:`dtensor_ema.integrations.lightning.EMACallback`, which saves sharded checkpoints.
+each rank's own statistics (Lightning's checkpoint holds rank 0's).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_avg_fn
 from dtensor_ema.integrations._common import EvalSwap, copy_ema_into_model, is_rank0
 
-__all__ = ["EMAWeightAveraging", "WeightAveraging"]
+__all__ = ["CURRENT_PREFIX", "EMAWeightAveraging", "WeightAveraging"]
+
+CURRENT_PREFIX = "current_model_state."
+"""Key prefix of the raw weights inside a sharded checkpoint's ``state_dict`` (DCP) entry."""
 
 
 class WeightAveraging(Callback):
@@ -41,7 +57,9 @@ class WeightAveraging(Callback):
 
     Communication: updates none; the validation swap and ``on_train_end`` are collective
     over the EMA's mesh (every rank runs them); saving a checkpoint gathers the average to
-    rank 0 (collective; peak extra memory on rank 0: one full CPU copy).
+    rank 0 (collective; peak extra memory on rank 0: one full CPU copy), except a sharded
+    (``ModelParallelStrategy``) checkpoint, where every rank writes its own shards (no
+    gather, no extra memory) and a resume reads them back (collective).
     """
 
     def __init__(
@@ -59,6 +77,7 @@ class WeightAveraging(Callback):
         self._latest_update_epoch = -1
         self._fitting = False
         self._pending: dict[str, Any] | None = None
+        self._pending_sharded: tuple[str, int] | None = None
         self._swap = EvalSwap()
 
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
@@ -69,12 +88,6 @@ class WeightAveraging(Callback):
         self._fitting = stage == "fit"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if any(isinstance(v, DTensor) for v in pl_module.state_dict().values()):
-            raise ValueError(
-                f"{type(self).__name__} does not support sharded modules "
-                "(ModelParallelStrategy): use dtensor_ema.integrations.lightning.EMACallback, "
-                "which saves sharded checkpoints"
-            )
         if self._average_model is None:
             self._average_model = AveragedModel(
                 pl_module, device=self._device, use_buffers=self._use_buffers, **self._kwargs
@@ -82,6 +95,10 @@ class WeightAveraging(Callback):
         if self._pending is not None:
             self._average_model.load_state_dict(self._pending)
             self._pending = None
+        if self._pending_sharded is not None:
+            path, n_averaged = self._pending_sharded
+            self._pending_sharded = None
+            self._load_sharded(pl_module, path, n_averaged)
 
     def on_train_batch_end(
         self,
@@ -134,6 +151,10 @@ class WeightAveraging(Callback):
             return
         if self._swap.active:
             raise RuntimeError("a checkpoint is being saved while the average is swapped in")
+        model_state = checkpoint.get("state_dict", {})
+        if any(isinstance(v, DTensor) for v in model_state.values()):
+            self._save_sharded(checkpoint, model_state)
+            return
         self._average_model.gather_for_save()
         if not is_rank0():
             return  # only rank 0 writes the file
@@ -151,6 +172,18 @@ class WeightAveraging(Callback):
             rank_zero_warn(
                 "WeightAveraging: loading a checkpoint outside 'fit'; its state is not restored."
             )
+        elif _is_sharded_marker(checkpoint.get("current_model_state")):
+            path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
+            if path is None or not Path(path).is_dir():
+                raise ValueError(
+                    f"{type(self).__name__}: the checkpoint's weights are sharded (DCP) but the "
+                    f"checkpoint path {path!r} is not a directory"
+                )
+            n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
+            if self._average_model is None:
+                self._pending_sharded = (path, n_averaged)
+            else:
+                self._load_sharded(pl_module, path, n_averaged)
         elif "current_model_state" in checkpoint and "averaging_state" in checkpoint:
             state = {"module." + k: v for k, v in checkpoint["state_dict"].items()}
             self._pending = state | checkpoint["averaging_state"]
@@ -163,6 +196,54 @@ class WeightAveraging(Callback):
                 "The checkpoint was not created with WeightAveraging. Both the current and the "
                 "average model will be initialized with state_dict."
             )
+
+    def _save_sharded(self, checkpoint: dict[str, Any], model_state: dict[str, Any]) -> None:
+        """Lightning's layout for a sharded (DCP) checkpoint, with no gather.
+
+        ``ModelParallelStrategy`` writes only ``checkpoint["state_dict"]`` (and the
+        optimizers) with DCP, every rank its own shards, and pickles the rest into
+        ``meta.pt`` on rank 0. So ``state_dict`` gets the average keyed like the module (what
+        Lightning's load puts into the module) plus the raw weights under
+        ``current_model_state.<fqn>``; ``checkpoint["current_model_state"]`` names them.
+        """
+        assert self._average_model is not None
+        ema = self._average_model.engine.state_dict()["ema"]
+        clash = [k for k in model_state if k.startswith(CURRENT_PREFIX)]
+        if clash:
+            raise ValueError(f"the module's state_dict already has keys {clash[:3]}")
+        tied = {id(model_state[k]): t for k, t in ema.items() if k in model_state}
+        # A tied name shares its twin's EMA; integer buffers follow the model.
+        average = {k: ema.get(k, tied.get(id(v), v)) for k, v in model_state.items()}
+        raw = {CURRENT_PREFIX + k: v for k, v in model_state.items()}
+        checkpoint["state_dict"] = average | raw
+        checkpoint["current_model_state"] = {"format": "dcp", "prefix": CURRENT_PREFIX}
+        checkpoint["averaging_state"] = {"n_averaged": self._average_model.n_averaged}
+
+    def _load_sharded(self, pl_module: pl.LightningModule, path: str, n_averaged: int) -> None:
+        """Read this rank's shards of the raw weights (into the module) and of the average
+        (into the EMA) from the DCP checkpoint at ``path``. **Collective** (every rank).
+        Peak extra memory: one copy of this rank's shards of the module and of the EMA."""
+        assert self._average_model is not None
+        engine = self._average_model.engine
+        ema_state = engine.state_dict()
+        average = {k: torch.empty_like(v) for k, v in ema_state["ema"].items()}
+        raw = {k: torch.empty_like(v) for k, v in pl_module.state_dict().items()}
+        dest = {CURRENT_PREFIX + k: v for k, v in raw.items()} | average
+        try:
+            dcp.load({"state_dict": dest}, checkpoint_id=path)
+        except CheckpointException as e:
+            raise ValueError(
+                f"{type(self).__name__}: cannot read the average and the raw weights from "
+                f"{path} (a different model, or a checkpoint without them): {e}"
+            ) from e
+        engine.load_state_dict(
+            {"ema": average, "updates": n_averaged, "config": ema_state["config"]}
+        )
+        pl_module.load_state_dict(raw)
+
+
+def _is_sharded_marker(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("format") == "dcp"
 
 
 class EMAWeightAveraging(WeightAveraging):

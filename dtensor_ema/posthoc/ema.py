@@ -35,7 +35,12 @@ from dtensor_ema._collectives import rank_of as _rank
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec
-from dtensor_ema.phema_math import check_sigma_rel, power_beta, sigma_rel_to_gamma
+from dtensor_ema.phema_math import (
+    check_sigma_rel,
+    gamma_to_sigma_rel,
+    power_beta,
+    sigma_rel_to_gamma,
+)
 from dtensor_ema.plan import model_tensors
 from dtensor_ema.posthoc import snapshots as snap
 
@@ -113,6 +118,8 @@ class PostHocEMA:
             group must then take part in). With pipeline stages (a different model per
             stage) give each stage its own ``snapshot_dir`` and ``process_group``: rank 0 of
             the group writes the manifest.
+        gammas: the profiles' exponents instead of ``sigma_rels`` (keyword only; each
+            ``>= 0``); ``sigma_rels`` is then derived from them (eq. 125) and ignored.
 
     Time is counted in updates, or in samples when every ``update()`` passes ``samples=``
     (EDM2 counts images): the averaging horizon then survives batch-size and world-size
@@ -145,7 +152,17 @@ class PostHocEMA:
         snapshot_dtype: torch.dtype | None = None,
         async_save: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        gammas: Sequence[float] | None = None,
     ) -> None:
+        if gammas is not None:
+            # Exponents given exactly (ema-pytorch's constructor takes them): sigma_rels are
+            # derived from them, never the other way round, so no gamma is re-rounded.
+            if isinstance(gammas, (int, float)) or not gammas:
+                raise ValueError(f"gammas must be a non-empty sequence, got {gammas!r}")
+            bad = [g for g in gammas if isinstance(g, bool) or not float(g) >= 0.0]
+            if bad:
+                raise ValueError(f"gammas must be numbers >= 0, got {list(gammas)}")
+            sigma_rels = tuple(gamma_to_sigma_rel(float(g)) for g in gammas)
         if isinstance(sigma_rels, (int, float)):
             raise TypeError(f"sigma_rels must be a sequence, e.g. (0.05, 0.10), got {sigma_rels}")
         self.sigma_rels = tuple(
@@ -169,7 +186,11 @@ class PostHocEMA:
             raise ValueError(
                 f"snapshot_dtype must be a floating-point torch.dtype, got {snapshot_dtype!r}"
             )
-        self.gammas = tuple(sigma_rel_to_gamma(s) for s in self.sigma_rels)
+        self.gammas = (
+            tuple(float(g) for g in gammas)
+            if gammas is not None
+            else tuple(sigma_rel_to_gamma(s) for s in self.sigma_rels)
+        )
         self.snapshot_every = snapshot_every
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
         self.snapshot_dtype = snapshot_dtype
@@ -248,6 +269,27 @@ class PostHocEMA:
         self._steps += 1
         if self.snapshot_every is not None and self._steps % self.snapshot_every == 0:
             self.snapshot()
+
+    @torch.no_grad()
+    def _update_at(self, steps: int, t: int | None = None, delta: int = 1) -> None:
+        """Count update call ``steps``; with ``t``, also update at that explicit time. Local.
+
+        For facades whose clock is not :meth:`update`'s (ema-pytorch counts calls, averages
+        on every ``update_every``-th one with ``beta = (1 - 1/(calls + 1)) ** (gamma + 1)``,
+        and names snapshots by calls): the decay is ``power_beta(gamma, t, delta)``
+        (``delta == t`` copies the model). Takes no snapshot.
+        """
+        if t is not None:
+            power_beta(0.0, t, delta)  # validates 0 < delta <= t before anything changes
+            saved = (self._clock.t, self._clock.delta)
+            self._clock.t, self._clock.delta = t, delta
+            try:
+                self.emas.update()
+            except Exception:
+                self._clock.t, self._clock.delta = saved
+                raise
+            self._time = "steps"
+        self._steps = steps
 
     # ----------------------------------------------------------------------- snapshots
     def snapshot(self) -> Path | None:
