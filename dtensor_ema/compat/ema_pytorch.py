@@ -19,7 +19,7 @@ what ema-pytorch keeps always). Calling ``ema.ema_model(x)`` directly while the 
 are freed raises, naming the fix. Float buffers are kept whole on every rank
 (``replicate_buffers=True``), each rank averaging its own model's, as ema-pytorch's
 replica does. ``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2
-module instead (one unit gathered per forward: peak about the largest unit, 1.3-1.7x the
+module instead (one unit gathered per forward: peak about the largest unit, 1.4-1.8x the
 replica's time per batch on ResNet-50); FSDP2/TP models always do. The rank-0 save
 ``torch.save(ema.state_dict())`` works after ``ema.gather_for_save()`` (or ``ema.eval()``)
 on every rank and refuses naming that fix otherwise (see :mod:`dtensor_ema.compat._replica`).

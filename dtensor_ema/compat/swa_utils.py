@@ -27,7 +27,7 @@ Evaluation (``.module``, forward) runs on a replica gathered once per validation
 between (peak while gathered: one full copy per rank, what torch's replica keeps always).
 ``update_bn(loader, swa_model)`` recomputes the EMA's own BatchNorm statistics (each rank
 its own, as torch). ``evaluation="sharded"`` (keyword) evaluates through the engine's
-FSDP2 module instead (one unit gathered per forward: peak about the largest unit, 1.3-1.7x
+FSDP2 module instead (one unit gathered per forward: peak about the largest unit, 1.4-1.8x
 the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``); FSDP2/TP models
 always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works after
 ``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix otherwise

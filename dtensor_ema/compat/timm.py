@@ -20,7 +20,7 @@ as timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``
 In between, each rank holds ``1/W`` of the parameters. Peak while gathered: one full copy
 of the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
 (keyword) evaluates through the engine's FSDP2 module instead (one unit gathered per
-forward: peak about the largest unit, 1.3-1.7x the replica's time per batch on ResNet-50;
+forward: peak about the largest unit, 1.4-1.8x the replica's time per batch on ResNet-50;
 see ``benchmarks/compat_eval.py``). The rank-0 save
 (``unwrap_model(model_ema).state_dict()``) works after ``eval()`` or ``gather_for_save()``
 on every rank, and refuses naming that fix otherwise; see
