@@ -77,6 +77,7 @@ SCRIPTS = [
     "resume_reshard.py",
     pytest.param("lightning_ema.py", marks=_needs("lightning")),
     pytest.param("hf_trainer_ema.py", marks=_needs("transformers")),
+    pytest.param("torchtitan_llama.py", marks=_needs("torchtitan")),
 ]
 
 
@@ -276,3 +277,29 @@ def test_hf_trainer_ema_two_ranks(tmp_path: Path) -> None:
     for step in (2, 4):
         assert (out_dir / f"checkpoint-{step}" / "ema" / ".metadata").is_file()
     assert (out_dir / "ema" / "config.json").is_file()
+
+
+@_needs("torchtitan")
+def test_torchtitan_llama_fsdp_tp_four_ranks_resumes_at_two_then_one(tmp_path: Path) -> None:
+    """torchtitan's debugmodel (1 layer) on its own FSDP2+TP 2x2 (the script spawns its 4
+    ranks), resumed under torchrun at W=2 FSDP2, then in one process without a group."""
+    script = _script("torchtitan_llama.py")
+    common = [f"--out={tmp_path / 'tt'}", "--layers=1", "--steps=2", "--seq-len=8"]
+    out = _run([script, "--phase=train", "--world-size=4", *common], tmp_path, nproc=None)
+    assert "4 x cpu (gloo), FSDP2 2 x TP 2 by torchtitan's parallelize_llama" in out, out
+    assert re.findall(r"^step (\d) \| loss [\d.]+$", out, re.MULTILINE) == ["1", "2"], out
+    share = re.search(r"EMA decay_0_9: (\d+) of (\d+) elements on rank 0", out)
+    assert share and 0.2 <= int(share[1]) / int(share[2]) <= 0.3, out  # 1/4 of the EMA
+    assert re.search(r"eval loss \| raw [\d.]+ \| EMA [\d.]+ \| raw weights restored: True", out)
+    assert (tmp_path / "tt" / "train" / "ckpt" / ".metadata").is_file()
+
+    out = _run([script, "--phase=resume", *common], tmp_path, nproc=2)  # under torchrun
+    assert "2 x cpu (gloo), FSDP2 over 2" in out, out
+    assert "EMA after loading train (step 2): bit-identical: True" in out, out
+    assert re.findall(r"^step (\d) \| loss", out, re.MULTILINE) == ["3", "4"], out
+
+    out = _run([script, "--phase=load", *common], tmp_path, nproc=None)
+    assert "1 process, no process group" in out, out
+    assert "EMA after loading resume (step 4): bit-identical: True" in out, out
+    losses = re.search(r"EMA eval loss here ([\d.]+) \| at W=2 ([\d.]+)", out)
+    assert losses and abs(float(losses[1]) - float(losses[2])) < 1e-3, out
