@@ -73,9 +73,9 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
     Args:
         config: a :class:`TorchtitanEMA.Config`.
         model_parts: torchtitan's ``model_parts``; exactly one part (no pipeline parallel).
-        mesh: the EMA's world (default: found from the parameters, see
-            :class:`~dtensor_ema.ModelEMA`); pass torchtitan's world mesh
-            (``parallel_dims.world_mesh``) where the default refuses its meshes.
+        mesh: the EMA's world (default: found from the parameters' meshes, which works
+            on the meshes torchtitan's ``ParallelDims`` builds; see
+            :class:`~dtensor_ema.ModelEMA`).
 
     Names of the EMAs: ``decay_<d>`` for each entry of ``decays``, else ``hlf_<f>`` for each
     entry of ``half_life_fractions``, with ``_`` for the decimal point (DCP joins keys with
