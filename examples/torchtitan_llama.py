@@ -53,6 +53,7 @@ debugmodel (6 layers as shipped) to run fast.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -318,6 +319,7 @@ def _rank_main(rank: int, world_size: int, store: str, args: argparse.Namespace)
     try:
         run_phase(args)
     finally:
+        gc.collect()  # FSDP's cycles hold the group: free them before interpreter exit
         dist.destroy_process_group()
 
 
@@ -373,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             run_phase(args)
         finally:
+            gc.collect()  # FSDP's cycles hold the group: free them before interpreter exit
             dist.destroy_process_group()
         return
     if args.phase in ("train", "resume"):
