@@ -5,8 +5,10 @@ Cases: a TP-only model at W=2 (``parallelize_module`` with ``ColwiseParallel`` /
 parameters outside TP); at W=4 on a 2 x 2 mesh, the same model with TP on the inner dim and
 ``fully_shard`` on the outer (as torchtitan does), the TP-only model with a dp dim it does
 not shard, the TP-only model over all 4 ranks, and torchtitan 0.3.0's own
-llama3 debugmodel (fused Q/K/V, two layers)
-parallelized by its own ``parallelize_llama`` with FSDP2 + TP on its ``ParallelDims``.
+llama3 debugmodel (fused Q/K/V, two layers) parallelized by its own ``parallelize_llama``
+on its own ``ParallelDims`` meshes: FSDP2 + TP (dp_shard 2 x tp 2) and HSDP (dp_replicate 2
+x dp_shard 2), both with ``mesh=None``. The torchtitan EMAs are saved with DCP at W=4 and
+loaded, bit for bit, into the unsharded debugmodel's EMA in one process.
 
 Each case keeps a full-model EMA reference written here (``lerp_`` of ``full_tensor()``
 after every SGD step), and checks:
@@ -15,7 +17,9 @@ after every SGD step), and checks:
   reference into the model;
 * ``ema.module(x)`` equals an unsharded model holding the reference (rel. error <= 1e-5);
 * building the module leaves the EMA's per-rank bytes unchanged and the module's resting
-  parameters *are* the EMA's DTensors (same local storage: no replicated copy);
+  parameters *are* the EMA's DTensors (same local storage: no replicated copy); under HSDP,
+  where FSDP2 cannot hold the EMA's split over the replicate dim, they are one copy of the
+  model's own shards (refreshed from the EMA before each forward);
 * after more steps and ``ema.update()``, the next forward shows the new average;
 * during the forward, TP weights are DTensors in the model's TP layout.
 
@@ -27,10 +31,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -38,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from dtensor_ema import ModelEMA
+from dtensor_ema import ModelEMA, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -134,6 +140,14 @@ def _not_shared(module: nn.Module, ema: ModelEMA) -> list[str]:
     ]
 
 
+def _local_bytes(module: nn.Module) -> int:
+    """This rank's bytes of ``module``'s parameters."""
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes()
+        for p in module.parameters()
+    )
+
+
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual = _full(actual) if isinstance(actual, DTensor) else actual
     if not torch.isfinite(expected).all():
@@ -151,8 +165,10 @@ def _case(
     context: Callable[[], Any] | None = None,
     loss: Callable[[Any], torch.Tensor] = lambda y: y.float().square().mean(),
     view: Callable[[torch.Tensor], torch.Tensor] = lambda y: y,
+    checkpoint: Path | None = None,
 ) -> dict[str, Any]:
-    """Train 2 steps, build ``ema.module``, check it; 1 more step, check again."""
+    """Train 2 steps, build ``ema.module``, check it; 1 more step, check again. With
+    ``checkpoint``, save the EMA there with DCP and the reference beside it (rank 0)."""
     import contextlib
 
     ctx = context or contextlib.nullcontext
@@ -175,6 +191,7 @@ def _case(
     module = ema.module
     out: dict[str, Any] = {"bytes_before": bytes_before, "bytes_after": ema.local_nbytes()}
     out["rest_not_shared"] = _not_shared(module, ema)
+    out["module_bytes"], out["model_bytes"] = (_local_bytes(m) for m in (module, model))
     seen: dict[str, Any] = {}
 
     def record(m: nn.Module, _args: Any) -> None:
@@ -212,6 +229,10 @@ def _case(
         probe=seen.get("probe"),
         rest_after=_not_shared(module, ema),  # the gathered parameters are dropped
     )
+    if checkpoint is not None:
+        save_checkpoint({"ema": ema}, checkpoint)
+        if dist.get_rank() == 0:
+            torch.save({"reference": ref, "updates": ema.updates}, f"{checkpoint}.pt")
     return out
 
 
@@ -268,10 +289,13 @@ def tp2_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ W=4: 2 x 2
-def _titan_debugmodel(dims: Any, parallelize: bool) -> tuple[nn.Module, Any]:
+def _titan_debugmodel(
+    dims: Any, parallelize: bool, replicate: int = 1, shard: int = 2, tp: int = 2
+) -> tuple[nn.Module, Any]:
     """torchtitan's llama3 debugmodel as shipped (fused Q/K/V), cut to 2 layers, with SDPA
     (FlexAttention has no CPU backward), fp32, parallelized by its own
-    ``parallelize_llama`` on ``dims`` when ``parallelize``."""
+    ``parallelize_llama`` on ``dims`` (``replicate`` x ``shard`` x ``tp``) when
+    ``parallelize``."""
     import torchtitan.distributed.parallel_dims as pd_module
     import torchtitan.tools.utils as tt_utils
     from torch.distributed.fsdp import FSDPModule
@@ -287,8 +311,9 @@ def _titan_debugmodel(dims: Any, parallelize: bool) -> tuple[nn.Module, Any]:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     trainer.training.seq_len = 8
     trainer.training.mixed_precision_param = "float32"
-    trainer.parallelism.data_parallel_shard_degree = 2
-    trainer.parallelism.tensor_parallel_degree = 2
+    trainer.parallelism.data_parallel_replicate_degree = replicate
+    trainer.parallelism.data_parallel_shard_degree = shard
+    trainer.parallelism.tensor_parallel_degree = tp
     config.update_from_config(config=trainer)
     with torch.device("meta"):
         model = config.build()
@@ -312,7 +337,7 @@ def _titan_debugmodel(dims: Any, parallelize: bool) -> tuple[nn.Module, Any]:
     return model, trainer
 
 
-def tp4_body(rank: int, world_size: int) -> dict[str, Any]:
+def tp4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
     def fsdp_tp() -> dict[str, Any]:
@@ -368,41 +393,53 @@ def tp4_body(rank: int, world_size: int) -> dict[str, Any]:
     cases = {"fsdp_tp": fsdp_tp, "tp_on_2d": tp_on_2d, "tp_1d": tp_1d, "bf16": fsdp_tp_bf16}
     if importlib.util.find_spec("torchtitan") is not None:
 
-        def titan_fsdp_tp() -> dict[str, Any]:
+        def titan(replicate: int, shard: int, tp: int, probe: str) -> dict[str, Any]:
             import torchtitan.distributed.parallel_dims as pd_module
             from torchtitan.distributed.parallel_dims import ParallelDims
             from torchtitan.distributed.utils import get_spmd_context
 
             pd_module.device_type = "cpu"
             dims = ParallelDims(
-                dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=world_size
+                dp_replicate=replicate,
+                dp_shard=shard,
+                cp=1,
+                tp=tp,
+                pp=1,
+                ep=1,
+                world_size=world_size,
             )
             dims.build_mesh()
-            model, _ = _titan_debugmodel(dims, parallelize=True)
-            reference, trainer = _titan_debugmodel(dims, parallelize=False)
+            degrees = {"replicate": replicate, "shard": shard, "tp": tp}
+            model, _ = _titan_debugmodel(dims, parallelize=True, **degrees)
+            reference, trainer = _titan_debugmodel(dims, parallelize=False, **degrees)
 
             def tokens(step: int) -> torch.Tensor:
                 g = torch.Generator().manual_seed(step)
                 return torch.randint(0, trainer.model_spec.model.vocab_size, (2, 8), generator=g)
 
-            tp = dims.get_mesh("tp")
-            vocab = trainer.model_spec.model.vocab_size // tp.size()
+            tp_mesh = dims.get_mesh("tp") if tp > 1 else None
+            vocab = trainer.model_spec.model.vocab_size // tp
 
-            def shard(logits: torch.Tensor) -> torch.Tensor:  # loss parallel: vocab shards
-                return logits[..., tp.get_local_rank() * vocab :][..., :vocab]
+            def view(logits: torch.Tensor) -> torch.Tensor:  # loss parallel: vocab shards
+                if tp_mesh is None:
+                    return logits
+                return logits[..., tp_mesh.get_local_rank() * vocab :][..., :vocab]
 
             out = _case(
                 model,
                 reference,
                 tokens,
-                probe="layers.0.attention.wo",
+                probe=probe,
                 context=get_spmd_context(parallel_dims=dims),
-                view=shard,
+                view=view,
+                checkpoint=Path(root) / f"titan-{replicate}x{shard}x{tp}",
             )
             out["fused"] = any("wqkv" in n for n, _ in model.named_parameters())
+            out["mesh"] = list(model.tok_embeddings.weight.device_mesh.mesh.shape)
             return out
 
-        cases["titan_fsdp_tp"] = titan_fsdp_tp
+        cases["titan_fsdp_tp"] = lambda: titan(1, 2, 2, probe="layers.0.attention.wo")
+        cases["titan_hsdp"] = lambda: titan(2, 2, 1, probe="layers.0.attention.wo")
     return _guarded(cases)
 
 
@@ -412,13 +449,19 @@ def tp2_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def tp4_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tp4_body, 4, tmp_path_factory.mktemp("tp4"), deadline_s=400)
+def tp4_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp4")
 
 
-def _check(results: list[dict[str, Any]], name: str, probe: Any) -> None:
+@pytest.fixture(scope="module")
+def tp4_results(tp4_root: Path) -> list[dict[str, Any]]:
+    return run_ranks(tp4_body, 4, tp4_root, str(tp4_root), deadline_s=400)
+
+
+def _check(results: list[dict[str, Any]], name: str, probe: Any, shares: bool = True) -> None:
     """``probe``: the probed weight's (type, placements, local shape) during the forward,
-    or a list of them by rank."""
+    or a list of them by rank. ``shares``: the module's parameters are the EMA's DTensors;
+    else (HSDP) they are one copy of the model's own shards, refreshed from the EMA."""
     for rank, cases in enumerate(results):
         out = cases[name]
         assert "error" not in out, f"rank {rank}: {out['error']}"
@@ -428,7 +471,10 @@ def _check(results: list[dict[str, Any]], name: str, probe: Any) -> None:
         assert out["raw_err"] > 1e-3, out  # the EMA is far from the raw weights
         assert out["swap_forward_equal"], out  # bit for bit: the same layouts and kernels
         assert out["bytes_after"] == out["bytes_before"], out
-        assert out["rest_not_shared"] == [] and out["rest_after"] == [], out
+        if shares:
+            assert out["rest_not_shared"] == [] and out["rest_after"] == [], out
+        else:
+            assert out["module_bytes"] == out["model_bytes"], out
         assert out["probe"] == (probe[rank] if isinstance(probe, list) else probe), out
 
 
@@ -475,3 +521,34 @@ def test_torchtitan_fsdp_tp_module_matches_the_unsharded_reference(
     # torchtitan's spmd_types backend: FSDP2 unshards to the plain TP-local piece.
     _check(tp4_results, "titan_fsdp_tp", ("Parameter", [], [256, 128]))
     assert all(cases["titan_fsdp_tp"]["fused"] for cases in tp4_results)
+    assert all(cases["titan_fsdp_tp"]["mesh"] == [2, 2] for cases in tp4_results)
+
+
+def test_torchtitan_hsdp_module_matches_the_unsharded_reference(tp4_results: list[Any]) -> None:
+    """torchtitan's own HSDP 2 x 2 (``dp_replicate=2, dp_shard=2``): ``mesh=None`` finds
+    the world, the EMA splits each shard over the replicate dim, and the module works,
+    holding one copy of the model's shards (FSDP2 cannot hold the EMA's finer split)."""
+    pytest.importorskip("torchtitan")
+    _check(tp4_results, "titan_hsdp", ("Parameter", [], [256, 256]), shares=False)
+    assert all(cases["titan_hsdp"]["fused"] for cases in tp4_results)
+    assert all(cases["titan_hsdp"]["mesh"] == [2, 2] for cases in tp4_results)
+    # 1/W per rank: the EMA elements of HSDP's replicated shards are split once more.
+    total = sum(cases["titan_hsdp"]["bytes_before"] for cases in tp4_results)
+    assert all(cases["titan_hsdp"]["bytes_before"] * 4 <= total + 4096 for cases in tp4_results)
+
+
+@pytest.mark.parametrize("layout", ["titan-1x2x2", "titan-2x2x1"])
+def test_torchtitan_w4_checkpoint_loads_in_one_process(
+    tp4_results: list[Any], tp4_root: Path, layout: str
+) -> None:
+    """DCP saved on torchtitan's FSDP2+TP or HSDP 2 x 2 mesh at W=4 loads into the
+    unsharded debugmodel's EMA without a process group, bit for bit."""
+    pytest.importorskip("torchtitan")
+    model, _ = _titan_debugmodel(None, parallelize=False)
+    ema = ModelEMA(model, decay=DECAY, tau=None)
+    load_checkpoint({"ema": ema}, tp4_root / layout)
+    saved = torch.load(tp4_root / f"{layout}.pt")
+    got = ema.ema_tensors()
+    assert sorted(got) == sorted(saved["reference"])
+    assert [k for k, v in saved["reference"].items() if not torch.equal(got[k], v)] == []
+    assert ema.updates == saved["updates"] == 3
