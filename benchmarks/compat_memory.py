@@ -6,9 +6,10 @@
 One process acts as rank 0 of W ranks (torch's fake process group: collectives move no
 data). Rank 0 holds the most (shards follow ``torch.chunk``: the first chunks are full).
 The original's bytes are those of the EMA copy it keeps on every rank, measured on the real
-object: ema-pytorch's ``ema_model`` (a deepcopy: parameters and all buffers; ``PostHocEMA``:
-one per profile, two here), torch's
-``AveragedModel.module`` (likewise; Lightning's ``EMAWeightAveraging`` keeps one), diffusers'
+object: timm's ``ModelEmaV3.module``, ultralytics' ``ModelEMA.ema`` and ema-pytorch's
+``ema_model`` (deepcopies: parameters and all buffers; ``PostHocEMA``: one per profile, two
+here), torch's ``AveragedModel.module`` (likewise; Lightning's ``EMAWeightAveraging`` keeps
+one), diffusers'
 ``shadow_params`` (parameters only). The drop-in's bytes are
 ``ModelEMA.local_nbytes()`` of the engine underneath (Lightning's drop-in holds the same
 ``AveragedModel`` drop-in). Prints a Markdown table.
@@ -43,6 +44,14 @@ def original_bytes(lib: str, model: nn.Module) -> int:
     def nbytes(tensors: Any) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    if lib == "timm":
+        from timm.utils import ModelEmaV3
+
+        return nbytes(ModelEmaV3(model).module.state_dict().values())
+    if lib == "ultralytics":
+        from ultralytics.utils.torch_utils import ModelEMA
+
+        return nbytes(ModelEMA(model).ema.state_dict().values())
     if lib == "ema_pytorch":
         import ema_pytorch
 
@@ -66,6 +75,14 @@ def original_bytes(lib: str, model: nn.Module) -> int:
 
 
 def ours_bytes(lib: str, model: nn.Module) -> int:
+    if lib == "timm":
+        from dtensor_ema.compat.timm import ModelEmaV3
+
+        return ModelEmaV3(model).engine.local_nbytes()
+    if lib == "ultralytics":
+        from dtensor_ema.compat.ultralytics import ModelEMA
+
+        return ModelEMA(model).engine.local_nbytes()
     if lib == "ema_pytorch":
         from dtensor_ema.compat.ema_pytorch import EMA
 
@@ -96,7 +113,8 @@ def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     model = build(args.model)
-    libs = ["ema_pytorch", "ema_pytorch PostHocEMA", "swa_utils / lightning", "diffusers"]
+    libs = ["timm", "ultralytics", "ema_pytorch", "ema_pytorch PostHocEMA"]
+    libs += ["swa_utils / lightning", "diffusers"]
     original = {lib: original_bytes(lib, model) for lib in libs}
     rows = []
     for world in (int(w) for w in args.world_sizes.split(",")):
