@@ -181,10 +181,10 @@ ULTRA_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _save_model(ema: Any, model: nn.Module, opt: torch.optim.Optimizer, wdir: Path) -> Any:
-    """ultralytics' own ``BaseTrainer.save_model`` (rank 0's checkpoint: ``deepcopy(ema.ema)
-    .half()`` pickled whole under ``'ema'``, ``ema.updates`` under ``'updates'``) on a
-    stand-in trainer holding just what it reads; returns the checkpoint as resume loads it."""
+def _save_model(ema: Any, model: nn.Module, opt: torch.optim.Optimizer, wdir: Path) -> None:
+    """ultralytics' own ``BaseTrainer.save_model`` (rank 0's checkpoint ``wdir/last.pt``:
+    ``deepcopy(ema.ema).half()`` pickled whole under ``'ema'``, ``ema.updates`` under
+    ``'updates'``) on a stand-in trainer holding just what it reads."""
     from types import SimpleNamespace
 
     from ultralytics.engine.trainer import BaseTrainer
@@ -207,7 +207,6 @@ def _save_model(ema: Any, model: nn.Module, opt: torch.optim.Optimizer, wdir: Pa
         save_period=-1,
     )
     BaseTrainer.save_model(trainer)  # type: ignore[arg-type]
-    return trainer.last
 
 
 def _ultralytics_part(
@@ -274,7 +273,11 @@ def _ultralytics_part(
     out[f"ultra-{name}/saved"] = _same(ckpt["ema"].state_dict(), their_ckpt["ema"].state_dict())
     out[f"ultra-{name}/saved_meta"] = (
         (ckpt["updates"], type(ckpt["ema"]).__name__, ckpt["ema"].conv1.weight.dtype),
-        (their_ckpt["updates"], type(their_ckpt["ema"]).__name__, torch.float16),
+        (
+            their_ckpt["updates"],
+            type(their_ckpt["ema"]).__name__,
+            their_ckpt["ema"].conv1.weight.dtype,
+        ),
     )
     # BaseTrainer._load_checkpoint_state on every rank: a new ModelEMA, the half checkpoint
     # loaded as float, ``updates`` set; then training goes on, as it does for the EMAs that
@@ -400,7 +403,7 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
                 "updates", 0
             )
             ours_meta, their_meta = out[f"ultra-{name}/saved_meta"]
-            assert ours_meta == their_meta and ours_meta[:2] == (updates, "Net"), (rank, name)
+            assert ours_meta == their_meta == (updates, "Net", torch.float16), (rank, name)
             assert out[f"ultra-{name}/resumed_updates"] == (updates + 2, updates + 2)
             ours_attr, their_attr = out[f"ultra-{name}/attr"]
             assert ours_attr == their_attr == ({0: "a"} if rank == 0 else None), (rank, name)
