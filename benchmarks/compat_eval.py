@@ -1,13 +1,15 @@
 """Validation time per batch through every drop-in with a module, against its original
-library: timm ``ModelEmaV3``, torch ``swa_utils.AveragedModel``, ema-pytorch ``EMA``, on a
-torchvision ResNet at W gloo ranks (CPU).
+library: timm ``ModelEmaV3``, torch ``swa_utils.AveragedModel``, ema-pytorch ``EMA``,
+ultralytics ``ModelEMA``, on a torchvision ResNet at W gloo ranks (CPU).
 
 Each rank builds the model (same seed) and, per library, three EMAs that watch it: the
 original, our drop-in (``evaluation="replica"``, the default) and our drop-in with
-``evaluation="sharded"`` (the engine's FSDP2 module, one unit gathered per forward). Each
-does one update, then one validation pass the way the library's users run it:
-``ema.eval()`` (ours: the replica's one coalesced all-gather, kept until the next update)
-and ``--batches`` forwards under ``no_grad``, the three alternating batch by batch (so load
+``evaluation="sharded"`` (the engine's FSDP2 module, one unit gathered per forward; not for
+ultralytics, whose drop-in has only the replica). Each does one update, then one validation
+pass the way the library's users run it: ``ema.eval()`` (ours: the replica's one coalesced
+all-gather, kept until the next update; ultralytics: ours ``ema.materialize()``, then for
+both ``ema.ema.float().eval()`` as its validator does, forwards through ``ema.ema``) and
+``--batches`` forwards under ``no_grad``, the variants alternating batch by batch (so load
 from neighbours hits all alike). Reported per batch: the median forward (robust to bursts
 of load on a shared machine) plus the gather amortized over the pass.
 Before that, one warm-up pass per EMA (one batch) measures the peak resident memory of
@@ -15,7 +17,7 @@ Before that, one warm-up pass per EMA (one batch) measures the peak resident mem
 the model's parameter bytes.
 
     python benchmarks/compat_eval.py [--model resnet50] [--world 2] [--batches 10]
-        [--batch-size 8] [--image 128] [--libraries timm,swa,ema_pytorch]
+        [--batch-size 8] [--image 128] [--libraries timm,swa,ema_pytorch,ultralytics]
 """
 
 from __future__ import annotations
@@ -118,7 +120,42 @@ def _factories(library: str) -> dict[str, Callable[[nn.Module], Any]]:
             "replica": ep_build(ours_ep.EMA),
             "sharded": ep_build(ours_ep.EMA, evaluation="sharded"),
         }
-    raise ValueError(f"unknown library {library!r}: expected timm, swa or ema_pytorch")
+    if library == "ultralytics":
+        from ultralytics.utils.torch_utils import ModelEMA
+
+        from dtensor_ema.compat.ultralytics import ModelEMA as OursUltra
+
+        def ultra_build(cls: Any) -> Callable[[nn.Module], Any]:
+            def build(model: nn.Module) -> Any:
+                ema = cls(model)
+                ema.update(model)
+                return _UltralyticsValidation(ema)
+
+            return build
+
+        return {"original": ultra_build(ModelEMA), "replica": ultra_build(OursUltra)}
+    raise ValueError(f"unknown library {library!r}: expected timm, swa, ema_pytorch or ultralytics")
+
+
+class _UltralyticsValidation:
+    """ultralytics' validation habit on a ``ModelEMA``: ``eval()`` is the trainer's step
+    before ``validate()`` (ours: ``ema.materialize()``, the one collective gather, on every
+    rank; the original: nothing) then the validator's ``ema.ema.float().eval()``; a call is a
+    forward of ``ema.ema``."""
+
+    def __init__(self, ema: Any) -> None:
+        self.ema = ema
+        self.module: nn.Module | None = None
+
+    def eval(self) -> _UltralyticsValidation:
+        if hasattr(self.ema, "materialize"):
+            self.ema.materialize()
+        self.module = self.ema.ema.float().eval()
+        return self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.module is not None, "eval() first"
+        return self.module(x)
 
 
 def _eval(ema: Any) -> float:
@@ -144,8 +181,9 @@ def rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, q
         results: dict[str, Any] = {"param_bytes": param_bytes}
         for library in args.libraries.split(","):
             build = _factories(library)
+            variants = [v for v in VARIANTS if v in build]
             peaks = {}
-            for variant in VARIANTS:  # warm-up pass: memory of eval() + one batch
+            for variant in variants:  # warm-up pass: memory of eval() + one batch
                 ema = build[variant](model)
                 before = _peak_reset()
                 _eval(ema)
@@ -153,12 +191,12 @@ def rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, q
                     ema(batches[0])
                 peaks[variant] = (_status("VmHWM") - before) / param_bytes
                 del ema
-            emas = {v: build[v](model) for v in VARIANTS}
-            gathers = {v: _eval(emas[v]) for v in VARIANTS}
-            spent: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            emas = {v: build[v](model) for v in variants}
+            gathers = {v: _eval(emas[v]) for v in variants}
+            spent: dict[str, list[float]] = {v: [] for v in variants}
             with torch.no_grad():
                 for x in batches:
-                    for variant in VARIANTS:
+                    for variant in variants:
                         dist.barrier()
                         start = time.perf_counter()
                         emas[variant](x)
@@ -169,7 +207,7 @@ def rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, q
                     gathers[v],
                     peaks[v],
                 )
-                for v in VARIANTS
+                for v in variants
             }
             del emas
         queue.put((rank, results))
@@ -185,7 +223,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--image", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--libraries", default="timm,swa,ema_pytorch")
+    parser.add_argument("--libraries", default="timm,swa,ema_pytorch,ultralytics")
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # see shared notes: peaks
     ctx = mp.get_context("spawn")
@@ -217,12 +255,14 @@ def main() -> None:
             row = res[library]
             t0, _, m0 = row["original"]
             t1, g1, m1 = row["replica"]
-            t2, _, m2 = row["sharded"]
+            sharded = "n/a"
+            if "sharded" in row:
+                t2, _, m2 = row["sharded"]
+                sharded = f"{t2 * 1e3:.0f} ms, {t2 / t0:.2f}x (mem {m2:.2f}x)"
             print(
                 f"| {library} | {rank} | {t0 * 1e3:.0f} ms (mem {m0:.2f}x) | "
                 f"{t1 * 1e3:.0f} ms, {t1 / t0:.2f}x (mem {m1:.2f}x) | "
-                f"{(t1 - g1 / args.batches) * 1e3:.0f} ms, {g1 * 1e3:.0f} ms | "
-                f"{t2 * 1e3:.0f} ms, {t2 / t0:.2f}x (mem {m2:.2f}x) |"
+                f"{(t1 - g1 / args.batches) * 1e3:.0f} ms, {g1 * 1e3:.0f} ms | {sharded} |"
             )
 
 

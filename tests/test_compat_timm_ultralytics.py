@@ -1,11 +1,12 @@
-"""dtensor_ema.compat.timm and .ultralytics against the real timm and ultralytics' semantics.
+"""dtensor_ema.compat.timm and .ultralytics against the real timm and ultralytics.
 
 One spawned body per world size: a small BatchNorm CNN under DDP trains a few real SGD
 steps (different data per rank) with several option sets; every rank keeps the real timm
-``ModelEmaV3`` (and a reference ultralytics EMA written here from ultralytics 8.4.190's
-``ModelEMA.update``: ultralytics itself needs OpenCV, ~60 MB) beside our drop-in, and the
-body returns bit-exact comparisons of weights, per-rank buffers, ``distribute_bn``, the
-rank-0 save habit and a resume from the rank-0 file.
+``ModelEmaV3`` and the real ultralytics ``ModelEMA`` (8.4.190, the ``compat`` extra) beside
+our drop-ins, and the body returns bit-exact comparisons of weights, per-rank buffers,
+``distribute_bn``, ultralytics' validation habit (rank 0's EMA buffers broadcast, then
+``ema.ema`` forward), the rank-0 save habit (ultralytics: its own ``BaseTrainer.save_model``)
+and a resume from the rank-0 file.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.dist_harness import run_ranks
+from tests.dist_harness import require_extra, run_ranks
 
 timm_utils = pytest.importorskip("timm.utils")
+require_extra("ultralytics", "compat")
 
 TIMM_OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -54,23 +56,6 @@ class Net(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-class UltralyticsReference:
-    """ultralytics 8.4.190 ``ModelEMA`` update, verbatim in substance (one foreach lerp)."""
-
-    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000) -> None:
-        self.ema = copy.deepcopy(model).eval()
-        self.updates = 0
-        self.decay = lambda x: decay * (1 - math.exp(-x / tau))
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        self.updates += 1
-        d = self.decay(self.updates)
-        msd = model.state_dict()
-        pairs = [(v, msd[k]) for k, v in self.ema.state_dict().items() if v.is_floating_point()]
-        torch._foreach_lerp_([e for e, _ in pairs], [m for _, m in pairs], 1 - d)
-
-
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Keys whose tensors differ (bitwise), or are missing."""
     bad = [k for k in a if k not in b or not torch.equal(a[k].float(), b[k].float())]
@@ -91,7 +76,6 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     from dtensor_ema.compat.timm import ModelEmaV2
     from dtensor_ema.compat.timm import ModelEmaV3 as OurV3
-    from dtensor_ema.compat.ultralytics import ModelEMA as OurUltra
 
     distributed = dist.is_initialized()
     out: dict[str, Any] = {}
@@ -186,47 +170,132 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     out.update(_swa_update_bn(rank, distributed))
 
-    # ultralytics ModelEMA: default ramp and a non-default one.
-    for name, opts in {"default": {}, "short": {"decay": 0.95, "tau": 3}}.items():
-        torch.manual_seed(0)
-        net = Net()
-        ref, ours_u = UltralyticsReference(net, **opts), OurUltra(net, **opts)
-        model = nn.parallel.DistributedDataParallel(net) if distributed else net
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        net.names = {0: "a"}
-        for step in range(1, 6):
-            _train_step(model, opt, rank, step)
-            ref.update(net)
-            ours_u.update(model)
-        ours_u.update_attr(model, include=["names"])
-        stale = ""
-        if distributed and world > 1:
-            try:
-                copy.deepcopy(ours_u.ema).half().state_dict()
-            except RuntimeError as e:
-                stale = str(e)
-        out[f"ultra-{name}/stale_refused"] = stale
-        if name == "short":
-            ours_u.gather_for_save()
-        else:
-            ours_u.materialize()
-        out[f"ultra-{name}/weights"] = _same(ours_u.ema.state_dict(), ref.ema.state_dict())
-        out[f"ultra-{name}/updates"] = (ours_u.updates, ref.updates, ours_u.decay(5), ref.decay(5))
-        out[f"ultra-{name}/attr"] = getattr(ours_u.ema, "names", None)
-        path = Path(tmp) / f"ultra-{name}.pt"
-        if rank == 0:  # ultralytics' habit: a half-precision deepcopy of ema.ema, pickled
-            torch.save({"ema": copy.deepcopy(ours_u.ema).half(), "updates": ours_u.updates}, path)
-            torch.save({"ema": copy.deepcopy(ref.ema).half()}, Path(tmp) / f"ultra-{name}-ref.pt")
-        if distributed:
-            dist.barrier()
-        ckpt = torch.load(path, weights_only=False)
-        resumed_u = OurUltra(net, **opts, updates=ckpt["updates"])
-        resumed_u.ema.load_state_dict(ckpt["ema"].float().state_dict())
-        resumed_u.materialize()
-        ref_file = torch.load(Path(tmp) / f"ultra-{name}-ref.pt", weights_only=False)
-        half = ref_file["ema"].float().state_dict()  # rank 0's replica, as ultralytics saves
-        out[f"ultra-{name}/saved_half"] = _same(ckpt["ema"].float().state_dict(), half)
-        out[f"ultra-{name}/resumed"] = _same(resumed_u.ema.state_dict(), half)
+    for name, opts in ULTRA_OPTIONS.items():
+        out.update(_ultralytics_part(rank, world, distributed, tmp, name, opts))
+    return out
+
+
+ULTRA_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "custom": {"decay": 0.95, "tau": 3, "updates": 4},
+}
+
+
+def _save_model(ema: Any, model: nn.Module, opt: torch.optim.Optimizer, wdir: Path) -> None:
+    """ultralytics' own ``BaseTrainer.save_model`` (rank 0's checkpoint ``wdir/last.pt``:
+    ``deepcopy(ema.ema).half()`` pickled whole under ``'ema'``, ``ema.updates`` under
+    ``'updates'``) on a stand-in trainer holding just what it reads."""
+    from types import SimpleNamespace
+
+    from ultralytics.engine.trainer import BaseTrainer
+
+    trainer = SimpleNamespace(
+        ema=ema,
+        model=model,
+        optimizer=opt,
+        epoch=0,
+        best_fitness=1.0,
+        fitness=0.5,
+        metrics={},
+        stopper=SimpleNamespace(best_fitness=1.0, best_epoch=0),
+        scaler=SimpleNamespace(state_dict=dict),
+        args=SimpleNamespace(),
+        read_results_csv=dict,
+        wdir=wdir,
+        last=wdir / "last.pt",
+        best=wdir / "best.pt",
+        save_period=-1,
+    )
+    BaseTrainer.save_model(trainer)  # type: ignore[arg-type]
+
+
+def _ultralytics_part(
+    rank: int, world: int, distributed: bool, tmp: str, name: str, opts: dict[str, Any]
+) -> dict[str, Any]:
+    """ultralytics' trainer habits, the real ``ModelEMA`` and ours side by side on every
+    rank: ``ModelEMA(model)`` on the DDP-wrapped model, ``update(model)`` after each step,
+    ``update_attr`` on rank 0; ``validate()`` on every rank (a broadcast of rank 0's EMA
+    buffers, then ``ema.ema.float().eval()`` forward under inference mode); rank 0 saves with
+    ``save_model``; every rank resumes from rank 0's file as ``_load_checkpoint_state``
+    does and trains on. Ours needs one line more: ``materialize()`` on every rank."""
+    from ultralytics.utils.torch_utils import ModelEMA as TheirUltra
+
+    from dtensor_ema.compat.ultralytics import ModelEMA as OurUltra
+
+    torch.manual_seed(0)
+    net = Net()
+    model = nn.parallel.DistributedDataParallel(net) if distributed else net
+    theirs, ours = TheirUltra(model, **opts), OurUltra(model, **opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net.names = {0: "a"}
+    for step in range(1, 6):
+        _train_step(model, opt, rank, step)
+        theirs.update(model)
+        ours.update(model)
+    if rank == 0:  # the trainer's epoch end, rank 0 only
+        for ema in (theirs, ours):
+            ema.update_attr(model, include=["yaml", "nc", "args", "names", "stride"])
+    out: dict[str, Any] = {}
+    wdir, their_wdir = Path(tmp) / f"ultra-{name}", Path(tmp) / f"ultra-{name}-theirs"
+    stale = ""
+    if rank == 0 and distributed and world > 1:
+        try:  # rank 0's save_model without the gather: refused, nothing written
+            _save_model(ours, model, opt, Path(tmp) / f"ultra-{name}-stale")
+        except RuntimeError as e:
+            stale = str(e)
+    out[f"ultra-{name}/stale_refused"] = stale
+    # The one line ours needs, on every rank before validate() (both names do the same).
+    if name == "custom":
+        ours.gather_for_save()
+    else:
+        ours.materialize()
+    if distributed and world > 1:  # BaseTrainer.validate: sync EMA buffers from rank 0
+        for ema in (theirs, ours):
+            for buffer in ema.ema.buffers():
+                dist.broadcast(buffer, src=0)
+    x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():  # BaseValidator.__call__: model.float(), model.eval()
+        y_theirs, y_ours = theirs.ema.float().eval()(x), ours.ema.float().eval()(x)
+    out[f"ultra-{name}/forward"] = torch.equal(y_ours, y_theirs)
+    out[f"ultra-{name}/weights"] = _same(ours.ema.state_dict(), theirs.ema.state_dict())
+    out[f"ultra-{name}/updates"] = (ours.updates, theirs.updates, ours.decay(5), theirs.decay(5))
+    out[f"ultra-{name}/attr"] = (
+        getattr(ours.ema, "names", None),
+        getattr(theirs.ema, "names", None),
+    )
+    if rank == 0:
+        _save_model(ours, model, opt, wdir)
+        _save_model(theirs, model, opt, their_wdir)
+    if distributed:
+        dist.barrier()
+    ckpt = torch.load(wdir / "last.pt", weights_only=False)
+    their_ckpt = torch.load(their_wdir / "last.pt", weights_only=False)
+    out[f"ultra-{name}/saved"] = _same(ckpt["ema"].state_dict(), their_ckpt["ema"].state_dict())
+    out[f"ultra-{name}/saved_meta"] = (
+        (ckpt["updates"], type(ckpt["ema"]).__name__, ckpt["ema"].conv1.weight.dtype),
+        (
+            their_ckpt["updates"],
+            type(their_ckpt["ema"]).__name__,
+            their_ckpt["ema"].conv1.weight.dtype,
+        ),
+    )
+    # BaseTrainer._load_checkpoint_state on every rank: a new ModelEMA, the half checkpoint
+    # loaded as float, ``updates`` set; then training goes on, as it does for the EMAs that
+    # just validated (ours: its float buffers are the ones rank 0's broadcast wrote).
+    ramp = {k: v for k, v in opts.items() if k != "updates"}
+    resumed, their_resumed = OurUltra(model, **ramp), TheirUltra(model, **ramp)
+    for ema, file in ((resumed, ckpt), (their_resumed, their_ckpt)):
+        ema.ema.load_state_dict(file["ema"].float().state_dict())
+        ema.updates = file["updates"]
+    for step in range(6, 8):
+        _train_step(model, opt, rank, step)
+        for ema in (theirs, ours, their_resumed, resumed):
+            ema.update(model)
+    resumed.materialize()
+    ours.materialize()
+    out[f"ultra-{name}/continued"] = _same(ours.ema.state_dict(), theirs.ema.state_dict())
+    out[f"ultra-{name}/resumed"] = _same(resumed.ema.state_dict(), their_resumed.ema.state_dict())
+    out[f"ultra-{name}/resumed_updates"] = (resumed.updates, their_resumed.updates)
     return out
 
 
@@ -325,15 +394,24 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
             assert out["fsdp2/forward_gap"] <= 1e-5, rank
         assert out["v2/max_abs_gap"] == 0 and math.isfinite(out["v2/max_abs"])
         assert out["swa/update_bn"] == [] and out["swa/update_bn_forward"], rank
-        for name in ("default", "short"):
-            assert out[f"ultra-{name}/weights"] == [], (rank, name)
-            assert out[f"ultra-{name}/saved_half"] == [], (rank, name)
-            assert out[f"ultra-{name}/resumed"] == [], (rank, name)
-            updates, ref_updates, d, ref_d = out[f"ultra-{name}/updates"]
-            assert (updates, d) == (ref_updates, ref_d)
-            assert out[f"ultra-{name}/attr"] == {0: "a"}
-            if distributed and world > 1:
-                assert "materialize()" in out[f"ultra-{name}/stale_refused"], (rank, name)
+        for name, opts in ULTRA_OPTIONS.items():
+            for check in ("weights", "saved", "continued", "resumed"):
+                assert out[f"ultra-{name}/{check}"] == [], (rank, name, check)
+            assert out[f"ultra-{name}/forward"], (rank, name)
+            updates, their_updates, d, their_d = out[f"ultra-{name}/updates"]
+            assert (updates, d) == (their_updates, their_d) and updates == 5 + opts.get(
+                "updates", 0
+            )
+            ours_meta, their_meta = out[f"ultra-{name}/saved_meta"]
+            assert ours_meta == their_meta == (updates, "Net", torch.float16), (rank, name)
+            assert out[f"ultra-{name}/resumed_updates"] == (updates + 2, updates + 2)
+            ours_attr, their_attr = out[f"ultra-{name}/attr"]
+            assert ours_attr == their_attr == ({0: "a"} if rank == 0 else None), (rank, name)
+            stale = out[f"ultra-{name}/stale_refused"]
+            if distributed and world > 1 and rank == 0:
+                assert "materialize()" in stale and "every rank" in stale, (rank, name)
+            else:
+                assert stale == "", (rank, name)
 
 
 def test_no_process_group(tmp_path: Path) -> None:

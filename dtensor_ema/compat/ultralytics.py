@@ -9,14 +9,16 @@ is the engine's default schedule; float buffers are replicated
 (``replicate_buffers=True``), so each rank's EMA buffers are its own replica's.
 
 ``.ema`` has the model's structure; between gathers its parameters hold no storage and
-each rank keeps ``1/W`` of the EMA. ultralytics validates and saves ``deepcopy(ema.ema)``
-on rank 0 alone, where no collective can run: call ``ema.materialize()`` (alias
-``ema.gather_for_save()``) on every rank before that (one line in the trainer, e.g. right
-after the epoch's last ``optimizer_step``); without it, a state dict or forward of ``.ema``
-after an update raises a ``RuntimeError`` saying so instead of saving missing weights (a
-pickle of ``.ema`` made then refuses at load). Peak while gathered: one full copy of the
-parameters per rank, freed by the next update; see :mod:`dtensor_ema.compat._replica`. A
-single process, or a one-rank group, needs nothing: ``.ema`` then holds the live EMA.
+each rank keeps ``1/W`` of the EMA. ultralytics (8.4) validates ``ema.ema`` on every rank
+(after broadcasting rank 0's EMA buffers, which, whole on every rank, are the engine's own)
+and saves ``deepcopy(ema.ema)`` on rank 0 alone, where no collective can run: call
+``ema.materialize()`` (alias ``ema.gather_for_save()``) on every rank before validation
+(one line in the trainer, e.g. right after the epoch's last ``optimizer_step``); without
+it, a state dict or forward of ``.ema`` after an update raises a ``RuntimeError`` saying so
+instead of saving missing weights (a pickle of ``.ema`` made then refuses at load). Peak
+while gathered: one full copy of the parameters per rank, freed by the next update; see
+:mod:`dtensor_ema.compat._replica`. A single process, or a one-rank group, needs nothing:
+``.ema`` then holds the live EMA.
 
 Differences, deliberate: a tied weight is averaged once (ultralytics lerps it once per
 state-dict name, i.e. with ``d**2``). yolov5 computes ``v *= d; v += (1 - d) * m`` where
