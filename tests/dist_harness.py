@@ -107,13 +107,13 @@ _PRELOAD = [
     "torch.distributed.checkpoint",
     "dtensor_ema",
     "dist_harness",
+]
+if BACKEND == "gloo":
     # The extras' heavy imports (~1-2 s each per rank otherwise: the compat and Lightning
     # test modules import them at module level, so every rank does). A missing one is
-    # skipped (the forkserver ignores ImportError).
-    "lightning.pytorch",
-    "diffusers.training_utils",
-    "timm.utils",
-]
+    # skipped (the forkserver ignores ImportError). Not on nccl: diffusers' import counts
+    # CUDA devices, which must not happen in the process the ranks fork from.
+    _PRELOAD += ["lightning.pytorch", "diffusers.training_utils", "timm.utils"]
 
 
 def _context() -> Any:
