@@ -94,9 +94,10 @@ def run_ranks(
 
 START_METHOD = os.environ.get("DTENSOR_EMA_TEST_START", "forkserver")
 """How ranks start: ``forkserver`` (default) forks every rank from one server process that
-imported torch once, so a spawn costs a fork instead of W fresh torch imports; ``spawn``
-starts each rank from scratch (set ``DTENSOR_EMA_TEST_START=spawn``). Neither shares the
-pytest process's state with the ranks."""
+imported torch (and the extras the compat tests import) once, so a spawn costs a fork
+instead of W fresh imports; ``spawn`` starts each rank from scratch (set
+``DTENSOR_EMA_TEST_START=spawn``). Neither shares the pytest process's state with the
+ranks."""
 
 _PRELOAD = [
     "torch",
@@ -107,6 +108,12 @@ _PRELOAD = [
     "dtensor_ema",
     "dist_harness",
 ]
+if BACKEND == "gloo":
+    # The extras' heavy imports (~1-2 s each per rank otherwise: the compat and Lightning
+    # test modules import them at module level, so every rank does). A missing one is
+    # skipped (the forkserver ignores ImportError). Not on nccl: diffusers' import counts
+    # CUDA devices, which must not happen in the process the ranks fork from.
+    _PRELOAD += ["lightning.pytorch", "diffusers.training_utils", "timm.utils"]
 
 
 def _context() -> Any:

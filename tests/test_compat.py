@@ -3,9 +3,10 @@ torch ``swa_utils``, diffusers, Lightning), bit for bit.
 
 A small model is trained with real SGD steps; every real EMA and its drop-in watch the same
 model, with default and non-default options: in this process (no process group), and at
-W=1, 2 and 3 on gloo under DDP and FSDP2 (one spawned body per world size). Each library's
-checkpoint habit is exercised: ``torch.save`` of ``state_dict()`` on rank 0 (refused, naming
-the fix, until a gather every rank reached: ``eval()`` for the drop-ins with a module,
+W=1, 2 and 3 on gloo under DDP and FSDP2 (W=1 in this process, one spawned body per
+larger world size). Each library's checkpoint habit is exercised: ``torch.save`` of
+``state_dict()`` on rank 0 (refused at W>1, naming the fix, until a gather every rank
+reached: ``eval()`` for the drop-ins with a module,
 ``gather_for_save()`` for diffusers), loaded back on every rank and resumed; the W=2 and
 W=3 files load into the real libraries in this process; Lightning checkpoints keep
 Lightning's layout (``state_dict`` = the average) and resume. Evaluation: the drop-ins'
@@ -252,13 +253,20 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             continued[n] = continued[n] and _same_forward(n, real[n], fresh[n], x)
     out["resumed"], out["continued"] = resumed, continued
     # FSDP2: the drop-ins track the sharded model (diffusers: its DTensor parameters,
-    # layout inferred); the real EMAs a plain mirror of its full weights.
+    # layout inferred); the real EMAs a plain mirror of its full weights. At W=1 (a one-rank
+    # mesh) the EMA is live: the forward and the rank-0 save need no gather.
+    model = Net()
+    fully_shard(model.body[0])
+    fully_shard(model)
+    mirror = Net()
+    out["fsdp2"], real, ours = compare_run(rank, model, model, mirror, names, 12)
+    if world == 1:
+        out["fsdp2_live"] = {
+            n: _same_state(_ema_part(ours[n].state_dict()), _ema_part(real[n].state_dict()))
+            and (OPTIONS[n][0] == "df" or _same_forward(n, real[n], ours[n], x))
+            for n in names
+        }
     if world > 1:
-        model = Net()
-        fully_shard(model.body[0])
-        fully_shard(model)
-        mirror = Net()
-        out["fsdp2"], real, ours = compare_run(rank, model, model, mirror, names, 12)
         out["fsdp2_save"] = sharded_save(rank, names, real, ours, x)
         # A plain DDP model with evaluation="sharded": the per-unit forward, same save rule.
         net = Net()
@@ -692,10 +700,12 @@ def test_ddp_bit_exact_and_resume(ranks: dict[int, list[dict[str, Any]]], world:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_fsdp2_bit_exact(ranks: dict[int, list[dict[str, Any]]], world: int) -> None:
     for out in ranks[world]:
         assert out["fsdp2"] == {n: True for n in OPTIONS}
+    if world == 1:  # live: the rank-0 save and the forward need no gather, bit for bit
+        assert ranks[1][0]["fsdp2_live"] == {n: True for n in OPTIONS}
 
 
 @pytest.mark.distributed

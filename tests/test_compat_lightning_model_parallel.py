@@ -1,14 +1,19 @@
 """``dtensor_ema.compat.lightning.EMAWeightAveraging`` under Lightning's
-``ModelParallelStrategy`` (FSDP2 via ``fully_shard`` in ``configure_model``, 1-D dp mesh,
-W=2, gloo), against a reference written here.
+``ModelParallelStrategy`` (FSDP2 via ``fully_shard`` in ``configure_model`` on a 1-D dp
+mesh: ``data_parallel_size=W``, ``tensor_parallel_size=1``, gloo) at W=1 (a one-rank group
+in this process), W=2 and the uneven W=3 (one spawned body each), against a reference
+written here.
 
-Lightning's own ``EMAWeightAveraging`` cannot run under this strategy (its ``setup`` calls
-``configure_model`` and deep-copies the sharded module: ``AssertionError: FSDP does not
-support deepcopy``, Lightning 2.6.6), so the reference is torch's ``get_ema_avg_fn``
-formula on full tensors: the first update copies, then ``d * ema + (1 - d) * model``,
-following the module's actual weights after every optimizer step.
+Lightning's own ``EMAWeightAveraging`` cannot run under this strategy at any W, W=1
+included (its ``setup`` calls ``configure_model`` and deep-copies the sharded module:
+``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6), so the reference is
+torch's ``get_ema_avg_fn`` formula on full tensors: the first update copies, then
+``d * ema + (1 - d) * model``, following the module's actual weights after every optimizer
+step. Our drop-in deep-copied it too at W=1 until the replica learned that FSDP2 models
+take the engine's module on a one-rank mesh as well (the W=1 cell guards it).
 
-Checked in one spawned body: the average equals the reference bit for bit; validation
+Checked in one body per W (16 samples per rank, batch 4: 4 steps per epoch, so the
+step-4 checkpoint ends epoch 0): the average equals the reference bit for bit; validation
 sees it; each rank holds about ``1/W`` of it; the sharded checkpoint has Lightning's layout
 (``state_dict`` = the average, the raw weights beside it); a resume from it ends exactly
 where the uninterrupted run ends.
@@ -28,6 +33,7 @@ require_extra("lightning", "lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
@@ -37,7 +43,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from dtensor_ema.compat.lightning import EMAWeightAveraging  # noqa: E402
 
 DECAY = 0.9
-SAMPLES, BATCH = 32, 4  # W=2: 4 steps per epoch
+PER_RANK, BATCH = 16, 4  # 4 steps per epoch at every W (the checkpoint at step 4 ends one)
 
 
 class Net(pl.LightningModule):
@@ -123,9 +129,10 @@ class RawAtEnd(Callback):
         self.raw = full_state(pl_module)
 
 
-def _loader() -> torch.utils.data.DataLoader[Any]:
+def _loader(world: int) -> torch.utils.data.DataLoader[Any]:
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(SAMPLES, 5, generator=g), torch.randn(SAMPLES, 3, generator=g)
+    n = PER_RANK * world
+    x, y = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
@@ -154,7 +161,7 @@ def _fit(world: int, root: Path, ckpt_path: str | None = None) -> dict[str, Any]
             num_sanity_val_steps=1 if ckpt_path is None else 0,
             check_val_every_n_epoch=1,
         )
-        trainer.fit(model, _loader(), _loader(), ckpt_path=ckpt_path)
+        trainer.fit(model, _loader(world), _loader(world), ckpt_path=ckpt_path)
     assert ours._average_model is not None
     engine = ours._average_model.engine
     return {
@@ -216,12 +223,34 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """``{W: rank 0's results}``: W=2 and 3 spawned, W=1 in this process."""
     root = tmp_path_factory.mktemp("lightning_mp")
-    return run_ranks(_body, 2, root, str(root))[0]
+    out: dict[int, dict[str, Any]] = {}
+    for world in (2, 3):
+        d = root / f"w{world}"
+        d.mkdir()
+        out[world] = run_ranks(_body, world, d, str(d))[0]
+    # W=1: a one-rank gloo group needs no spawn (the body's environment is restored after).
+    d = root / "w1"
+    d.mkdir()
+    environ = dict(os.environ)
+    dist.init_process_group("gloo", store=dist.FileStore(str(d / "store"), 1), rank=0, world_size=1)
+    try:
+        out[1] = _body(0, 1, str(d))
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    return out
 
 
-def test_average_matches_reference(run: dict[str, Any]) -> None:
+WORLDS = [1, 2, 3]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_average_matches_reference(runs: dict[int, dict[str, Any]], world: int) -> None:
+    run = runs[world]
     assert run["finite"] and run["moved"]
     assert run["ema_equals_ref"], f"max |average - reference| = {run['max_diff']}"
     assert run["module_end_is_average"]  # on_train_end hands the average over
@@ -229,12 +258,18 @@ def test_average_matches_reference(run: dict[str, Any]) -> None:
     assert run["val_sees_average"] == [True, True, True]
 
 
-def test_each_rank_holds_half(run: dict[str, Any]) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_rank_holds_its_share(runs: dict[int, dict[str, Any]], world: int) -> None:
+    run = runs[world]
     rows = 4 * 7 * 4  # at most one extra row per tensor from uneven chunks
-    assert run["ema_bytes"] <= run["full_bytes"] // 2 + rows
+    assert run["ema_bytes"] <= run["full_bytes"] // world + rows
+    if world == 1:
+        assert run["ema_bytes"] == run["full_bytes"]
 
 
-def test_checkpoint_layout_is_lightnings(run: dict[str, Any]) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_checkpoint_layout_is_lightnings(runs: dict[int, dict[str, Any]], world: int) -> None:
+    run = runs[world]
     assert run["ckpt_is_dir"]
     assert run["meta_current"] == {"format": "dcp", "prefix": "current_model_state."}
     assert run["meta_n_averaged"] == 4 and not run["meta_has_state_dict"]
@@ -242,6 +277,8 @@ def test_checkpoint_layout_is_lightnings(run: dict[str, Any]) -> None:
     assert run["ckpt_raw_is_raw"]  # current_model_state = the raw weights
 
 
-def test_resume_is_exact(run: dict[str, Any]) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_resume_is_exact(runs: dict[int, dict[str, Any]], world: int) -> None:
+    run = runs[world]
     assert run["resumed_step"] == 8
     assert run["resumed_ema_exact"] and run["resumed_raw_exact"]

@@ -1,21 +1,29 @@
 """``dtensor_ema.compat.ema_pytorch.PostHocEMA`` against ema-pytorch 0.8.3's ``PostHocEMA``.
 
 A small model is trained with real SGD steps; the real ``PostHocEMA`` and the drop-in
-watch it with default-like and non-default options, with no process group (this process)
-at W=1 (a one-rank group in this process) and at W=2 and W=3 under DDP (one spawned body
-per world size). Checked:
+watch it with default-like and non-default options. Cells (:data:`CELLS`): no process group
+(this process); W=1 (a one-rank group in this process), W=2 and the uneven W=3 (one spawned
+body per world size), each under DDP and under FSDP2 (``fully_shard`` on ``body[0]`` and
+the root, one 1-D mesh). The drop-in tracks the trained model itself (the DDP wrapper, the
+FSDP2 module); the real one, on rank 0, tracks a plain model holding the same full weights
+(DDP's replica; under FSDP2 a mirror set to the sharded model's full tensors after every
+step). Checked in every cell:
 
-* every profile's EMA weights, bit for bit;
+* every profile's EMA weights (the engine's full state) and every profile's forward on the
+  same input, bit for bit;
 * the checkpoints' tensors (ema-pytorch's ``{index}.{step}.pt`` files against our sharded
   snapshots read back in one process), bit for bit;
 * the synthesized model at a ``sigma_rel``/``gamma`` that is not tracked (and at an earlier
   ``step``): bit for bit against a float64 sum of ema-pytorch's own checkpoint files with
   ema-pytorch's own weights (written here), and within float32 rounding of ema-pytorch's
-  model, which sums float32 products in directory-listing order.
+  model, which sums float32 products in directory-listing order;
+* ``dcp.save`` of ``state_dict()`` into a fresh drop-in resumes bit for bit; rank 0 holds
+  about ``1/W`` of ema-pytorch's per-rank copies.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,9 @@ from dist_harness import run_ranks  # noqa: E402
 from ema_pytorch import PostHocEMA as RealPostHocEMA  # noqa: E402
 from ema_pytorch.post_hoc_ema import solve_weights  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from dtensor_ema.compat.ema_pytorch import PostHocEMA  # noqa: E402
@@ -78,18 +89,51 @@ def _floats(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Te
     }
 
 
-def _body(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Train ``STEPS`` steps with the real PostHocEMA (rank 0) and ours (every rank)."""
-    out: dict[str, Any] = {}
-    for name, (options, requests) in OPTIONS.items():
-        net = Net()
-        model: nn.Module = DDP(net) if world else net
+def _layout(layout: str, world: int) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """``(model trained, model the drop-in tracks, plain model the real EMA tracks)``.
+
+    ``none``: one plain model for all three. ``ddp``: the real EMA watches DDP's replica.
+    ``fsdp2``: ``fully_shard`` on ``body[0]`` and the root over one 1-D mesh (uneven
+    ``Shard(0)`` pieces at W=2, 3); the real EMA watches a plain mirror that
+    :func:`_mirror_` sets to the sharded model's full weights after every step.
+    """
+    net = Net()
+    if layout == "none":
+        return net, net, net
+    if layout == "ddp":
+        ddp = DDP(net)
+        return ddp, ddp, net
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(net.body[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, net, Net()
+
+
+def _mirror_(mirror: nn.Module, model: nn.Module) -> None:
+    """Copy ``model``'s full tensors into ``mirror`` (collective for DTensors: every rank)."""
+    with torch.no_grad():
+        for (_, t), (_, m) in zip(
+            model.state_dict().items(), mirror.state_dict().items(), strict=True
+        ):
+            m.copy_(t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def _body(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    """Train ``STEPS`` steps with the real PostHocEMA (rank 0, on a plain model holding the
+    trained weights) and ours (every rank, on the trained model) for every layout of
+    ``world``: ``{layout: {option name: results}}`` (rank 0's; ``{}`` on the others)."""
+    layouts = ["none"] if not world else ["ddp", "fsdp2"]
+    out: dict[str, dict[str, Any]] = {layout: {} for layout in layouts}
+    for layout, (name, (options, requests)) in itertools.product(layouts, OPTIONS.items()):
+        model, tracked, mirror = _layout(layout, world)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ours_dir = Path(root) / f"ours-{name}"
-        real_dir = Path(root) / f"real-{name}-rank{rank}"
-        ours = PostHocEMA(net if not world else model, checkpoint_folder=str(ours_dir), **options)
+        ours_dir = Path(root) / f"ours-{layout}-{name}"
+        real_dir = Path(root) / f"real-{layout}-{name}-rank{rank}"
+        ours = PostHocEMA(tracked, checkpoint_folder=str(ours_dir), **options)
         real = (
-            RealPostHocEMA(net, checkpoint_folder=str(real_dir), **options) if rank == 0 else None
+            RealPostHocEMA(mirror, checkpoint_folder=str(real_dir), **options)
+            if rank == 0
+            else None
         )
         torch.manual_seed(1 + rank)
         for _ in range(STEPS):
@@ -98,6 +142,8 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             loss.backward()
             opt.step()
             ours.update()
+            if layout == "fsdp2":
+                _mirror_(mirror, model)
             if real is not None:
                 real.update()
         profiles = [_floats(p.engine.get_ema_state_dict()) for p in ours.ema_models]
@@ -109,11 +155,11 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
         forwards = [y.detach() for y in ours(x)]
         steps = int(ours.step)
         # Resume: a fresh drop-in loads ours.state_dict() through DCP; both go on 3 steps.
-        ckpt = Path(root) / f"state-{name}"
+        ckpt = Path(root) / f"state-{layout}-{name}"
         dcp.save(ours.state_dict(), checkpoint_id=str(ckpt), no_dist=not world)
         resumed = PostHocEMA(
-            net if not world else model,
-            checkpoint_folder=str(Path(root) / f"resumed-{name}"),
+            tracked,
+            checkpoint_folder=str(Path(root) / f"resumed-{layout}-{name}"),
             **{**options, "checkpoint_every_num_steps": "manual"},
         )
         state = resumed.state_dict()
@@ -138,13 +184,14 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
             )
             for s, g, t in requests
         ]
-        out[name] = {
+        out[layout][name] = {
             "ours": profiles,
             "real": [_floats(m.state_dict(), "ema_model.") for m in real.ema_models],
             "synth": synthesized,
             "real_synth": real_synth,
             "forwards": forwards,
             "resume_exact": resume_exact,
+            "dtensor_params": all(isinstance(v, DTensor) for v in tracked.parameters()),
             "real_forwards": [y.detach() for y in real(x)],
             "gammas": (ours.gammas, real.gammas),
             "step": (steps, int(real.step)),
@@ -165,26 +212,35 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    """``{world: rank 0's results}``; world 0 = no process group (this process)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``{cell: rank 0's results per option name}``, cells as in :data:`CELLS`."""
     root = tmp_path_factory.mktemp("posthoc")
-    results = {0: _body(0, 0, str(root / "w0"))}
+    per_world = {0: _body(0, 0, str(root / "w0"))}
     # W=1 in this process (a one-rank gloo group: no spawn), then one spawn per W.
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1
     )
     try:
-        results[1] = _body(0, 1, str(root / "w1"))
+        per_world[1] = _body(0, 1, str(root / "w1"))
     finally:
         dist.destroy_process_group()
     for world in (2, 3):
         d = root / f"w{world}"
         d.mkdir()
-        results[world] = run_ranks(_body, world, d, str(d))[0]
-    return results
+        per_world[world] = run_ranks(_body, world, d, str(d))[0]
+    return {
+        f"w{world}-{layout}": by_name
+        for world, by_layout in per_world.items()
+        for layout, by_name in by_layout.items()
+    }
 
 
-WORLDS = [0, 1, 2, 3]
+CELLS = ["w0-none", "w1-ddp", "w1-fsdp2", "w2-ddp", "w2-fsdp2", "w3-ddp", "w3-fsdp2"]
+"""World size (0: no process group) and layout of the model the drop-in tracks."""
+
+
+def _world(cell: str) -> int:
+    return int(cell.split("-")[0][1:])
 
 
 def _read_snapshot(path: Path, key: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -206,10 +262,10 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_profiles_bit_exact(runs: dict[int, dict[str, Any]], world: int, name: str) -> None:
-    run = runs[world][name]
+def test_profiles_bit_exact(runs: dict[str, dict[str, Any]], cell: str, name: str) -> None:
+    run = runs[cell][name]
     assert run["gammas"][0] == tuple(run["gammas"][1])
     assert run["step"][0] == run["step"][1] == STEPS
     for ours, real in zip(run["ours"], run["real"], strict=True):
@@ -219,12 +275,12 @@ def test_profiles_bit_exact(runs: dict[int, dict[str, Any]], world: int, name: s
         assert torch.equal(ours, real)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_checkpoint_tensors_bit_exact(
-    runs: dict[int, dict[str, Any]], world: int, name: str
+    runs: dict[str, dict[str, Any]], cell: str, name: str
 ) -> None:
-    run = runs[world][name]
+    run = runs[cell][name]
     real_files = sorted(Path(run["real_dir"]).glob("*.pt"))
     ours = {int(p.name.split("-")[1]): p for p in Path(run["ours_dir"]).glob("step-*")}
     ours = {k: v for k, v in ours.items() if k <= STEPS}  # later ones: the resume check's
@@ -263,12 +319,12 @@ def _reference(
     return {k: v.float() for k, v in acc.items()}, bound
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_synthesized_matches(runs: dict[int, dict[str, Any]], world: int, name: str) -> None:
+def test_synthesized_matches(runs: dict[str, dict[str, Any]], cell: str, name: str) -> None:
     from ema_pytorch.post_hoc_ema import sigma_rel_to_gamma
 
-    run = runs[world][name]
+    run = runs[cell][name]
     requests = OPTIONS[name][1]
     for (sigma_rel, gamma, step), ours, real in zip(
         requests, run["synth"], run["real_synth"], strict=True
@@ -283,17 +339,18 @@ def test_synthesized_matches(runs: dict[int, dict[str, Any]], world: int, name: 
             torch.testing.assert_close(compared[k], real[k], rtol=0, atol=bound)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_state_dict_resume_is_exact(runs: dict[int, dict[str, Any]], world: int, name: str) -> None:
+def test_state_dict_resume_is_exact(runs: dict[str, dict[str, Any]], cell: str, name: str) -> None:
     """``dcp.save(ph.state_dict())``, a fresh drop-in ``load_state_dict``s it, both go on."""
-    assert runs[world][name]["resume_exact"]
+    assert runs[cell][name]["resume_exact"]
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_rank_holds_its_share(runs: dict[int, dict[str, Any]], world: int) -> None:
+@pytest.mark.parametrize("cell", CELLS)
+def test_rank_holds_its_share(runs: dict[str, dict[str, Any]], cell: str) -> None:
     """Rank 0 (the largest shard) holds about 1/W of ema-pytorch's per-rank copies."""
-    run = runs[world]["sigma"]
+    run, world = runs[cell]["sigma"], _world(cell)
+    assert run["dtensor_params"] == cell.endswith("fsdp2")  # the drop-in tracks FSDP2's shards
     rows = 2 * 7 * 4 * 4  # at most one extra row per tensor and profile from uneven chunks
     assert run["ema_bytes"] <= run["real_bytes"] // max(world, 1) + rows
     if world <= 1:

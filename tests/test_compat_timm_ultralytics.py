@@ -135,8 +135,9 @@ def body(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out[f"{name}/resumed"] = _same(resumed.module.state_dict(), theirs.module.state_dict())
         out[f"{name}/bytes"] = (ours.engine.local_nbytes(), _nbytes(theirs.module))
 
+    if distributed:
+        out.update(_fsdp2_part(rank))  # W=1 too: a one-rank mesh
     if distributed and world > 1:
-        out.update(_fsdp2_part(rank))
         # ModelEMA(replicate_buffers=True): float buffers plain and whole, parameters sharded.
         tensors = ours.engine.ema_tensors()
         out["replicated_buffer_types"] = sorted(
@@ -390,6 +391,7 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
             assert out["replicated_buffer_types"] == ["Tensor"]
             assert out["sharded_param_types"] == ["DTensor"]
             assert "replicate_buffers=True" in out["build_module"]
+        if distributed:
             assert out["fsdp2/weights"] == [], rank
             assert out["fsdp2/forward_gap"] <= 1e-5, rank
         assert out["v2/max_abs_gap"] == 0 and math.isfinite(out["v2/max_abs"])

@@ -25,7 +25,9 @@ it), puts the full EMA where the habits read it. Where it goes depends on the la
   CPU copy to global rank 0 only (the other ranks: one bucket), for a rank-0 save.
 
 Without a process group, or on a one-rank mesh, everything is live (the module's tensors
-are the EMA's own; nothing to gather, every save works).
+are the EMA's own; nothing to gather, every save works). FSDP2/TP models take the sharded
+module on a one-rank mesh too (FSDP2 modules refuse ``deepcopy``, so no replica can be
+built); its parameters are the EMA's own there.
 
 The rules, the same in every facade:
 
@@ -83,8 +85,10 @@ class EmaReplica:
         self.fix = fix
         model = engine.model
         self.live = engine.mesh is None or engine.mesh.size() == 1
-        self.sharded = not self.live and (
-            sharded or any(isinstance(t, DTensor) for t in model.state_dict().values())
+        # DTensor models (FSDP2, TP) use the engine's module at every W, W=1 included:
+        # their modules cannot be deep-copied (FSDP2 raises on ``deepcopy``).
+        self.sharded = any(isinstance(t, DTensor) for t in model.state_dict().values()) or (
+            sharded and not self.live
         )
         self.version = 0
         """Bumped by :meth:`changed`: the number of changes of the EMA so far."""
