@@ -273,7 +273,21 @@ def _body(rank: int, world: int, root: str) -> dict[str, Any]:
         ddp = DDP(net)
         sharded = [n for n in names if OPTIONS[n][0] != "df"]
         _, real, ours = compare_run(rank, ddp, net, net, sharded, 6, evaluation="sharded")
+        habit = {}  # timm's habit, `unwrap_model(ema).state_dict()`, on rank 0 alone
+        for n in sharded:
+            habit[f"{n}/module_refusal"] = None
+            if rank == 0:
+                try:
+                    _module(n, ours[n]).state_dict()
+                    habit[f"{n}/module_refusal"] = "no error"
+                except RuntimeError as e:
+                    habit[f"{n}/module_refusal"] = str(e)
         out["sharded_option"] = sharded_save(rank, sharded, real, ours, x)
+        for n in sharded:  # gathered: the module's state dict is the full EMA
+            habit[f"{n}/module_saved"] = rank != 0 or _same_state(
+                _module(n, ours[n]).state_dict(), _module(n, real[n]).state_dict()
+            )
+        out["sharded_option"].update(habit)
     if world == 2:
         out["lightning"] = lightning_runs(world, base / "lightning")
         out["diffusers_habit"] = diffusers_habit(rank, base / "unet_ema")
@@ -749,7 +763,7 @@ def test_sharded_evaluation_and_rank0_save(
         for part in ("fsdp2_save", "sharded_option"):
             assert out[part], part
             for key, value in out[part].items():
-                if key.endswith(("/forward", "/saved")):
+                if key.endswith(("/forward", "/saved", "/module_saved")):
                     assert value is True, (part, key)
                 elif value is not None:  # rank 0's refusals
                     assert "gather_for_save()" in value and "every rank" in value, (key, value)

@@ -32,7 +32,8 @@ built); its parameters are the EMA's own there.
 The rules, the same in every facade:
 
 1. A save that rank 0 makes alone (the facade's ``state_dict()``, ``save_pretrained()``,
-   ``module.state_dict()`` of a replica) yields full tensors when unsharded or after a
+   ``module.state_dict()`` of a replica, or of the sharded module of a plain model) yields
+   full tensors when unsharded or after a
    ``materialize()`` that every rank reached since the last change; otherwise it raises a
    ``RuntimeError`` naming the one-line fix (``<owner>.gather_for_save()`` on every rank).
    It never returns one rank's piece.
@@ -87,9 +88,13 @@ class EmaReplica:
         self.live = engine.mesh is None or engine.mesh.size() == 1
         # DTensor models (FSDP2, TP) use the engine's module at every W, W=1 included:
         # their modules cannot be deep-copied (FSDP2 raises on ``deepcopy``).
-        self.sharded = any(isinstance(t, DTensor) for t in model.state_dict().values()) or (
-            sharded and not self.live
-        )
+        dtensor_model = any(isinstance(t, DTensor) for t in model.state_dict().values())
+        self.sharded = dtensor_model or (sharded and not self.live)
+        # A plain model evaluated through the sharded module (the ``evaluation="sharded"``
+        # option): that module's ``state_dict()`` would hold one rank's pieces, so it is
+        # guarded like a replica's (rule 1). An FSDP2/TP model's module keeps its DTensors,
+        # as the original library's EMA of such a model does (save those with DCP).
+        self._guard_module = self.sharded and not dtensor_model
         self.version = 0
         """Bumped by :meth:`changed`: the number of changes of the EMA so far."""
         self._rank0: dict[str, torch.Tensor] | None = None  # sharded: rank 0's full copy
@@ -145,7 +150,14 @@ class EmaReplica:
     def module(self) -> nn.Module:
         """The module a facade exposes: the replica, or (sharded) the engine's module,
         built on first access (see :meth:`~dtensor_ema.ModelEMA.build_module`)."""
-        return self._module if self._module is not None else self.engine.module
+        if self._module is not None:
+            return self._module
+        module = self.engine.module
+        if self._guard_module and not any(
+            isinstance(h, _FullOnRank0) for h in module._state_dict_hooks.values()
+        ):
+            module.register_state_dict_post_hook(_FullOnRank0(self))
+        return module
 
     @property
     def materialized(self) -> bool:
@@ -283,6 +295,24 @@ def _refuse_released_forward(module: nn.Module, args: Any) -> None:
 
 
 _DEFAULT_FIX = "call gather_for_save() on the EMA on every rank first"
+
+
+class _FullOnRank0:
+    """State-dict post-hook of the sharded module when it stands in for a replica: the
+    full EMA where :meth:`EmaReplica.full_state` has it (rank 0 after ``materialize()``),
+    else the refusal naming the fix; never one rank's pieces. Local."""
+
+    def __init__(self, replica: EmaReplica) -> None:
+        self.replica = replica
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        full = self.replica.full_state("module.state_dict()")
+        for key in list(state_dict):
+            name = key[len(prefix) :]
+            if key.startswith(prefix) and name in full:
+                state_dict[key] = full[name]
 
 
 class _LoadIntoEngine:

@@ -33,9 +33,11 @@ without ``step=`` (its first call averages, as timm's does, each rank its own ro
 
 Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
 with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
-stochastic rounding are not supported. With an FSDP2 model (or ``evaluation="sharded"``)
-``.module`` is the engine's sharded module, whose ``state_dict()`` holds DTensors, as a
-real timm EMA of an FSDP2 model does: save with DCP.
+stochastic rounding are not supported. With an FSDP2 model ``.module`` is the engine's
+sharded module, whose ``state_dict()`` holds DTensors, as a real timm EMA of an FSDP2 model
+does: save with DCP. With ``evaluation="sharded"`` on a plain/DDP model, ``.module`` is that
+sharded module too, but its ``state_dict()`` follows the rank-0 rule above (full tensors on
+rank 0 after ``gather_for_save()`` on every rank, else a ``RuntimeError`` naming it).
 """
 
 from __future__ import annotations
