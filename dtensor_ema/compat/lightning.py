@@ -12,9 +12,10 @@ weights, ``averaging_state`` ``n_averaged``. The average is this package's
 ``get_ema_avg_fn`` rounding, ``formula="weighted_sum"``), bit for bit equal to Lightning's
 (``tests/test_compat.py``), with each DDP rank holding ``1/W`` of it.
 
-Under ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``; TP layouts take the
-same path, untested here) the average mirrors the module's placements (each rank ``1/W``),
-and checkpoints stay sharded: every rank writes its own shards of the average as
+Under ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``, after
+``parallelize_module`` for TP) the average follows the module's placements, split further
+over the ranks holding the same piece (TP-replicated tensors), so each rank holds ``1/W``;
+checkpoints stay sharded: every rank writes its own shards of the average as
 ``state_dict`` (Lightning's layout, so the strategy's own load puts the average into the
 module) and of the raw weights under ``state_dict["current_model_state.<fqn>"]`` in the
 same DCP checkpoint, since the strategy writes only ``state_dict`` with DCP; ``meta.pt``'s
