@@ -363,7 +363,46 @@ def _fsdp2_part(rank: int) -> dict[str, Any]:
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         gap = float((ours(x) - theirs(x)).abs().max())
-    return {"fsdp2/weights": _same(full, theirs.module.state_dict()), "fsdp2/forward_gap": gap}
+    out = {"fsdp2/weights": _same(full, theirs.module.state_dict()), "fsdp2/forward_gap": gap}
+    return out | _ultralytics_fsdp2_part(rank)
+
+
+def _ultralytics_fsdp2_part(rank: int) -> dict[str, Any]:
+    """An FSDP2 model with the ultralytics drop-in; real ultralytics on a plain copy fed
+    the full weights (its own ``ModelEMA`` cannot deepcopy an FSDP2 model)."""
+    from torch.distributed.fsdp import fully_shard
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    from dtensor_ema.compat.ultralytics import ModelEMA as Ours
+
+    opts = ULTRA_OPTIONS["custom"]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 9), nn.LayerNorm(9), nn.GELU(), nn.Linear(9, 3))
+    plain = copy.deepcopy(net)
+    theirs = ModelEMA(plain, **opts)
+    for layer in (net[0], net[3]):
+        fully_shard(layer)
+    fully_shard(net)
+    ours = Ours(net, **opts)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(1, 6):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        net(torch.randn(4, 5, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        plain.load_state_dict({k: v.full_tensor() for k, v in net.state_dict().items()})
+        theirs.update(plain)
+        ours.update(net)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        gap = float((ours.ema(x) - theirs.ema(x)).abs().max())
+    return {
+        "ultralytics_fsdp2/weights": _same(
+            ours.engine.get_ema_state_dict(), theirs.ema.state_dict()
+        ),
+        "ultralytics_fsdp2/updates": (ours.updates, theirs.updates),
+        "ultralytics_fsdp2/forward_gap": gap,
+    }
 
 
 def _nbytes(module: nn.Module) -> int:
@@ -394,6 +433,9 @@ def _check(results: list[dict[str, Any]], world: int, distributed: bool) -> None
         if distributed:
             assert out["fsdp2/weights"] == [], rank
             assert out["fsdp2/forward_gap"] <= 1e-5, rank
+            assert out["ultralytics_fsdp2/weights"] == [], rank
+            assert out["ultralytics_fsdp2/updates"] == (9, 9), rank  # 4 + 5 updates
+            assert out["ultralytics_fsdp2/forward_gap"] <= 1e-5, rank
         assert out["v2/max_abs_gap"] == 0 and math.isfinite(out["v2/max_abs"])
         assert out["swa/update_bn"] == [] and out["swa/update_bn_forward"], rank
         for name, opts in ULTRA_OPTIONS.items():

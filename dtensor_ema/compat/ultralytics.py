@@ -5,7 +5,7 @@ utils.torch_utils import ModelEMA``) for ``from dtensor_ema.compat.ultralytics i
 ModelEMA``. Same constructor ``ModelEMA(model, decay=0.9999, tau=2000, updates=0)``, the
 same ``.ema``, ``.updates``, ``.enabled``, ``.decay(x)``, ``update(model)`` and
 ``update_attr(model, include, exclude)``. The ramp ``decay * (1 - exp(-updates / tau))``
-is the engine's default schedule; float buffers are replicated
+is the engine's default schedule; float buffers of plain/DDP models are replicated
 (``replicate_buffers=True``), so each rank's EMA buffers are its own replica's.
 
 ``.ema`` has the model's structure; between gathers its parameters hold no storage and
@@ -20,6 +20,10 @@ while gathered: one full copy of the parameters per rank, freed by the next upda
 :mod:`dtensor_ema.compat._replica`. A single process, or a one-rank group, needs nothing:
 ``.ema`` then holds the live EMA.
 
+FSDP2/TP models (which ultralytics' own ``ModelEMA`` cannot ``deepcopy``): ``.ema`` is the
+engine's sharded module (one unit all-gathered per forward, collective), whose
+``state_dict()`` holds DTensors: save with DCP (:func:`dtensor_ema.save_checkpoint`).
+
 Differences, deliberate: a tied weight is averaged once (ultralytics lerps it once per
 state-dict name, i.e. with ``d**2``). yolov5 computes ``v *= d; v += (1 - d) * m`` where
 ultralytics (8.x) and we lerp: at most a few ulp apart per step.
@@ -30,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.model_ema import ModelEMA as _Engine
@@ -51,7 +56,12 @@ class ModelEMA:
     def __init__(
         self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0
     ) -> None:
-        self._engine = _Engine(model, decay=decay, tau=tau, updates=updates, replicate_buffers=True)
+        # FSDP2/TP models evaluate through the engine's sharded module, which needs the
+        # engine's sharded buffers; plain/DDP models keep each rank's buffers whole.
+        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
+        self._engine = _Engine(
+            model, decay=decay, tau=tau, updates=updates, replicate_buffers=not sharded_model
+        )
         self._replica = EmaReplica(self._engine, _FIX)
         for p in self._replica.module.parameters():
             p.requires_grad_(False)
