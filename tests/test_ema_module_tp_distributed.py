@@ -38,6 +38,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from titan_models import build_llama, llama3_trainer, parallel_dims
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -289,54 +290,6 @@ def tp2_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ W=4: 2 x 2
-def _titan_debugmodel(
-    dims: Any, parallelize: bool, replicate: int = 1, shard: int = 2, tp: int = 2
-) -> tuple[nn.Module, Any]:
-    """torchtitan's llama3 debugmodel as shipped (fused Q/K/V), cut to 2 layers, with SDPA
-    (FlexAttention has no CPU backward), fp32, parallelized by its own
-    ``parallelize_llama`` on ``dims`` (``replicate`` x ``shard`` x ``tp``) when
-    ``parallelize``."""
-    import torchtitan.distributed.parallel_dims as pd_module
-    import torchtitan.tools.utils as tt_utils
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    from torchtitan.models.llama3.parallelize import parallelize_llama
-
-    tt_utils.device_type = pd_module.device_type = "cpu"
-    trainer = llama3_debugmodel()
-    config = trainer.model_spec.model
-    config.layers = config.layers[:2]
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    trainer.training.seq_len = 8
-    trainer.training.mixed_precision_param = "float32"
-    trainer.parallelism.data_parallel_replicate_degree = replicate
-    trainer.parallelism.data_parallel_shard_degree = shard
-    trainer.parallelism.tensor_parallel_degree = tp
-    config.update_from_config(config=trainer)
-    with torch.device("meta"):
-        model = config.build()
-    if parallelize:
-        model = parallelize_llama(
-            model,
-            parallel_dims=dims,
-            training=trainer.training,
-            parallelism=trainer.parallelism,
-            compile_config=trainer.compile,
-            ac_config=None,
-            dump_folder="",
-        )
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    return model, trainer
-
-
 def tp4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
@@ -394,24 +347,15 @@ def tp4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     if importlib.util.find_spec("torchtitan") is not None:
 
         def titan(replicate: int, shard: int, tp: int, probe: str) -> dict[str, Any]:
-            import torchtitan.distributed.parallel_dims as pd_module
-            from torchtitan.distributed.parallel_dims import ParallelDims
             from torchtitan.distributed.utils import get_spmd_context
 
-            pd_module.device_type = "cpu"
-            dims = ParallelDims(
-                dp_replicate=replicate,
-                dp_shard=shard,
-                cp=1,
-                tp=tp,
-                pp=1,
-                ep=1,
-                world_size=world_size,
-            )
-            dims.build_mesh()
+            dims = parallel_dims(world_size, dp_replicate=replicate, dp_shard=shard, tp=tp)
+            # torchtitan's llama3 debugmodel as shipped (fused Q/K/V), 2 layers, SDPA, fp32:
+            # parallelized by its own parallelize_llama on dims, and the plain reference.
             degrees = {"replicate": replicate, "shard": shard, "tp": tp}
-            model, _ = _titan_debugmodel(dims, parallelize=True, **degrees)
-            reference, trainer = _titan_debugmodel(dims, parallelize=False, **degrees)
+            model = build_llama(llama3_trainer(layers=2, **degrees), dims)
+            trainer = llama3_trainer(layers=2, **degrees)
+            reference = build_llama(trainer)
 
             def tokens(step: int) -> torch.Tensor:
                 g = torch.Generator().manual_seed(step)
@@ -544,7 +488,7 @@ def test_torchtitan_w4_checkpoint_loads_in_one_process(
     """DCP saved on torchtitan's FSDP2+TP or HSDP 2 x 2 mesh at W=4 loads into the
     unsharded debugmodel's EMA without a process group, bit for bit."""
     pytest.importorskip("torchtitan")
-    model, _ = _titan_debugmodel(None, parallelize=False)
+    model = build_llama(llama3_trainer(layers=2, shard=2, tp=2))
     ema = ModelEMA(model, decay=DECAY, tau=None)
     load_checkpoint({"ema": ema}, tp4_root / layout)
     saved = torch.load(tp4_root / f"{layout}.pt")

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from titan_models import build_llama, llama3_trainer, parallel_dims
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -201,19 +202,11 @@ def _titan_llama(parallelize: bool, ac: bool) -> tuple[nn.Module, Any]:
     """torchtitan's llama3 at toy size (unfused Q/K/V, SDPA attention: FlexAttention has
     no CPU backward), parallelized by its own ``parallelize_llama`` on ``ParallelDims``
     (FSDP2 over W ranks) when ``parallelize``; else the plain model."""
-    import torchtitan.distributed.parallel_dims as pd_module
-    import torchtitan.tools.utils as tt_utils
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    tt_utils.device_type = pd_module.device_type = "cpu"
     dim, heads, vocab = 16, 2, 32
     init = {"weight": nn.init.ones_}
     linear = {"weight": lambda w: nn.init.normal_(w, std=0.3), "bias": nn.init.zeros_}
@@ -246,36 +239,12 @@ def _titan_llama(parallelize: bool, ac: bool) -> tuple[nn.Module, Any]:
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=linear),
         layers=layers,
     )
-    trainer = llama3_debugmodel()
-    trainer.model_spec.model = config
-    trainer.training.seq_len = 8
-    trainer.training.mixed_precision_param = "float32"
-    trainer.parallelism.data_parallel_shard_degree = dist.get_world_size()
-    config.update_from_config(config=trainer)
+    world = dist.get_world_size()
+    trainer = llama3_trainer(config, shard=world)
     if "dims" not in _TITAN:  # one ParallelDims per process: torchtitan caches its meshes
-        _TITAN["dims"] = ParallelDims.from_config(trainer.parallelism, dist.get_world_size())
-        _TITAN["dims"].build_mesh()
+        _TITAN["dims"] = parallel_dims(world, dp_shard=world)
     dims = _TITAN["dims"]
-    with torch.device("meta"):
-        model = config.build()
-    if parallelize:
-        model = parallelize_llama(
-            model,
-            parallel_dims=dims,
-            training=trainer.training,
-            parallelism=trainer.parallelism,
-            compile_config=trainer.compile,
-            ac_config=FullAC.Config() if ac else None,
-            dump_folder="",
-        )
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    return model, dims
+    return build_llama(trainer, dims if parallelize else None, full_ac=ac), dims
 
 
 def _titan_cases() -> dict[str, Callable[[], dict[str, Any]]]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_harness import require_extra, run_ranks
+from titan_models import llama3_debugmodel
 from torch import nn
 
 require_extra("torchtitan", "zoo")
@@ -30,15 +31,7 @@ from dtensor_ema.model_keys import live_tensors  # noqa: E402
 
 
 def _titan() -> nn.Module:
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-
-    config = model_registry("debugmodel", attn_backend="flex").model
-    config.layers = config.layers[:2]
-    for layer in config.layers:  # FlexAttention has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(0)
-    return config.build()
+    return llama3_debugmodel(layers=2, seed=0)
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from dist_harness import run_ranks
+from titan_models import llama3_debugmodel
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -51,15 +52,7 @@ def _sgd_steps(model: nn.Module, ema: ModelEMA, make_batch, steps: int, lr: floa
 # --------------------------------------------------------------- torchtitan fused QKV
 def _titan_model() -> nn.Module:
     pytest.importorskip("torchtitan")
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-
-    config = model_registry("debugmodel", attn_backend="flex").model
-    config.layers = config.layers[:2]
-    for layer in config.layers:  # FlexAttention has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(0)
-    return config.build()
+    return llama3_debugmodel(layers=2, seed=0)
 
 
 def _titan_loss(model: nn.Module) -> torch.Tensor:

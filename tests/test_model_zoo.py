@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import require_extra, run_ranks
+from titan_models import deepseek_v3_debugmodel, llama3_debugmodel
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -153,30 +154,15 @@ def _mse(out: torch.Tensor, batch: tuple[Any, ...]) -> torch.Tensor:
 
 
 def _titan() -> nn.Module:
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-
-    config = model_registry("debugmodel", attn_backend="flex").model
-    config.layers = config.layers[:2]
-    for layer in config.layers:  # FlexAttention has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return config.build()
+    return llama3_debugmodel(layers=2)
 
 
 def _titan_moe() -> nn.Module:
     """torchtitan's DeepSeek-V3 ``debugmodel`` cut to its first 2 blocks: block 0 dense,
-    block 1 MoE (8 grouped experts, ``w1_EFD``/``w2_EDF``/``w3_EFD`` of shape (8, 256, 256),
-    run by ``torch._grouped_mm`` in bf16; top-3 softmax router; 2 shared experts), with the
-    float32 buffers ``expert_bias_E`` (persistent: the EMA tracks it) and
-    ``tokens_per_expert_E`` (non-persistent: outside the state dict, so outside the EMA)."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3 import model_registry
-
-    config = model_registry("debugmodel", attn_backend="flex").model
-    config.layers = config.layers[:2]
-    for layer in config.layers:  # FlexAttention has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return config.build()
+    block 1 MoE, with the float32 buffers ``expert_bias_E`` (persistent: the EMA tracks it)
+    and ``tokens_per_expert_E`` (non-persistent: outside the state dict, so outside the
+    EMA)."""
+    return deepseek_v3_debugmodel(layers=2)
 
 
 def _titan_moe_hooks(module: nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from titan_models import parallel_dims
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -129,43 +130,30 @@ def _run(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _titan_dims(**degrees: int) -> Any:
-    import torchtitan.distributed.parallel_dims as pd_module
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
-    pd_module.device_type = "cpu"  # torchtitan builds its meshes on its module-level device
-    backend = degrees.pop("backend", None)
-    kw = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, **degrees}
-    dims = ParallelDims(**kw, world_size=dist.get_world_size())
-    if backend is not None:
-        dims.spmd_backend = backend
-    dims.build_mesh()
-    return dims
-
-
 def _cases() -> dict[str, Any]:
     cases: dict[str, Any] = {}
     if importlib.util.find_spec("torchtitan") is not None:
+        world = dist.get_world_size()
 
         def titan_hsdp() -> Net:
-            dims = _titan_dims(dp_replicate=2, dp_shard=2)
+            dims = parallel_dims(world, dp_replicate=2, dp_shard=2)
             return _fsdp(Net(), dims.get_mesh(["dp_replicate", "dp_shard"]))
 
         def titan_fsdp_tp() -> Net:
-            dims = _titan_dims(dp_shard=2, tp=2)
+            dims = parallel_dims(world, dp_shard=2, tp=2)
             model = Net()
             _tp(model, dims.get_mesh("tp"))
             return _fsdp(model, dims.get_mesh("dp_shard"))
 
         def titan_hsdp_cp_legacy() -> Net:
             # The legacy backend folds cp into an unflattened "fsdp" dim.
-            dims = _titan_dims(dp_replicate=2, cp=2, backend="partial_dtensor")
+            dims = parallel_dims(world, dp_replicate=2, cp=2, spmd_backend="partial_dtensor")
             return _fsdp(Net(), dims.get_mesh(["dp_replicate", "fsdp"]))
 
         def titan_ep() -> Net:
             # Dense weights FSDP over all 4 ranks, experts split over ep (2): the world
             # is refined to (2, 2) and its outer dim has no group of its own yet.
-            dims = _titan_dims(dp_shard=4, ep=2)
+            dims = parallel_dims(world, dp_shard=4, ep=2)
             model = Net(experts=True)
             assert model.experts is not None
             model.experts.weight = nn.Parameter(
