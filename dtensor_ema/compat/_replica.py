@@ -33,10 +33,9 @@ The rules, the same in every facade:
 
 1. A save that rank 0 makes alone (the facade's ``state_dict()``, ``save_pretrained()``,
    ``module.state_dict()`` of a replica, or of the sharded module of a plain model) yields
-   full tensors when unsharded or after a
-   ``materialize()`` that every rank reached since the last change; otherwise it raises a
-   ``RuntimeError`` naming the one-line fix (``<owner>.gather_for_save()`` on every rank).
-   It never returns one rank's piece.
+   full tensors when unsharded or after a ``materialize()`` that every rank reached since
+   the last change; otherwise it raises a ``RuntimeError`` naming the one-line fix
+   (``<owner>.gather_for_save()`` on every rank). It never returns one rank's piece.
 2. Loading full tensors on every rank (the facade's ``load_state_dict`` or the replica's
    ``module.load_state_dict``) restores each rank's piece of the engine. Local.
 
@@ -94,7 +93,7 @@ class EmaReplica:
         # option): that module's ``state_dict()`` would hold one rank's pieces, so it is
         # guarded like a replica's (rule 1). An FSDP2/TP model's module keeps its DTensors,
         # as the original library's EMA of such a model does (save those with DCP).
-        self._guard_module = self.sharded and not dtensor_model
+        self._guard_pending = self.sharded and not dtensor_model
         self.version = 0
         """Bumped by :meth:`changed`: the number of changes of the EMA so far."""
         self._rank0: dict[str, torch.Tensor] | None = None  # sharded: rank 0's full copy
@@ -153,10 +152,9 @@ class EmaReplica:
         if self._module is not None:
             return self._module
         module = self.engine.module
-        if self._guard_module and not any(
-            isinstance(h, _FullOnRank0) for h in module._state_dict_hooks.values()
-        ):
+        if self._guard_pending:  # once: the engine keeps this module
             module.register_state_dict_post_hook(_FullOnRank0(self))
+            self._guard_pending = False
         return module
 
     @property
