@@ -54,7 +54,15 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["EmaReplica", "fix_message"]
+__all__ = ["EmaReplica", "fix_message", "keeps_buffers_whole"]
+
+
+def keeps_buffers_whole(model: nn.Module, evaluation: str = "replica") -> bool:
+    """The facades' ``replicate_buffers``: a plain/DDP model evaluated through a replica
+    keeps its float buffers whole on every rank (each rank's EMA buffers are its own
+    replica's, as the original libraries' are); FSDP2/TP models and ``evaluation="sharded"``
+    evaluate through the engine's sharded module, which holds sharded buffers."""
+    return evaluation == "replica" and not any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def fix_message(owner: str, also: str = "") -> str:

@@ -37,10 +37,9 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dtensor_ema.compat._ema_pytorch_posthoc import PostHocEMA
-from dtensor_ema.compat._replica import EmaReplica, fix_message
+from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
@@ -111,8 +110,7 @@ class EMA(nn.Module):
             raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
         if evaluation not in ("replica", "sharded"):
             raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
-        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
-        engine.setdefault("replicate_buffers", not sharded_model and evaluation == "replica")
+        engine.setdefault("replicate_buffers", keeps_buffers_whole(model, evaluation))
         self.beta, self.inv_gamma, self.power, self.min_value = beta, inv_gamma, power, min_value
         self.update_every, self.update_after_step = update_every, update_after_step
         self.include_online_model = include_online_model

@@ -42,10 +42,9 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import swa_utils as _torch_swa
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message
+from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import ConstantDecay, DecaySchedule, RunningMeanDecay
 from dtensor_ema.model_ema import ModelEMA
 
@@ -128,8 +127,7 @@ class AveragedModel(nn.Module):
                 f"({first.device}); it already holds 1/W of the model per rank"
             )
         self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
-        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
-        engine.setdefault("replicate_buffers", not sharded_model and evaluation == "replica")
+        engine.setdefault("replicate_buffers", keeps_buffers_whole(model, evaluation))
         self._engine = ModelEMA(
             model,
             schedule=schedule,

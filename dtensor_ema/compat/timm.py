@@ -46,9 +46,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message
+from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
 
@@ -109,14 +108,13 @@ class ModelEmaV3(nn.Module):
             after = update_after_step
         else:
             schedule, after = ConstantDecay(decay=decay), update_after_step + 1
-        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
         engine = ModelEMA(
             model,
             schedule=schedule,
             update_after_step=after,
             buffers="copy" if exclude_buffers else "average",
             ema_dtype=dtype,
-            replicate_buffers=not sharded_model and evaluation == "replica",
+            replicate_buffers=keeps_buffers_whole(model, evaluation),
             # timm's train.py builds the EMA before DDP with a per-rank seed; its first
             # update(model, step=1) copies the synchronized model, as timm's does.
             verify_replicas=False,

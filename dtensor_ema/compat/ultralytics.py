@@ -34,9 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message
+from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
 from dtensor_ema.model_ema import ModelEMA as _Engine
 from dtensor_ema.plan import unwrap_model
 
@@ -56,11 +55,9 @@ class ModelEMA:
     def __init__(
         self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0
     ) -> None:
-        # FSDP2/TP models evaluate through the engine's sharded module, which needs the
-        # engine's sharded buffers; plain/DDP models keep each rank's buffers whole.
-        sharded_model = any(isinstance(p, DTensor) for p in model.parameters())
+        whole = keeps_buffers_whole(model)
         self._engine = _Engine(
-            model, decay=decay, tau=tau, updates=updates, replicate_buffers=not sharded_model
+            model, decay=decay, tau=tau, updates=updates, replicate_buffers=whole
         )
         self._replica = EmaReplica(self._engine, _FIX)
         for p in self._replica.module.parameters():
