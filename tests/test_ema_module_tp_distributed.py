@@ -7,8 +7,12 @@ parameters outside TP); at W=4 on a 2 x 2 mesh, the same model with TP on the in
 not shard, the TP-only model over all 4 ranks, and torchtitan 0.3.0's own
 llama3 debugmodel (fused Q/K/V, two layers) parallelized by its own ``parallelize_llama``
 on its own ``ParallelDims`` meshes: FSDP2 + TP (dp_shard 2 x tp 2) and HSDP (dp_replicate 2
-x dp_shard 2), both with ``mesh=None``. The torchtitan EMAs are saved with DCP at W=4 and
-loaded, bit for bit, into the unsharded debugmodel's EMA in one process.
+x dp_shard 2), and torchtitan's deepseek_v3 debugmodel (dense block, then MoE with 8 grouped
+experts) by its own ``parallelize_deepseekv3``: FSDP2 (dp_shard 4) + expert parallelism
+(ep 2, all-to-all token dispatch, on torchtitan's ``"partial_dtensor"`` backend: gloo
+refuses the ``"spmd_types"`` backend's uneven list all-to-all), all with ``mesh=None``. The
+torchtitan EMAs are saved with DCP at W=4 and loaded, bit for bit, into the unsharded
+debugmodel's EMA in one process.
 
 Each case keeps a full-model EMA reference written here (``lerp_`` of ``full_tensor()``
 after every SGD step), and checks:
@@ -38,7 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from titan_models import build_llama, llama3_trainer, parallel_dims
+from titan_models import build_titan, deepseek_v3_trainer, llama3_trainer, parallel_dims
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -191,6 +195,8 @@ def _case(
     bytes_before = ema.local_nbytes()
     module = ema.module
     out: dict[str, Any] = {"bytes_before": bytes_before, "bytes_after": ema.local_nbytes()}
+    out["full_bytes"] = sum(v.nbytes for v in ref.values())  # the unsharded EMA's bytes
+    out["ema_mesh"] = None if ema.mesh is None else list(ema.mesh.shape)
     out["rest_not_shared"] = _not_shared(module, ema)
     out["module_bytes"], out["model_bytes"] = (_local_bytes(m) for m in (module, model))
     seen: dict[str, Any] = {}
@@ -353,9 +359,9 @@ def tp4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
             # torchtitan's llama3 debugmodel as shipped (fused Q/K/V), 2 layers, SDPA, fp32:
             # parallelized by its own parallelize_llama on dims, and the plain reference.
             degrees = {"replicate": replicate, "shard": shard, "tp": tp}
-            model = build_llama(llama3_trainer(layers=2, **degrees), dims)
+            model = build_titan(llama3_trainer(layers=2, **degrees), dims)
             trainer = llama3_trainer(layers=2, **degrees)
-            reference = build_llama(trainer)
+            reference = build_titan(trainer)
 
             def tokens(step: int) -> torch.Tensor:
                 g = torch.Generator().manual_seed(step)
@@ -384,6 +390,44 @@ def tp4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
         cases["titan_fsdp_tp"] = lambda: titan(1, 2, 2, probe="layers.0.attention.wo")
         cases["titan_hsdp"] = lambda: titan(2, 2, 1, probe="layers.0.attention.wo")
+
+        def titan_moe_ep() -> dict[str, Any]:
+            import torchtitan.distributed.utils as titan_utils
+
+            # torchtitan's deepseek_v3 debugmodel (block 0 dense, block 1 MoE: 8 grouped
+            # experts) by its own parallelize_deepseekv3: FSDP2 over 4 ranks, experts on
+            # ep 2 x efsdp 2 (_StridedShard(0), Shard(0)), all-to-all token dispatch.
+            backend = titan_utils.get_spmd_backend()
+            titan_utils.set_spmd_backend("partial_dtensor")  # gloo: see deepseek_v3_trainer
+            try:
+                dims = parallel_dims(world_size, spmd_backend="partial_dtensor", dp_shard=4, ep=2)
+                model = build_titan(deepseek_v3_trainer(shard=4, ep=2), dims)
+                trainer = deepseek_v3_trainer()
+                reference = build_titan(trainer)
+                vocab = trainer.model_spec.model.vocab_size
+
+                def tokens(step: int) -> torch.Tensor:
+                    g = torch.Generator().manual_seed(step)
+                    return torch.randint(0, vocab, (2, 8), generator=g)
+
+                out = _case(
+                    model,
+                    reference,
+                    tokens,
+                    probe="layers.1.moe.router.gate",
+                    checkpoint=Path(root) / "titan-moe-ep",
+                )
+            finally:
+                titan_utils.set_spmd_backend(backend)
+            experts = model.get_submodule("layers.1.moe.routed_experts.inner_experts").w1_EFD
+            out["experts"] = (
+                [str(p) for p in experts.placements],
+                list(experts.device_mesh.mesh_dim_names or ()),
+                list(experts.to_local().shape),
+            )
+            return out
+
+        cases["titan_moe_ep"] = titan_moe_ep
     return _guarded(cases)
 
 
@@ -481,14 +525,37 @@ def test_torchtitan_hsdp_module_matches_the_unsharded_reference(tp4_results: lis
     assert all(cases["titan_hsdp"]["bytes_before"] * 4 <= total + 4096 for cases in tp4_results)
 
 
-@pytest.mark.parametrize("layout", ["titan-1x2x2", "titan-2x2x1"])
+def test_torchtitan_moe_expert_parallel_module_matches_the_unsharded_reference(
+    tp4_results: list[Any],
+) -> None:
+    """torchtitan's deepseek_v3 debugmodel (block 1: MoE, 8 grouped experts, all-to-all
+    token dispatch) parallelized by its own ``parallelize_deepseekv3``: FSDP2 over the 4
+    ranks and EP 2, each expert weight split 4 ways (``_StridedShard(0)`` on efsdp x
+    ``Shard(0)`` on ep, 2 of the 8 experts per rank). ``mesh=None`` finds the 2 x 2 world;
+    the EMA and the swap equal the reference bit for bit, ``ema.module`` holds the EMA's
+    DTensors and its forward equals the unsharded model on the reference; each rank keeps
+    exactly 1/4 of the EMA's bytes."""
+    pytest.importorskip("torchtitan")
+    _check(tp4_results, "titan_moe_ep", ("Parameter", [], [8, 256]))
+    for cases in tp4_results:
+        out = cases["titan_moe_ep"]
+        assert out["experts"] == (["_S(0, 2)", "S(0)"], ["efsdp", "ep"], [2, 256, 256]), out
+        assert out["ema_mesh"] == [2, 2], out
+        assert out["bytes_before"] * 4 == out["full_bytes"], out
+
+
+@pytest.mark.parametrize("layout", ["titan-1x2x2", "titan-2x2x1", "titan-moe-ep"])
 def test_torchtitan_w4_checkpoint_loads_in_one_process(
     tp4_results: list[Any], tp4_root: Path, layout: str
 ) -> None:
-    """DCP saved on torchtitan's FSDP2+TP or HSDP 2 x 2 mesh at W=4 loads into the
-    unsharded debugmodel's EMA without a process group, bit for bit."""
+    """DCP saved on torchtitan's FSDP2+TP, HSDP 2 x 2 or FSDP2+EP mesh at W=4 loads into the
+    unsharded debugmodel's EMA (llama3, or deepseek_v3 for EP) without a process group,
+    bit for bit."""
     pytest.importorskip("torchtitan")
-    model = build_llama(llama3_trainer(layers=2, shard=2, tp=2))
+    if layout == "titan-moe-ep":
+        model = build_titan(deepseek_v3_trainer())
+    else:
+        model = build_titan(llama3_trainer(layers=2, shard=2, tp=2))
     ema = ModelEMA(model, decay=DECAY, tau=None)
     load_checkpoint({"ema": ema}, tp4_root / layout)
     saved = torch.load(tp4_root / f"{layout}.pt")

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from titan_models import build_llama, llama3_trainer, parallel_dims
+from titan_models import build_titan, llama3_trainer, parallel_dims
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -244,7 +244,7 @@ def _titan_llama(parallelize: bool, ac: bool) -> tuple[nn.Module, Any]:
     if "dims" not in _TITAN:  # one ParallelDims per process: torchtitan caches its meshes
         _TITAN["dims"] = parallel_dims(world, dp_shard=world)
     dims = _TITAN["dims"]
-    return build_llama(trainer, dims if parallelize else None, full_ac=ac), dims
+    return build_titan(trainer, dims if parallelize else None, full_ac=ac), dims
 
 
 def _titan_cases() -> dict[str, Callable[[], dict[str, Any]]]:

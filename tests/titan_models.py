@@ -8,7 +8,7 @@ torchtitan targets CUDA; the CPU switches, in one place:
   parallel_dims`` (which copied it at import): torchtitan picked CUDA at import and builds its
   meshes on that module-level device (:func:`use_cpu`).
 * ``set_force_sum_reduction_for_comms(True)`` on every FSDP2 module after
-  ``parallelize_llama``: gloo has no ``PREMUL_SUM``.
+  torchtitan's ``parallelize_llama``/``parallelize_deepseekv3``: gloo has no ``PREMUL_SUM``.
 
 Every function imports torchtitan lazily, so this module imports without it (rank bodies
 reach it through the test modules, which the spawned ranks import by name).
@@ -93,7 +93,7 @@ def llama3_trainer(
     with SDPA, or ``model`` (a ``Llama3Model.Config``) when given; ``seq_len`` 8, fp32
     parameters (``mixed_precision_param="float32"``), data-parallel ``replicate`` x
     ``shard`` and tensor-parallel ``tp`` degrees; ``update_from_config`` applied. Calls
-    :func:`use_cpu` first. Build the model with :func:`build_llama`."""
+    :func:`use_cpu` first. Build the model with :func:`build_titan`."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel as registry_config
 
     use_cpu()
@@ -111,23 +111,54 @@ def llama3_trainer(
     return trainer
 
 
-def build_llama(trainer: Any, dims: Any | None = None, full_ac: bool = False) -> nn.Module:
-    """The model of ``trainer`` (:func:`llama3_trainer`) built on the meta device,
-    parallelized by torchtitan's own ``parallelize_llama`` on ``dims`` (a built
-    ``ParallelDims``: FSDP2/HSDP/TP as its degrees say; ``full_ac``: its full activation
+def deepseek_v3_trainer(layers: int = 2, shard: int = 1, ep: int = 1) -> Any:
+    """torchtitan's ``deepseek_v3_debugmodel()`` trainer config (from its
+    ``config_registry``) for the CPU: the debugmodel cut to ``layers`` blocks (at 2: block 0
+    dense, block 1 MoE with 8 grouped experts, see :func:`deepseek_v3_debugmodel`) with
+    SDPA, ``seq_len`` 8, fp32 parameters, FSDP2 degree ``shard`` and expert-parallel
+    degree ``ep`` (``moe_comm_backend="standard"``: all-to-all token dispatch), on
+    torchtitan's ``"partial_dtensor"`` backend (set it globally with ``torchtitan.
+    distributed.utils.set_spmd_backend`` and on the ``ParallelDims`` too); its sharding
+    config set by ``update_from_config``. Calls :func:`use_cpu` first.
+
+    Why ``"partial_dtensor"``: on the default ``"spmd_types"`` backend the dispatcher's
+    uneven all-to-all is ``dist.all_to_all`` on tensor lists, which gloo refuses
+    (``ProcessGroupGloo::alltoall: invalid tensor size``); the DTensor backends call
+    ``all_to_all_single`` with split sizes, which gloo runs. ``"full_dtensor"`` wants
+    DTensor inputs (torchtitan's trainer makes them), so it is not used here."""
+    from torchtitan.models.deepseek_v3.config_registry import (
+        deepseek_v3_debugmodel as registry_config,
+    )
+
+    use_cpu()
+    trainer = registry_config()
+    _cpu_blocks(trainer.model_spec.model, layers)
+    trainer.training.seq_len = 8
+    trainer.training.mixed_precision_param = "float32"
+    trainer.parallelism.spmd_backend = "partial_dtensor"
+    trainer.parallelism.data_parallel_shard_degree = shard
+    trainer.parallelism.expert_parallel_degree = ep
+    trainer.model_spec.model.update_from_config(config=trainer)
+    return trainer
+
+
+def build_titan(trainer: Any, dims: Any | None = None, full_ac: bool = False) -> nn.Module:
+    """The model of ``trainer`` (:func:`llama3_trainer` or :func:`deepseek_v3_trainer`)
+    built on the meta device, parallelized by torchtitan's own ``parallelize_fn`` of its
+    model spec (``parallelize_llama`` / ``parallelize_deepseekv3``) on ``dims`` (a built
+    ``ParallelDims``: FSDP2/HSDP/TP/EP as its degrees say; ``full_ac``: its full activation
     checkpointing) unless ``dims`` is None (then the plain model), moved to the CPU with
-    ``to_empty``, and initialised by its ``init_weights`` after ``torch.manual_seed(0)``:
-    every rank and the plain model get the same full weights, sharded or not. Every FSDP2
-    module sums its gradients (``set_force_sum_reduction_for_comms``: gloo has no
-    ``PREMUL_SUM``). Parallelized, its parameters are DTensors on ``dims``' meshes."""
+    ``to_empty``, and initialised by its ``init_weights`` after ``torch.manual_seed(0)``.
+    Every FSDP2 module sums its gradients (``set_force_sum_reduction_for_comms``: gloo has
+    no ``PREMUL_SUM``). Parallelized, its parameters are DTensors on ``dims``' meshes.
+    For llama3, every rank and the plain model get the same full weights, sharded or not."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.models.llama3.parallelize import parallelize_llama
 
     with torch.device("meta"):
         model = trainer.model_spec.model.build()
     if dims is not None:
-        model = parallelize_llama(
+        model = trainer.model_spec.parallelize_fn(
             model,
             parallel_dims=dims,
             training=trainer.training,
