@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from dist_harness import DEVICE_TYPE
+from dist_harness import DEVICE_TYPE, aborted_at_exit
 from models import HAS_TORCHVISION
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -41,21 +41,24 @@ def _run(args: list[str], cwd: Path, *, nproc: int | None = 2, expect_ok: bool =
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(
-        launcher + args,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{args[0]} ran past {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
+    for attempt in range(2):
+        proc = subprocess.Popen(
+            launcher + args,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
+        )
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"{args[0]} ran past {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
+        if not (expect_ok and attempt == 0 and aborted_at_exit(proc.returncode, out)):
+            break
     if (proc.returncode == 0) != expect_ok:
         pytest.fail(f"{args[0]} exited {proc.returncode}; output tail:\n{out[-4000:]}")
     return out

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_harness import aborted_at_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -93,9 +94,12 @@ def test_block_runs_as_written(key: str, tmp_path: Path) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += [f"--nproc_per_node={nproc}", name]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    for attempt in range(2):
+        result = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        if attempt or not aborted_at_exit(result.returncode, result.stderr):
+            break
     assert result.returncode == 0, (
         f"block {key} ({' '.join(command[1:])}) failed:\n{code}\n"
         f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
