@@ -333,32 +333,42 @@ def _swa_update_bn(rank: int, distributed: bool) -> dict[str, Any]:
     }
 
 
-def _fsdp2_part(rank: int) -> dict[str, Any]:
-    """An FSDP2 model with the timm facade; real timm on a plain copy fed the full weights."""
-    from timm.utils import ModelEmaV3
+def _fsdp2_pair(
+    rank: int, theirs_cls: Any, ours_cls: Any, opts: dict[str, Any], step: bool
+) -> tuple[Any, Any]:
+    """A small FSDP2 model trained 5 SGD steps with our drop-in ``ours_cls`` on it, and the
+    real library's ``theirs_cls`` on a plain copy fed the model's full weights after every
+    step (``update(model, step=)`` when ``step``). Returns ``(theirs, ours)``."""
     from torch.distributed.fsdp import fully_shard
 
-    from dtensor_ema.compat.timm import ModelEmaV3 as OurV3
-
-    opts = TIMM_OPTIONS["warmup"]
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 9), nn.LayerNorm(9), nn.GELU(), nn.Linear(9, 3))
     plain = copy.deepcopy(net)
-    theirs = ModelEmaV3(plain, **opts)
+    theirs = theirs_cls(plain, **opts)
     for layer in (net[0], net[3]):
         fully_shard(layer)
     fully_shard(net)
-    ours = OurV3(net, **opts)
+    ours = ours_cls(net, **opts)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(1, 6):
-        g = torch.Generator().manual_seed(1000 * rank + step)
-        loss = net(torch.randn(4, 5, generator=g)).square().mean()
-        opt.zero_grad()
-        loss.backward()
+    for i in range(1, 6):
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        net(torch.randn(4, 5, generator=g)).square().mean().backward()
         opt.step()
+        opt.zero_grad()
         plain.load_state_dict({k: v.full_tensor() for k, v in net.state_dict().items()})
-        theirs.update(plain, step=step)
-        ours.update(net, step=step)
+        kwargs = {"step": i} if step else {}
+        theirs.update(plain, **kwargs)
+        ours.update(net, **kwargs)
+    return theirs, ours
+
+
+def _fsdp2_part(rank: int) -> dict[str, Any]:
+    """An FSDP2 model with the timm facade; real timm on a plain copy fed the full weights."""
+    from timm.utils import ModelEmaV3
+
+    from dtensor_ema.compat.timm import ModelEmaV3 as OurV3
+
+    theirs, ours = _fsdp2_pair(rank, ModelEmaV3, OurV3, TIMM_OPTIONS["warmup"], step=True)
     full = ours.engine.get_ema_state_dict()
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -370,29 +380,11 @@ def _fsdp2_part(rank: int) -> dict[str, Any]:
 def _ultralytics_fsdp2_part(rank: int) -> dict[str, Any]:
     """An FSDP2 model with the ultralytics drop-in; real ultralytics on a plain copy fed
     the full weights (its own ``ModelEMA`` cannot deepcopy an FSDP2 model)."""
-    from torch.distributed.fsdp import fully_shard
     from ultralytics.utils.torch_utils import ModelEMA
 
     from dtensor_ema.compat.ultralytics import ModelEMA as Ours
 
-    opts = ULTRA_OPTIONS["custom"]
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 9), nn.LayerNorm(9), nn.GELU(), nn.Linear(9, 3))
-    plain = copy.deepcopy(net)
-    theirs = ModelEMA(plain, **opts)
-    for layer in (net[0], net[3]):
-        fully_shard(layer)
-    fully_shard(net)
-    ours = Ours(net, **opts)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(1, 6):
-        g = torch.Generator().manual_seed(1000 * rank + step)
-        net(torch.randn(4, 5, generator=g)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        plain.load_state_dict({k: v.full_tensor() for k, v in net.state_dict().items()})
-        theirs.update(plain)
-        ours.update(net)
+    theirs, ours = _fsdp2_pair(rank, ModelEMA, Ours, ULTRA_OPTIONS["custom"], step=False)
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         gap = float((ours.ema(x) - theirs.ema(x)).abs().max())
