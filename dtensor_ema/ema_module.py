@@ -24,8 +24,6 @@ every tensor pre-mapped to an empty meta tensor), so no weight is ever copied in
 from __future__ import annotations
 
 import copy
-import functools
-import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,11 +33,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_ema._collectives import check_all_ranks_enter
-from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
+from dtensor_ema.materialize import SplitPiece, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
 from dtensor_ema.tp_module import build_tp_twin, needs_tp_twin
+from dtensor_ema.twin import (
+    SharedSlots,
+    clone_without_fsdp,
+    install_forward_hooks,
+    prepare_twin,
+    slots,
+    student_mp_policy,
+)
 
 __all__ = ["UnitSpec", "build_ema_module", "default_units"]
 
@@ -157,7 +162,7 @@ def build_ema_module(
             plain model, or a TP layout the TP twin cannot rebuild (a DTensor buffer, a
             torch whose FSDP2 hides the unsharded layout); each message names the tensor
             and its layout. A callable the twin would share
-            with the model and cannot re-bind (see :func:`_rebind_callables`).
+            with the model and cannot re-bind (see :func:`~dtensor_ema.twin.rebind_callables`).
         ValueError: bad ``units``, or a unit whose parameters mix dtypes with
             ``compute_dtype=None``.
     """
@@ -169,7 +174,7 @@ def build_ema_module(
     ):
         raise ValueError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
     fsdp_units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if needs_tp_twin(plan):
+    if needs_tp_twin(plan) or (plan.untracked and mesh is not None):
         chosen = fsdp_units or _resolve_units(model, units)
         unit_order = sorted((u for u in chosen if u), key=lambda fqn: -fqn.count("."))
         return build_tp_twin(model, plan, unit_order, compute_dtype)
@@ -188,44 +193,58 @@ def build_ema_module(
 
 # ------------------------------------------------------------------------- no process group
 def _shared_twin(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | None) -> nn.Module:
-    """The model's structure over the EMA's own plain tensors (no weight is copied)."""
+    """The model's structure over the EMA's own plain tensors, and over the model's own
+    tensors where the EMA tracks none (no weight is copied)."""
     by_fqn = plan.by_fqn()
+    shared = SharedSlots(plan)
     memo: dict[int, Any] = {}
-    casts: list[tuple[nn.Module, str, str, torch.Tensor, torch.dtype]] = []
-    for fqn, tensor, owner, name, kind in _slots(model):
-        entry = by_fqn.get(plan.aliases.get(fqn, fqn))
+    casts: list[tuple[nn.Module, str, str, torch.dtype]] = []
+    for fqn, tensor, owner, name, kind in slots(model):
         if id(tensor) in memo:
             continue
-        if entry is None:  # integer buffer: a small copy, refreshed before every forward
+        target = plan.aliases.get(fqn, fqn)
+        entry = by_fqn.get(target)
+        if target in plan.untracked:
+            memo[id(tensor)] = shared.value(target, kind)
+        elif entry is None:  # integer buffer: a small copy, refreshed before every forward
             memo[id(tensor)] = tensor.detach().clone()
             continue
-        shared = entry.ema
-        memo[id(tensor)] = nn.Parameter(shared, requires_grad=False) if kind == "param" else shared
-        target = compute_dtype or tensor.dtype
-        if target != shared.dtype:
-            casts.append((owner, name, kind, memo[id(tensor)], target))
-    twin = copy.deepcopy(model, memo)
-    _rebind_callables(model, twin)
-    twin.requires_grad_(False)
-    twin.eval()
-    twin_slots = {fqn: (owner, name, kind) for fqn, _, owner, name, kind in _slots(twin)}
+        else:
+            memo[id(tensor)] = (
+                nn.Parameter(entry.ema, requires_grad=False) if kind == "param" else entry.ema
+            )
+        dtype = compute_dtype or tensor.dtype
+        if dtype != memo[id(tensor)].dtype:
+            casts.append((owner, name, kind, dtype))
+    twin = prepare_twin(model, copy.deepcopy(model, memo))
+    twin_slots = {fqn: (owner, name, kind) for fqn, _, owner, name, kind in slots(twin)}
+    for fqn, (owner, name, kind) in twin_slots.items():
+        untracked = shared.untracked_fqn(fqn)
+        if untracked is not None:
+            shared.add(owner, name, kind, untracked)
     # The casts name the source's modules; point them at the twin's.
-    fqn_of = {(id(o), n): f for f, _, o, n, _ in _slots(model)}
+    fqn_of = {(id(o), n): f for f, _, o, n, _ in slots(model)}
     twin_casts = [
-        (*twin_slots[fqn_of[(id(owner), name)]][:2], kind, master, dtype)
-        for owner, name, kind, master, dtype in casts
+        (*twin_slots[fqn_of[(id(owner), name)]][:2], kind, dtype)
+        for owner, name, kind, dtype in casts
     ]
     followed = [
         (twin_slots[fqn][0], twin_slots[fqn][1], source) for fqn, source in plan.followed.items()
     ]
+    masters: list[torch.Tensor] = []
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
+        shared.refresh()
         with torch.no_grad():
             for owner, name, source in followed:
                 owner._buffers[name].copy_(source)  # type: ignore[union-attr]
-        for owner, name, kind, master, dtype in twin_casts:
-            # A temporary cast for this forward; the twin's slot gets the EMA tensor back
-            # afterwards, even if the forward raises.
+        masters.clear()
+        for owner, name, kind, dtype in twin_casts:
+            # A temporary cast for this forward; the twin's slot gets the EMA's (or the
+            # model's) tensor back afterwards, even if the forward raises.
+            master = owner._parameters[name] if kind == "param" else owner._buffers[name]
+            assert master is not None
+            masters.append(master)
             value = master.detach().to(dtype)
             if kind == "param":
                 owner._parameters[name] = nn.Parameter(value, requires_grad=False)
@@ -233,34 +252,16 @@ def _shared_twin(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
                 owner._buffers[name] = value
 
     def post_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
-        for owner, name, kind, master, _ in twin_casts:
+        for (owner, name, kind, _), master in zip(twin_casts, masters, strict=False):
             if kind == "param":
                 owner._parameters[name] = master  # type: ignore[assignment]  # a Parameter
             else:
                 owner._buffers[name] = master
+        masters.clear()
 
     twin.register_forward_pre_hook(pre_forward, prepend=True)
     twin.register_forward_hook(post_forward, always_call=True)
     return twin
-
-
-def _slots(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, str, str]]:
-    """``(fqn, tensor, owner, name, "param" | "buffer")`` for every registered tensor,
-    shared ones under every name. ``fqn`` is canonical (the plan's key: no
-    ``_checkpoint_wrapped_module.`` or ``_orig_mod.`` components)."""
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        for name, p in owner._parameters.items():
-            if p is not None:
-                yield canonical_fqn(f"{prefix}.{name}" if prefix else name), p, owner, name, "param"
-        for name, b in owner._buffers.items():
-            if b is not None:
-                yield (
-                    canonical_fqn(f"{prefix}.{name}" if prefix else name),
-                    b,
-                    owner,
-                    name,
-                    "buffer",
-                )
 
 
 # ------------------------------------------------------------------------- FSDP2 twin
@@ -276,7 +277,7 @@ def _sharded_twin(
     by_fqn = plan.by_fqn()
     memo: dict[int, Any] = {}
     model_dtypes: dict[str, torch.dtype] = {}
-    for fqn, tensor, _, _, kind in _slots(model):
+    for fqn, tensor, _, _, kind in slots(model):
         if id(tensor) in memo:
             continue
         entry = by_fqn.get(plan.aliases.get(fqn, fqn))
@@ -289,10 +290,7 @@ def _sharded_twin(
         else:
             dtype = compute_dtype if compute_dtype and entry is not None else tensor.dtype
             memo[id(tensor)] = torch.empty(tensor.shape, dtype=dtype, device="meta")
-    twin = copy.deepcopy(model, memo)
-    _rebind_callables(model, twin)
-    twin.requires_grad_(False)
-    twin.eval()
+    twin = prepare_twin(model, copy.deepcopy(model, memo))
     # fully_shard refuses 0-dim parameters: they stay plain and share the EMA's
     # (replicated) tensor.
     scalars = {p for p in twin.parameters() if p.dim() == 0}
@@ -306,7 +304,7 @@ def _sharded_twin(
         )
     twin.to_empty(device=mesh.device_type)
     tensors: dict[str, DTensor] = {}
-    for fqn, tensor, owner, name, kind in _slots(twin):
+    for fqn, tensor, owner, name, kind in slots(twin):
         if kind != "param" or fqn in plan.aliases:
             continue
         entry = by_fqn[fqn]
@@ -314,7 +312,7 @@ def _sharded_twin(
             tensors[fqn] = tensor
         else:
             owner._parameters[name] = nn.Parameter(entry.ema_local, requires_grad=False)
-    param_slots = {fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin)}
+    param_slots = {fqn: (owner, name) for fqn, _, owner, name, kind in slots(twin)}
     for fqn in plan.aliases:  # tied 0-dim parameters: the same shared tensor
         if fqn not in param_slots:
             continue
@@ -323,7 +321,7 @@ def _sharded_twin(
             source = by_fqn[plan.aliases[fqn]]
             owner._parameters[name] = nn.Parameter(source.ema_local, requires_grad=False)
     plan.rebind_ema(tensors)
-    _install_forward_hooks(model, twin, plan)
+    install_forward_hooks(model, twin, plan)
     return twin
 
 
@@ -358,63 +356,6 @@ def _mp_policy(
     return MixedPrecisionPolicy(param_dtype=compute_dtype)
 
 
-def _install_forward_hooks(model: nn.Module, twin: nn.Module, plan: EmaPlan) -> None:
-    """Before a forward: gather the EMA's float buffers into the twin (one flat all-gather
-    per bucket over the mesh) and copy the integer ones, and the buffers the EMA does not
-    track (non-persistent ones: RoPE tables), from the model. After it (also when it
-    raises): reshard every unit, so the root's parameters do not stay gathered and the
-    next forward sees the next update()."""
-    buffer_slots = {
-        fqn: (owner, name) for fqn, _, owner, name, kind in _slots(twin) if kind == "buffer"
-    }
-    entries = [e for e in plan if not e.is_parameter and not e.is_dtensor_source]
-    pieces = [_buffer_piece(e, buffer_slots[e.fqn]) for e in entries]
-    followed = [(buffer_slots[fqn], source) for fqn, source in plan.followed.items()]
-    tracked = {*plan.by_fqn(), *plan.aliases, *plan.followed}
-    followed += [
-        (buffer_slots[fqn], source)
-        for fqn, source, _, _, kind in _slots(model)
-        if kind == "buffer" and fqn not in tracked and fqn in buffer_slots
-    ]
-
-    def pre_forward(_module: nn.Module, _args: Any) -> None:
-        check_all_ranks_enter(plan.world, "ema.module forward")
-        with torch.no_grad():
-            for (owner, name), source in followed:
-                owner._buffers[name].copy_(source)  # type: ignore[union-attr]
-            if pieces:
-                full = gather_full_tensors(pieces)
-                for entry in entries:
-                    owner, name = buffer_slots[entry.fqn]
-                    owner._buffers[name].copy_(full[entry.fqn])  # type: ignore[union-attr]
-
-    def post_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
-        for module in twin.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-    twin.register_forward_pre_hook(pre_forward, prepend=True)
-    twin.register_forward_hook(post_forward, always_call=True)
-
-
-def _buffer_piece(entry: PlanEntry, slot: tuple[nn.Module, str]) -> LocalPiece:
-    """How to gather one float buffer's EMA into the twin's (full) buffer: undo the
-    replica split (``levels``), in the twin buffer's dtype."""
-    owner, name = slot
-    buffer = owner._buffers[name]
-    assert buffer is not None
-    return LocalPiece(
-        fqn=entry.fqn,
-        local=entry.ema_local,
-        shape=entry.source.shape,
-        mesh=None,
-        placements=(),
-        out_dtype=buffer.dtype,
-        levels=entry.levels,
-        piece_shape=entry.source_piece.shape,
-    )
-
-
 # ------------------------------------------------------------------------- FSDP2 models
 def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | None) -> nn.Module:
     """Mirror an FSDP2 student: same units, meshes, shard dims and mixed precision."""
@@ -442,7 +383,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
             )
         layouts[entry.fqn] = (source.device_mesh, last)
     memo: dict[int, Any] = {}
-    for fqn, tensor, _, _, kind in _slots(model):
+    for fqn, tensor, _, _, kind in slots(model):
         if id(tensor) in memo:
             continue
         tracked = by_fqn.get(plan.aliases.get(fqn, fqn))
@@ -452,10 +393,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
             dtype = compute_dtype if compute_dtype and tracked is not None else tensor.dtype
         meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, requires_grad=False) if kind == "param" else meta
-    twin = _clone_without_fsdp(model, memo)
-    _rebind_callables(model, twin)
-    twin.requires_grad_(False)
-    twin.eval()
+    twin = prepare_twin(model, clone_without_fsdp(model, memo))
     twin_fqn = {id(p): canonical_fqn(fqn) for fqn, p in twin.named_parameters()}
     units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
     for fqn in sorted(units, key=lambda f: -f.count(".") if f else 1):
@@ -468,7 +406,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         if not managed:
             continue
         mesh = managed[0][0]
-        policy = _student_mp_policy(student)
+        policy = student_mp_policy(student)
         if compute_dtype is not None:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype)
         fully_shard(
@@ -495,7 +433,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
         else:
             tensors[entry.fqn] = tensor
     plan.rebind_ema(tensors)
-    _install_forward_hooks(model, twin, plan)
+    install_forward_hooks(model, twin, plan)
     if refreshed:
         _install_refresh_hook(twin, refreshed)
     return twin
@@ -527,208 +465,3 @@ def _directly_managed(model: nn.Module, unit: str, units: list[str]) -> list[str
         for name, _ in model.get_submodule(unit).named_parameters()
         if not any((prefix + name).startswith(u + ".") for u in inner)
     ]
-
-
-def _student_mp_policy(module: nn.Module) -> MixedPrecisionPolicy:
-    """The ``MixedPrecisionPolicy`` a student unit was sharded with. torch keeps it only on
-    the private FSDP state; without it (a torch that renamed it) the default policy."""
-    try:
-        policy = module._get_fsdp_state()._mp_policy  # type: ignore[operator]
-    except AttributeError:
-        return MixedPrecisionPolicy()
-    return policy if isinstance(policy, MixedPrecisionPolicy) else MixedPrecisionPolicy()
-
-
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
-
-def _clone_without_fsdp(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """The module tree with FSDP2 taken off: original classes, FSDP's hooks and state
-    dropped, tensors replaced through ``memo``, other attributes shared (shallow).
-
-    FSDP2 modules refuse ``copy.deepcopy``; the twin needs only the structure.
-    """
-    clones: dict[int, nn.Module] = {}
-
-    def clone(m: nn.Module) -> nn.Module:
-        if id(m) in clones:
-            return clones[id(m)]
-        cls: type[nn.Module] = type(m)
-        if isinstance(m, FSDPModule):
-            cls = next(b for b in cls.__bases__ if issubclass(b, nn.Module))
-        new = cls.__new__(cls)
-        clones[id(m)] = new
-        state = {k: v for k, v in m.__dict__.items() if not _fsdp_attribute(k, v)}
-        state["_parameters"] = {
-            k: (memo[id(v)] if v is not None else None) for k, v in m._parameters.items()
-        }
-        state["_buffers"] = {
-            k: (memo[id(v)] if v is not None else None) for k, v in m._buffers.items()
-        }
-        state["_modules"] = {
-            k: (clone(v) if v is not None else None) for k, v in m._modules.items()
-        }
-        for name in _HOOK_DICTS:
-            hooks = m.__dict__.get(name)
-            if isinstance(hooks, dict):
-                state[name] = type(hooks)((k, h) for k, h in hooks.items() if not _fsdp_hook(h))
-        new.__dict__.update(state)
-        return new
-
-    return clone(module)
-
-
-def _fsdp_attribute(name: str, value: Any) -> bool:
-    if name in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
-        return True
-    # fully_shard's composable state and registry live in the module's __dict__.
-    return name.startswith("__composable_api")
-
-
-def _fsdp_hook(hook: Any) -> bool:
-    owner = getattr(hook, "__self__", None)
-    target = owner if owner is not None else hook
-    module = getattr(type(target) if owner is not None else target, "__module__", "") or ""
-    if isinstance(hook, functools.partial):
-        return _fsdp_hook(hook.func)
-    return module.startswith("torch.distributed.fsdp") or module.startswith(
-        "torch.distributed._composable"
-    )
-
-
-# ------------------------------------------------------------------------- callables
-# Per-instance attributes that hold callables a clone would otherwise share with the model.
-_CALLABLE_SLOTS = ("forward", *_HOOK_DICTS[:5])
-
-
-def _rebind_callables(model: nn.Module, twin: nn.Module) -> None:
-    """Point the twin's per-instance callables at the twin, never at ``model``.
-
-    A structural clone inherits what ``model``'s modules hold in their ``__dict__``:
-
-    * ``forward`` set on the instance: torchtitan's ``Module.parallelize`` sets
-      ``self.forward`` to a closure over the module, its bound ``forward`` (or a
-      ``local_map`` wrapper of it) and the ``ParallelDims``; CP wraps attention the same
-      way. Run as is, the twin would call the *training* module's forward.
-    * forward hooks: bound methods or closures over modules.
-    * ``_compiled_call_impl`` (``module.compile()``, torchtitan's per-block compile): a
-      compiled function of the *training* module's ``_call_impl``.
-
-    Bound methods of a module of ``model`` are re-bound to the twin's module of the same
-    fqn; closures and ``functools.partial`` objects are rebuilt with every module (or bound
-    method) they capture replaced the same way. ``_compiled_call_impl`` is dropped: the
-    twin runs eagerly (compile it yourself, e.g. ``block.compile()`` per block of
-    ``ema.module``). Local.
-
-    Raises:
-        NotImplementedError: a callable captures a module outside ``model``, or is an
-            object whose captures cannot be seen (naming the module and attribute).
-    """
-    twins = dict(twin.named_modules(remove_duplicate=False))
-    mapping: dict[int, nn.Module] = {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        if fqn in twins:
-            mapping[id(module)] = twins[fqn]
-    for fqn, module in twin.named_modules():
-        state = module.__dict__
-        if state.get("_compiled_call_impl") is not None:
-            state["_compiled_call_impl"] = None
-        where = fqn or "<root>"
-        if "forward" in state:
-            state["forward"] = _remap(state["forward"], mapping, f"{where}.forward", 0)
-        for name in _HOOK_DICTS[:5]:
-            hooks = state.get(name)
-            if isinstance(hooks, dict) and hooks:
-                state[name] = type(hooks)(
-                    (k, _remap(h, mapping, f"{where}.{name}", 0)) for k, h in hooks.items()
-                )
-
-
-def _remap(obj: Any, mapping: Mapping[int, nn.Module], where: str, depth: int) -> Any:
-    """``obj`` with every module of the model it captures replaced by the twin's."""
-    if depth > 8:
-        raise NotImplementedError(f"ema.module: {where} nests callables too deeply to rebind")
-    if isinstance(obj, nn.Module):
-        if id(obj) in mapping:
-            return mapping[id(obj)]
-        if obj in mapping.values():
-            return obj
-        raise NotImplementedError(
-            f"ema.module: {where} captures a {type(obj).__name__} that is not part of the "
-            "model; the EMA twin cannot run it. Evaluate with ema.average_parameters()"
-        )
-    if isinstance(obj, types.MethodType):
-        owner = _remap(obj.__self__, mapping, where, depth + 1)
-        return obj if owner is obj.__self__ else types.MethodType(obj.__func__, owner)
-    if isinstance(obj, functools.partial):
-        func = _remap(obj.func, mapping, where, depth + 1)
-        args = tuple(_remap(a, mapping, where, depth + 1) for a in obj.args)
-        kwargs = {k: _remap(v, mapping, where, depth + 1) for k, v in obj.keywords.items()}
-        if (
-            func is obj.func
-            and all(a is b for a, b in zip(args, obj.args, strict=True))
-            and all(kwargs[k] is v for k, v in obj.keywords.items())
-        ):
-            return obj
-        return functools.partial(func, *args, **kwargs)
-    if isinstance(obj, types.FunctionType):
-        return _remap_function(obj, mapping, where, depth)
-    if callable(obj) and not isinstance(obj, (type, types.BuiltinFunctionType)):
-        captured = (
-            [v for v in vars(obj).values() if isinstance(v, nn.Module)]
-            if hasattr(obj, "__dict__")
-            else []
-        )
-        if any(id(v) in mapping for v in captured):
-            raise NotImplementedError(
-                f"ema.module: {where} is a {type(obj).__name__} holding a module of the "
-                "model; the EMA twin cannot rebind it. Evaluate with ema.average_parameters()"
-            )
-    return obj
-
-
-def _remap_function(
-    fn: types.FunctionType, mapping: Mapping[int, nn.Module], where: str, depth: int
-) -> types.FunctionType:
-    """``fn`` rebuilt over remapped closure cells, defaults and ``__wrapped__``."""
-    cells = fn.__closure__ or ()
-    values = []
-    changed = False
-    for cell in cells:
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell (a name assigned later): keep it as is
-            values.append(cell)
-            continue
-        new = _remap(value, mapping, where, depth + 1)
-        changed |= new is not value
-        values.append(types.CellType(new) if new is not value else cell)
-    defaults = fn.__defaults__
-    if defaults:
-        new_defaults = tuple(_remap(d, mapping, where, depth + 1) for d in defaults)
-        changed |= any(a is not b for a, b in zip(new_defaults, defaults, strict=True))
-        defaults = new_defaults
-    wrapped = fn.__dict__.get("__wrapped__")
-    new_wrapped = _remap(wrapped, mapping, where, depth + 1) if wrapped is not None else None
-    changed |= new_wrapped is not wrapped
-    if not changed:
-        return fn
-    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, tuple(values))
-    out.__kwdefaults__ = fn.__kwdefaults__
-    out.__qualname__ = fn.__qualname__
-    out.__dict__.update(fn.__dict__)
-    if wrapped is not None:
-        out.__dict__["__wrapped__"] = new_wrapped
-    return out

@@ -2,7 +2,8 @@
 
 Out (:func:`gather_state`): the EMA's (or the model's) local pieces travel in flat buckets
 (:mod:`dtensor_ema.materialize`), then the integer buffers and tied aliases are filled in, in
-the model's key order, and the model's own state-dict post-hooks run
+the model's key order (tensors the EMA does not track come from the model, or are left
+out), and the model's own state-dict post-hooks run
 (:func:`dtensor_ema.model_keys.to_model_keys`: torchtitan's fused ``wqkv`` comes out as
 ``wq``/``wk``/``wv``). In (:func:`load_full_state`): the model's load pre-hooks run first,
 everything is checked, then each rank copies its own piece. Keys are the unwrapped model's
@@ -37,16 +38,24 @@ def gather_state(
     rank0_only: bool,
     cpu_offload: bool,
     bucket_bytes: int,
+    include_untracked: bool = True,
 ) -> StateDict:
     """Full tensors of the EMA (``which="ema"``) or of the model's current weights.
     **Collective** over every mesh of the pieces (as :func:`gather_full_tensors`; with
     ``rank0_only`` a gather to rank 0 where the layout allows, and ``{}`` on other ranks).
 
     Returns contiguous tensors in the model's dtypes and key order, sharing no memory with
-    the model or the EMA; integer buffers carry the model's value.
+    the model or the EMA. With ``include_untracked`` (and always for ``which="model"``) it
+    is a whole state dict: untracked float tensors and integer buffers carry the model's
+    values. Without it, only the tracked tensors (and their tied aliases); integer buffers
+    too when nothing is untracked, so an EMA of the whole model still gives a whole state
+    dict.
     """
+    whole = include_untracked or which == "model" or not plan.untracked
     piece = _ema_piece if which == "ema" else _source_piece
     pieces = [piece(entry) for entry in plan]
+    if whole:
+        pieces += [_model_piece(fqn, tensor) for fqn, tensor in plan.untracked.items()]
     if rank0_only:  # a gather to rank 0: the other ranks receive nothing
         full = gather_to_rank0(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
         if not full:
@@ -54,14 +63,18 @@ def gather_state(
     else:
         full = gather_full_tensors(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
     device = torch.device("cpu") if cpu_offload else None
-    followed = {k: v.detach().to(device=device, copy=True) for k, v in plan.followed.items()}
+    followed = (
+        {k: v.detach().to(device=device, copy=True) for k, v in plan.followed.items()}
+        if whole
+        else {}
+    )
     ordered: StateDict = {}
     for key in plan.keys:
         if key in full:
             ordered[key] = full[key]
         elif key in followed:
             ordered[key] = followed[key]
-        elif key in plan.aliases:
+        elif key in plan.aliases and plan.aliases[key] in full:
             ordered[key] = full[plan.aliases[key]]
     return to_model_keys(model, ordered)
 
@@ -70,8 +83,9 @@ def gather_state(
 def load_full_state(plan: EmaPlan, model: nn.Module, state_dict: StateDict) -> None:
     """Copy this rank's piece of every full tensor in ``state_dict`` into the EMA. Local.
 
-    Values are cast to the EMA dtype; integer buffers and tied aliases may be present or
-    absent. Peak extra memory: none beyond the given tensors (and their casts).
+    Values are cast to the EMA dtype; integer buffers, tied aliases and untracked tensors
+    may be present (they are ignored) or absent. Peak extra memory: none beyond the given
+    tensors (and their casts).
 
     Raises:
         ValueError: missing or unexpected names, shape mismatches, non-float values for
@@ -87,7 +101,7 @@ def load_full_state(plan: EmaPlan, model: nn.Module, state_dict: StateDict) -> N
         )
         for k, v in state_dict.items()
     }
-    problems = compare_tensors(saved, ours, ignore=[*plan.followed, *plan.aliases])
+    problems = compare_tensors(saved, ours, ignore=[*plan.followed, *plan.aliases, *plan.untracked])
     if problems:
         raise ValueError(f"full EMA state dict does not match the model: {problems}")
     pieces = [(e.ema_local, ema_local_from_full(e, saved[e.fqn])) for e in plan]
@@ -118,12 +132,24 @@ def _ema_piece(entry: PlanEntry) -> LocalPiece:
 
 
 def _source_piece(entry: PlanEntry) -> LocalPiece:
-    source = entry.source
+    return dataclasses.replace(_model_piece(entry.fqn, entry.source), local=entry.source_piece)
+
+
+def _model_piece(fqn: str, tensor: torch.Tensor) -> LocalPiece:
+    """The model's own local piece of ``tensor`` (``to_local()`` of a DTensor)."""
+    if isinstance(tensor, DTensor):
+        local, mesh, placements = (
+            tensor.to_local().detach(),
+            tensor.device_mesh,
+            tuple(tensor.placements),
+        )
+    else:
+        local, mesh, placements = tensor.detach(), None, ()
     return LocalPiece(
-        fqn=entry.fqn,
-        local=entry.source_piece,
-        shape=source.shape,
-        mesh=source.device_mesh if isinstance(source, DTensor) else None,
-        placements=tuple(source.placements) if isinstance(source, DTensor) else (),
-        out_dtype=source.dtype,
+        fqn=fqn,
+        local=local,
+        shape=tensor.shape,
+        mesh=mesh,
+        placements=placements,
+        out_dtype=tensor.dtype,
     )

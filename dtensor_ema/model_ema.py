@@ -13,8 +13,10 @@ The math (:mod:`dtensor_ema.counter`): every ``update()`` call counts; every
     d = schedule(step) ** update_every           # otherwise (see dtensor_ema.decay)
     ema = ema.lerp(model.to(ema.dtype), 1 - d)   # i.e. ema = d * ema + (1 - d) * model
 
-for every floating-point parameter and buffer; ``exclude=`` names and ``buffers="copy"``
-copy instead; integer buffers follow the model. Schedules: the yolov5 ramp (default),
+for every tracked floating-point parameter and buffer (``track=``: all of them by default,
+or the trainable ones, or a predicate; untracked ones are neither stored nor updated and
+are read from the model); ``exclude=`` names and ``buffers="copy"`` copy instead; integer
+buffers follow the model. Schedules: the yolov5 ramp (default),
 ``half_life``, ``WarmupDecay`` (timm/ema-pytorch), or any ``step -> decay`` callable.
 Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit for bit.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -47,7 +49,7 @@ from dtensor_ema.full_state import gather_state, load_full_state, rank0_flag
 from dtensor_ema.fused_update import update_groups
 from dtensor_ema.layout import resolve_world_mesh
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES
-from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, resolve_schedule
+from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, TrackSpec, resolve_schedule
 from dtensor_ema.plan import EmaPlan, build_plan, model_tensors, reshard_fsdp, unwrap_model
 from dtensor_ema.state import load_local_state, local_state
 from dtensor_ema.swap import swapped_in
@@ -85,7 +87,18 @@ class ModelEMA:
         update_after_step: the first ``update_after_step`` calls copy the model.
         buffers: ``"average"`` float buffers (default) or ``"copy"`` them (timm
             ``exclude_buffers``).
-        exclude: fqns, or a predicate ``(fqn, tensor) -> bool``, of tensors copied instead.
+        exclude: fqns, or a predicate ``(fqn, tensor) -> bool``, of tracked tensors copied
+            instead of averaged (still stored: ``exclude`` applies within the tracked set).
+        track: which floating-point tensors the EMA holds: ``"all"`` parameters and
+            buffers (default), ``"trainable"`` (parameters with ``requires_grad=True``: a
+            LoRA/PEFT model's adapters), or a predicate ``(fqn, tensor) -> bool`` (canonical
+            fqn, the model's live tensor; tied tensors are decided by their first name).
+            Untracked tensors are neither stored nor updated: memory is the tracked bytes
+            / W, swaps and :meth:`state_dict` cover the tracked tensors only, and whole-model
+            outputs (:meth:`get_model_state_dict`, :attr:`module`, ``export_ema``) read them
+            from the model. Change the set later with :meth:`add_tensors` /
+            :meth:`drop_tensors`; with ``"trainable"``, an ``update()`` after
+            ``requires_grad`` changed raises, naming the parameters.
         ema_dtype: EMA dtype; default float32 for fp16/bf16 tensors, else the model's.
         capturable: counter and decay on the device: ``update()`` never syncs the host and
             compiles with ``torch.compile(ema.update, fullgraph=True)``.
@@ -121,15 +134,15 @@ class ModelEMA:
     replicas are refused, by name. The EMA tracks the model's live parameters and
     persistent buffers (never ``state_dict()`` copies), keyed by canonical fqns
     (:mod:`dtensor_ema.model_keys`). Peak extra memory: the EMA shards themselves (``1/W``
-    of the model's float bytes, in the EMA dtype).
+    of the tracked float bytes, in the EMA dtype).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
-        ValueError: an option out of range or conflicting with another, unknown
-            ``exclude`` names, a mesh whose device type differs from the model's or that
-            does not cover the parameters' meshes, a model with no float state, ranks that
-            track different models or hold different replicas, ``cuda_graph=True`` where a
-            graph is unsafe (each message names the value).
+        ValueError: an option out of range or conflicting with another, unknown or
+            untracked ``exclude`` names, a mesh whose device type differs from the model's
+            or that does not cover the parameters' meshes, a model with no tracked float
+            state, ranks that track different models, tensors or replicas,
+            ``cuda_graph=True`` where a graph is unsafe (each message names the value).
     """
 
     def __init__(
@@ -146,6 +159,7 @@ class ModelEMA:
         update_after_step: int = 0,
         buffers: Literal["average", "copy"] = "average",
         exclude: ExcludeSpec = None,
+        track: TrackSpec = "all",
         ema_dtype: torch.dtype | None = None,
         capturable: bool = False,
         offload: bool = False,
@@ -162,6 +176,7 @@ class ModelEMA:
             update_after_step=update_after_step,
             buffers=buffers,
             exclude=exclude,
+            track=track,
             ema_dtype=ema_dtype,
             capturable=capturable,
             offload=offload,
@@ -188,11 +203,14 @@ class ModelEMA:
                 bucket_view=parameters_as_bucket_view,
                 replicate_buffers=replicate_buffers,
                 verify_replicas=verify_replicas,
+                track=None if track == "all" else self.options.tracks,
+                watch_trainable=track == "trainable",
             )
         self.replicate_buffers = replicate_buffers
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
             {e.fqn for e in self._plan if e.is_parameter},
+            self._plan.untracked,
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
@@ -258,7 +276,8 @@ class ModelEMA:
         return self._counter.decay_at(self.updates + 1 if updates is None else updates)
 
     def ema_tensors(self) -> dict[str, torch.Tensor]:
-        """``fqn -> EMA tensor`` (DTensor, or plain without a mesh). Live tensors: no copy."""
+        """``fqn -> EMA tensor`` (DTensor, or plain without a mesh) for every tracked tensor
+        (tied duplicates once). Live tensors: no copy."""
         self.flush()
         return {e.fqn: e.ema for e in self._plan}
 
@@ -269,6 +288,77 @@ class ModelEMA:
     def local_nbytes(self) -> int:
         """Bytes of EMA storage held by this rank."""
         return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self._plan)
+
+    @property
+    def untracked(self) -> list[str]:
+        """Canonical fqns of the model's floating-point tensors the EMA does not hold
+        (``track=``, :meth:`drop_tensors`; tied duplicates once), in state-dict order."""
+        return list(self._plan.untracked)
+
+    # ------------------------------------------------------------------ tracked set
+    @collective("add_tensors")
+    @torch.no_grad()
+    def add_tensors(self, fqns: Iterable[str]) -> None:
+        """Start averaging untracked tensors (progressive unfreezing, adapters added
+        later): each starts from the model's current value, with this EMA's counter and
+        schedule. **Collective** over the mesh: every rank calls it with the same names.
+
+        With ``track="trainable"`` it also accepts the model's current trainable set
+        (``ema.add_tensors([])`` does only that), so the next ``update()`` no longer
+        raises about it. ``exclude``/``buffers="copy"`` apply to the new tensors as to the
+        others (a name in an ``exclude`` list is copied). Collectives: one flag all-reduce
+        and one structure all-gather per mesh dim, the replica check of the new parameters.
+        Peak extra memory: the new shards (``parameters_as_bucket_view=True``: a second
+        copy of this rank's EMA while its flat buffers are rebuilt).
+
+        Raises:
+            ValueError: a name that is not an untracked float tensor of the model (each
+                named with the reason), or ranks that passed different names; nothing
+                changes then.
+            RuntimeError: inside ``average_parameters()``, or after :attr:`module` was
+                built (it holds the old set: build it after the change).
+        """
+        self._change_tracked(fqns, add=True)
+
+    @collective("drop_tensors")
+    @torch.no_grad()
+    def drop_tensors(self, fqns: Iterable[str]) -> None:
+        """Stop averaging tracked tensors and free their EMA shards; they are read from the
+        model from then on (as untracked tensors). **Collective** over the mesh, like
+        :meth:`add_tensors`, which it mirrors (and with ``track="trainable"`` it accepts
+        the current trainable set too).
+
+        Raises:
+            ValueError: a name that is not tracked, dropping every tracked tensor, or ranks
+                that passed different names; nothing changes then.
+            RuntimeError: inside ``average_parameters()``, or after :attr:`module` was built.
+        """
+        self._change_tracked(fqns, add=False)
+
+    def _change_tracked(self, fqns: Iterable[str], *, add: bool) -> None:
+        if isinstance(fqns, str):
+            raise TypeError(f"fqns must be a collection of names, got the string {fqns!r}")
+        self.flush()
+        self._refuse_while_swapped()
+        verb = "add_tensors" if add else "drop_tensors"
+        if self._module is not None:
+            raise RuntimeError(
+                f"{verb}() after ema.module was built: the module holds the old tracked set. "
+                "Change the tracked set before the first access of ema.module"
+            )
+        if self._plan.sync(check_trainable=False):
+            self._rebind_groups()
+        names = list(fqns)
+        if add:
+            for entry in self._plan.track_(names):
+                if self.options.is_copied(entry.fqn, entry.source, entry.is_parameter):
+                    self._copied.add(entry.fqn)
+        else:
+            self._plan.untrack_(names)
+            self._copied -= set(names)
+        for entry in self._plan:
+            entry.averaged = entry.fqn not in self._copied
+        self._rebind_groups()
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -386,15 +476,17 @@ class ModelEMA:
     ) -> Iterator[nn.Module]:
         """Swap the EMA weights into the model for evaluation; restore them on exit.
 
-        Yields the unwrapped model. Each rank rebuilds only its own local piece of every
+        Yields the unwrapped model. Only tracked tensors are swapped (untracked ones are
+        the model's own already). Each rank rebuilds only its own local piece of every
         tensor (:mod:`dtensor_ema.swap`): the full model is never gathered on a rank.
 
         **Collective** over the groups of the replica dims (the whole mesh for plain/DDP
         models, HSDP's replicate dim, ``tp`` for TP-replicated weights; nothing for 1-D
         FSDP2 parameters), on entry and on exit: every rank must enter, between steps.
 
-        Peak extra memory: the backup (``1/W`` of the swapped parameter bytes, full copies
-        of plain buffers) plus twice one gathered bucket (at most ``bucket_bytes``).
+        Peak extra memory: the backup (``1/W`` of the swapped (tracked) parameter bytes,
+        full copies of tracked plain buffers) plus twice one gathered bucket (at most
+        ``bucket_bytes``).
 
         Raises:
             RuntimeError: the context is entered again while active. An error while
@@ -506,12 +598,14 @@ class ModelEMA:
             rank0_only: deprecated name of ``only_rank0_receives``.
 
         Returns:
-            ``(ema_state_dict, original_state_dict)``: full contiguous tensors keyed like
-            the unwrapped model's ``state_dict()`` (canonical fqns, then the model's own
-            state-dict post-hooks: torchtitan's fused ``wqkv`` comes out as ``wq``/``wk``/
-            ``wv``), in the model's dtypes, ready for ``load_state_dict(strict=True)``.
-            Integer buffers carry the model's value. Neither shares memory with the model
-            or the EMA. Peak extra memory: the two results plus one bucket.
+            ``(ema_state_dict, original_state_dict)``: whole state dicts, full contiguous
+            tensors keyed like the unwrapped model's ``state_dict()`` (canonical fqns, then
+            the model's own state-dict post-hooks: torchtitan's fused ``wqkv`` comes out as
+            ``wq``/``wk``/``wv``), in the model's dtypes, ready for
+            ``load_state_dict(strict=True)``. Integer buffers, and in the first dict the
+            tensors the EMA does not track (``track=``), carry the model's value. Neither
+            shares memory with the model or the EMA. Peak extra memory: the two results
+            plus one bucket.
         """
         options = self._gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
         ema = gather_state(self._plan, self.model, "ema", **options)
@@ -525,14 +619,26 @@ class ModelEMA:
         cpu_offload: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         rank0_only: bool | None = None,
+        include_untracked: bool = False,
     ) -> StateDict:
-        """The first half of :meth:`get_model_state_dict` alone. **Collective.**
+        """The EMA's tensors, full, keyed like the model. **Collective.**
+
+        Every rank of the mesh (and of every FSDP2 mesh) must call this. Holds the tracked
+        tensors only (their tied duplicates too), under the model's keys; when the EMA
+        tracks every float tensor (the default ``track="all"``) that is a whole state dict,
+        integer buffers (the model's values) included, equal to
+        ``get_model_state_dict()[0]``. With ``include_untracked`` it always is: untracked
+        tensors and integer buffers come from the model, as in
+        :meth:`get_model_state_dict`, for a plain model's ``load_state_dict(strict=True)``.
 
         For export: with ``only_rank0_receives`` and ``cpu_offload`` rank 0 holds one full
-        copy of the EMA plus one bucket, the other ranks one bucket.
+        copy of the EMA plus one bucket, the other ranks one bucket. Arguments as for
+        :meth:`get_model_state_dict`.
         """
         options = self._gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
-        return gather_state(self._plan, self.model, "ema", **options)
+        return gather_state(
+            self._plan, self.model, "ema", include_untracked=include_untracked, **options
+        )
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: StateDict, *, updates: int | None = None) -> None:
@@ -541,9 +647,9 @@ class ModelEMA:
 
         Call it on every rank with the same full tensors: each rank copies its own piece.
         The model's ``load_state_dict`` pre-hooks run first (torchtitan's ``wq``/``wk``/
-        ``wv`` fuse into ``wqkv``); values are cast to the EMA dtype; integer buffers and
-        tied duplicates may be absent. The counter is set to ``updates`` when given. Peak
-        extra memory: none beyond the given tensors.
+        ``wv`` fuse into ``wqkv``); values are cast to the EMA dtype; integer buffers, tied
+        duplicates and untracked tensors may be absent (present ones are ignored). The counter
+        is set to ``updates`` when given. Peak extra memory: none beyond the given tensors.
 
         Raises:
             ValueError: missing or unexpected names, shape mismatches, non-float values for
@@ -563,17 +669,19 @@ class ModelEMA:
 
         Local (no collective), no copy: ``{"updates": int, "config": str, "ema": {fqn:
         DTensor}}`` (:mod:`dtensor_ema.state`; ``config`` is the JSON of the options that
-        shape the next update). Each DTensor holds **only this rank's piece**: save with
+        shape the next update). ``"ema"`` holds the tracked tensors only; when some float
+        tensor is untracked, ``config`` says so (``"track"`` and the ``"untracked"``
+        names). Each DTensor holds **only this rank's piece**: save with
         DCP on every rank (``save_checkpoint``/``dcp.save``), not ``torch.save`` on one
         rank (for one file use :meth:`get_ema_state_dict`). ``dcp.load`` fills the live
         tensors in place; do not update them while an ``async_save`` is pending.
         """
         self.flush()
-        config = json.dumps(self.options.config(self._copied), sort_keys=True)
+        config = json.dumps(self.options.config(self._copied, self._plan.untracked), sort_keys=True)
         return local_state(self._plan, self._counter.current(), config)
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: StateDict) -> None:
+    def load_state_dict(self, state_dict: StateDict, *, common_subset: bool = False) -> None:
         """Restore from :meth:`state_dict` output (this rank's or a DCP load's).
 
         Local: no collective, ever. ``"ema"`` values may be this EMA's own live tensors (a
@@ -582,24 +690,34 @@ class ModelEMA:
         Everything is checked before anything is written: a refused state leaves the EMA
         and its counter unchanged. Peak extra memory: none (shards are copied in place).
 
+        Args:
+            state_dict: the state.
+            common_subset: accept a state saved with another tracked set of the same model
+                (``track=``, :meth:`add_tensors`): load the tensors both track, leave the
+                others as they are (the counter is loaded).
+
         Raises:
             KeyError: ``state_dict`` lacks ``"ema"`` or ``"updates"`` (a full model state
                 dict belongs in :meth:`load_full_state_dict`).
-            ValueError: missing/unexpected fqns, shape or dtype mismatches, options
-                different from this EMA's (resuming with other options would not continue
-                the saved trajectory), or DTensors saved by another rank or laid out
-                differently (load those through DCP).
+            ValueError: missing/unexpected fqns, shape or dtype mismatches, another tracked
+                set (naming the tensors each side tracks alone; unless ``common_subset``),
+                options different from this EMA's (resuming with other options would not
+                continue the saved trajectory), or DTensors saved by another rank or laid
+                out differently (load those through DCP).
         """
-        updates = load_local_state(self._plan, state_dict, self.state_dict())
+        updates = load_local_state(
+            self._plan, state_dict, self.state_dict(), common_subset=common_subset
+        )
         self._counter.restore(updates)
         self._invalidate_graph()
 
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
+        untracked = f", untracked={len(self._plan.untracked)}" if self._plan.untracked else ""
         return (
             f"{type(self).__name__}({type(self.model).__name__}, {mesh}, "
             f"decay={self.decay}, tau={self.tau}, updates={self._counter.current()}, "
-            f"tensors={len(self._plan.entries)}, local_numel={self.local_numel()})"
+            f"tensors={len(self._plan.entries)}{untracked}, local_numel={self.local_numel()})"
         )
 
     # ------------------------------------------------------------------ internals

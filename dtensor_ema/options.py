@@ -10,12 +10,29 @@ import torch
 
 from dtensor_ema.decay import CallableDecay, DecaySchedule, HalfLifeDecay, RampDecay
 
-__all__ = ["DEFAULT_DECAY", "DEFAULT_TAU", "UNSET", "EmaOptions", "resolve_schedule"]
+__all__ = [
+    "DEFAULT_DECAY",
+    "DEFAULT_TAU",
+    "TRACKING_CONFIG_KEYS",
+    "UNSET",
+    "EmaOptions",
+    "TrackSpec",
+    "resolve_schedule",
+]
 
 DEFAULT_DECAY = 0.9999
 DEFAULT_TAU = 2000
 
 ExcludeSpec = Iterable[str] | Callable[[str, torch.Tensor], bool] | None
+TrackSpec = Literal["all", "trainable"] | Callable[[str, torch.Tensor], bool]
+"""Which floating-point tensors the EMA holds: ``"all"`` parameters and buffers (default),
+the ``"trainable"`` parameters (``requires_grad=True``), or a predicate ``(fqn, tensor) ->
+bool`` on canonical fqns and the model's live tensors."""
+
+TRACKING_CONFIG_KEYS = ("track", "untracked")
+"""Keys of :meth:`EmaOptions.config` that describe the tracked set rather than the update:
+metadata, compared tensor by tensor (:func:`dtensor_ema.state.validate_state`) instead of as
+options. Present only when some floating-point tensor is untracked."""
 
 
 class _Unset:
@@ -82,7 +99,12 @@ class EmaOptions:
     buffers: Literal["average", "copy"] = "average"
     """Float buffers are averaged (yolov5) or copied from the model (timm ``exclude_buffers``)."""
     exclude: ExcludeSpec = None
-    """Tensors copied from the model instead of averaged: fqns, or ``(fqn, tensor) -> bool``."""
+    """Tracked tensors copied from the model instead of averaged: fqns, or ``(fqn, tensor)
+    -> bool``."""
+    track: TrackSpec = "all"
+    """Which floating-point tensors the EMA holds (:data:`TrackSpec`); the others are
+    neither stored nor updated, and are read from the model wherever a whole model is
+    needed. Integer buffers always follow the model."""
     ema_dtype: torch.dtype | None = None
     """EMA dtype; ``None``: float32 for fp16/bf16 tensors, the model's dtype otherwise."""
     capturable: bool = False
@@ -147,32 +169,95 @@ class EmaOptions:
                 f"exclude must be a collection of names or a predicate, got the string "
                 f"{self.exclude!r}; wrap it in a list"
             )
-
-    def copied_fqns(self, tensors: dict[str, torch.Tensor], parameters: set[str]) -> set[str]:
-        """Float entries copied instead of averaged. Raises on unknown excluded names."""
-        copied: set[str] = set()
-        if self.buffers == "copy":
-            copied |= {k for k, v in tensors.items() if k not in parameters}
-        if self.exclude is None:
-            return copied
-        if callable(self.exclude):
-            predicate = self.exclude
-            return copied | {k for k, v in tensors.items() if predicate(k, v)}
-        names = list(self.exclude)
-        unknown = [n for n in names if n not in tensors]
-        if unknown:
+        if self.exclude is not None and not callable(self.exclude):
+            # A tuple, read more than once (a generator would be used up by the first read).
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        if not (self.track in ("all", "trainable") or callable(self.track)):
             raise ValueError(
-                f"exclude names not found among the model's floating-point tensors: "
-                f"{unknown[:5]}; valid names look like {list(tensors)[:3]}"
+                f"track must be 'all', 'trainable' or a predicate (fqn, tensor) -> bool, got "
+                f"{self.track!r}"
             )
-        return copied | set(names)
 
-    def config(self, copied: set[str]) -> dict[str, Any]:
-        """Plain values that must match for a checkpoint to resume on the same trajectory."""
-        return {
-            "schedule": self.schedule.config(),
-            "update_every": self.update_every,
-            "update_after_step": self.update_after_step,
-            "copied": sorted(copied),
-            "ema_dtype": None if self.ema_dtype is None else str(self.ema_dtype),
-        } | ({} if self.formula == "lerp" else {"formula": self.formula})
+    def tracks(self, fqn: str, tensor: torch.Tensor, is_parameter: bool) -> bool:
+        """Whether the EMA holds the floating-point tensor ``fqn`` (see :data:`TrackSpec`).
+
+        Raises:
+            TypeError: a ``track`` predicate returned something other than a bool.
+        """
+        if self.track == "all":
+            return True
+        if self.track == "trainable":
+            return is_parameter and tensor.requires_grad
+        assert callable(self.track)
+        chosen = self.track(fqn, tensor)
+        if not isinstance(chosen, bool):
+            raise TypeError(
+                f"the track predicate must return a bool, got {type(chosen).__name__} for {fqn!r}"
+            )
+        return chosen
+
+    def track_label(self) -> str:
+        """``"all"``, ``"trainable"`` or ``"predicate"``: how the tracked set was chosen."""
+        return self.track if isinstance(self.track, str) else "predicate"
+
+    def copied_fqns(
+        self,
+        tensors: dict[str, torch.Tensor],
+        parameters: set[str],
+        untracked: Iterable[str] = (),
+    ) -> set[str]:
+        """Tracked float entries (``tensors``) copied instead of averaged. ``exclude``
+        applies within the tracked set.
+
+        Raises:
+            ValueError: an excluded name that is not a tracked tensor (untracked ones
+                named as such).
+        """
+        if self.exclude is not None and not callable(self.exclude):
+            names = list(self.exclude)
+            unknown = [n for n in names if n not in tensors]
+        else:
+            unknown = []
+        if unknown:
+            skipped = set(untracked)
+            not_tracked = [n for n in unknown if n in skipped]
+            detail = (
+                f" ({not_tracked[:5]} are not tracked with track={self.track_label()!r}: "
+                "exclude applies within the tracked set)"
+                if not_tracked
+                else ""
+            )
+            raise ValueError(
+                f"exclude names not found among the EMA's tracked floating-point tensors: "
+                f"{unknown[:5]}{detail}; valid names look like {list(tensors)[:3]}"
+            )
+        return {k for k, v in tensors.items() if self.is_copied(k, v, k in parameters)}
+
+    def is_copied(self, fqn: str, tensor: torch.Tensor, is_parameter: bool) -> bool:
+        """Whether the tracked tensor ``fqn`` is copied from the model instead of averaged
+        (``buffers="copy"`` for buffers, ``exclude``)."""
+        if self.buffers == "copy" and not is_parameter:
+            return True
+        if self.exclude is None:
+            return False
+        if callable(self.exclude):
+            return bool(self.exclude(fqn, tensor))
+        return fqn in self.exclude
+
+    def config(self, copied: set[str], untracked: Iterable[str] = ()) -> dict[str, Any]:
+        """Plain values that must match for a checkpoint to resume on the same trajectory,
+        plus (only when some float tensor is untracked) the tracked set's description
+        under :data:`TRACKING_CONFIG_KEYS`: metadata, checked tensor by tensor."""
+        untracked = sorted(untracked)
+        tracking = {"track": self.track_label(), "untracked": untracked} if untracked else {}
+        return (
+            {
+                "schedule": self.schedule.config(),
+                "update_every": self.update_every,
+                "update_after_step": self.update_after_step,
+                "copied": sorted(copied),
+                "ema_dtype": None if self.ema_dtype is None else str(self.ema_dtype),
+            }
+            | ({} if self.formula == "lerp" else {"formula": self.formula})
+            | tracking
+        )

@@ -20,15 +20,21 @@ floating-point parameter and buffer it records
 * ``ema_local``: ``ema.to_local()``, cached so the update touches no DTensor machinery,
 * ``levels``: the replica dims ``source_local`` was split over, to rebuild the piece.
 
-Non-floating-point buffers (``num_batches_tracked``) are not averaged; they are listed in
-``followed`` and always read from the model. :meth:`EmaPlan.sync` re-binds the views after
-model surgery and refuses changes that would make the EMA silently wrong.
+The plan also owns the **tracked set** (``ModelEMA(track=...)``): only tracked
+floating-point tensors get an entry. The others are listed in ``untracked`` (canonical fqn
+-> the model's live tensor): the EMA neither stores nor updates them, and every consumer
+that needs a whole model (full state dicts, ``ema.module``) reads them from the model.
+Non-floating-point buffers (``num_batches_tracked``) are not averaged either; they are
+listed in ``followed`` and always read from the model. :meth:`EmaPlan.track_` and
+:meth:`EmaPlan.untrack_` change the tracked set (collective); :meth:`EmaPlan.sync` re-binds
+the views after model surgery and refuses changes that would make the EMA silently wrong,
+including (with ``track="trainable"``) a trainable set that changed behind the EMA's back.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement
 
+from dtensor_ema._collectives import mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
     ReplicaLevel,
@@ -54,6 +61,7 @@ from dtensor_ema.watch import ModuleWatch
 __all__ = [
     "EmaPlan",
     "PlanEntry",
+    "TrackPredicate",
     "bucket_view_",
     "build_plan",
     "canonical_fqn",
@@ -66,6 +74,20 @@ __all__ = [
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+TrackPredicate = Callable[[str, torch.Tensor, bool], bool]
+"""``(canonical fqn, live tensor, is_parameter) -> tracked?`` for floating-point tensors
+(:meth:`dtensor_ema.options.EmaOptions.tracks`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _BuildOptions:
+    """How entries are made: kept so that :meth:`EmaPlan.track_` makes new ones alike."""
+
+    ema_dtype: torch.dtype | None
+    offload: bool
+    bucket_view: bool
+    replicate_buffers: bool
 
 
 @dataclass(slots=True)
@@ -111,13 +133,27 @@ class EmaPlan:
     entries: list[PlanEntry]
     keys: list[str]
     """Every canonical fqn of the model's live tensors, in state-dict order (averaged,
-    followed and tied)."""
+    untracked, followed and tied)."""
     followed: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
-    """Tied weights: extra fqn -> the fqn of the entry that holds the shared tensor."""
+    """Tied weights: extra fqn -> the fqn that holds the shared tensor (an entry's, or an
+    untracked tensor's)."""
+    untracked: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Floating-point tensors the EMA does not hold: canonical fqn -> the model's live
+    tensor (tied duplicates under ``aliases``), in state-dict order."""
     watch: ModuleWatch | None = None
+    build: _BuildOptions | None = None
+    trainable: dict[str, bool] | None = None
+    """With ``track="trainable"``: ``requires_grad`` of every float parameter when the
+    tracked set was last decided (construction, :meth:`track_`, :meth:`untrack_`);
+    ``None`` otherwise."""
     _seen_epoch: int = 0
     _pointers: list[int] = field(default_factory=list)
+    _signatures: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = field(
+        default_factory=dict
+    )
+    _parameters: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    _builder: LayoutBuilder | None = None
 
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
@@ -125,21 +161,36 @@ class EmaPlan:
     def by_fqn(self) -> dict[str, PlanEntry]:
         return {e.fqn: e for e in self.entries}
 
-    def sync(self) -> bool:
+    def sync(self, *, check_trainable: bool = True) -> bool:
         """Re-bind the cached views if the model re-registered or re-allocated tensors.
 
         Local. Cost when nothing changed: one integer compare and one ``data_ptr`` per
-        tensor. Returns ``True`` when views were re-bound (update groups must be rebuilt).
+        tensor (with ``track="trainable"``, plus one ``requires_grad`` per parameter).
+        Returns ``True`` when views were re-bound (update groups must be rebuilt).
 
         Raises:
             ValueError: names, global shapes, dtypes or devices changed, or tied weights
-                were untied, since the plan was built. The EMA is left untouched.
+                were untied, since the plan was built; with ``check_trainable``, the
+                trainable set changed (:meth:`check_trainable`). The EMA is left untouched.
         """
         assert self.watch is not None
+        if check_trainable:
+            self.check_trainable()
         if self.watch.epoch == self._seen_epoch and _pointers(self.entries) == self._pointers:
             return False
         current = model_tensors(self.module)
         problems = []
+        for fqn, signature in self._signatures.items():
+            tensor = current.get(fqn)
+            if tensor is None:
+                problems.append(f"{fqn}: missing from the model")
+                continue
+            shape, dtype, device = signature
+            if (tensor.shape, tensor.dtype, tensor.device) != (shape, dtype, device):
+                problems.append(
+                    f"{fqn} (untracked): was {tuple(shape)} {dtype} on {device}, now "
+                    f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+                )
         for entry in self.entries:
             tensor = current.get(entry.fqn)
             if tensor is None:
@@ -171,6 +222,8 @@ class EmaPlan:
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
         self.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
+        self.untracked = {k: current[k] for k in self.untracked}
+        self._parameters = [(k, current[k]) for k, _ in self._parameters]
         self.watch.rewatch()
         self._seen_epoch = self.watch.epoch
         moved = False
@@ -188,6 +241,150 @@ class EmaPlan:
     def local_nbytes(self) -> int:
         """Bytes of EMA storage held by this rank."""
         return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self.entries)
+
+    def check_trainable(self) -> None:
+        """With ``track="trainable"``: refuse a trainable set that changed since the tracked
+        set was last decided. Local; one ``requires_grad`` read per float parameter.
+
+        Raises:
+            ValueError: naming the parameters that became trainable and those that were
+                frozen, and the calls that follow the change.
+        """
+        if self.trainable is None:
+            return
+        if all(p.requires_grad == self.trainable[k] for k, p in self._parameters):
+            return
+        now = [k for k, p in self._parameters if p.requires_grad and not self.trainable[k]]
+        frozen = [k for k, p in self._parameters if not p.requires_grad and self.trainable[k]]
+        tracked = self.by_fqn()
+        parts = []
+        if now:
+            parts.append(
+                f"now trainable {_listed(now)} (call ema.add_tensors("
+                f"{_listed([k for k in now if k not in tracked], 3)}) to average them)"
+            )
+        if frozen:
+            parts.append(
+                f"frozen {_listed(frozen)} (call ema.drop_tensors("
+                f"{_listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
+            )
+        raise ValueError(
+            "ModelEMA(track='trainable'): the model's trainable parameters changed since the "
+            f"EMA chose its tensors: {'; '.join(parts)}. Those calls are collective (every "
+            "rank); either one accepts the current trainable set, e.g. ema.add_tensors([]) "
+            "keeps averaging frozen parameters"
+        )
+
+    def track_(self, fqns: Iterable[str]) -> list[PlanEntry]:
+        """Start averaging untracked float tensors, each from the model's current value.
+
+        **Collective** over ``world`` (every rank, the same names): one flag all-reduce per
+        mesh dim (so that a name refused on one rank raises everywhere), the construction
+        checks of :func:`build_plan` (structure fingerprint with the tracked set; replicas
+        of the new parameters). Peak extra memory: the new shards (with ``bucket_view``,
+        a second copy of this rank's EMA while the flat buffers are rebuilt). Callers must
+        rebuild what they cached from the entries (update groups).
+
+        Returns:
+            The new entries.
+
+        Raises:
+            ValueError: a name that is not an untracked float tensor of the model (tracked
+                ones, aliases and integer buffers named as such), or ranks that disagree.
+        """
+        names = list(dict.fromkeys(fqns))
+        error = self._check_names(names, tracked=False)
+        mesh_agree(self.world, error, "adding tensors to the EMA")
+        reshard_fsdp(self.module)
+        assert self.build is not None and self._builder is not None
+        parameter_ids = {id(p) for p in self.module.parameters()}
+        new = [
+            _make_entry(
+                fqn,
+                self.untracked[fqn],
+                self._builder,
+                self.build,
+                id(self.untracked[fqn]) in parameter_ids,
+            )
+            for fqn in names
+        ]
+        check_live(self.module, new)
+        tracked = {e.fqn for e in self.entries} | set(names)
+        agree_on_structure(self.world, _structure(model_tensors(self.module), tracked))
+        check_replicas(new, self.world)
+        order = {k: i for i, k in enumerate(self.keys)}
+        self.entries = sorted([*self.entries, *new], key=lambda e: order[e.fqn])
+        for fqn in names:
+            del self.untracked[fqn]
+            del self._signatures[fqn]
+        self._decided()
+        return new
+
+    def untrack_(self, fqns: Iterable[str]) -> list[PlanEntry]:
+        """Stop averaging tracked tensors: their EMA shards are freed (the plan forgets
+        them) and the model's tensors take their place wherever a whole model is read.
+
+        **Collective** like :meth:`track_` (one flag all-reduce per mesh dim, the structure
+        fingerprint). Callers must rebuild what they cached from the entries.
+
+        Returns:
+            The dropped entries.
+
+        Raises:
+            ValueError: a name that is not a tracked tensor, dropping every tracked tensor,
+                or ranks that disagree.
+        """
+        names = list(dict.fromkeys(fqns))
+        error = self._check_names(names, tracked=True)
+        if error is None and len(names) == len(self.entries) and names:
+            error = ValueError(
+                f"cannot drop all {len(names)} tracked tensors: an EMA needs at least one "
+                "(create a new ModelEMA instead)"
+            )
+        mesh_agree(self.world, error, "dropping tensors from the EMA")
+        tracked = {e.fqn for e in self.entries} - set(names)
+        agree_on_structure(self.world, _structure(model_tensors(self.module), tracked))
+        dropped = [e for e in self.entries if e.fqn in set(names)]
+        self.entries = [e for e in self.entries if e.fqn not in set(names)]
+        order = {k: i for i, k in enumerate(self.keys)}
+        for entry in dropped:
+            self.untracked[entry.fqn] = entry.source
+            self._signatures[entry.fqn] = entry.signature
+        self.untracked = dict(sorted(self.untracked.items(), key=lambda kv: order[kv[0]]))
+        self._decided()
+        return dropped
+
+    def _check_names(self, names: list[str], *, tracked: bool) -> ValueError | None:
+        entries = self.by_fqn()
+        bad = []
+        for fqn in names:
+            if fqn in (entries if tracked else self.untracked):
+                continue
+            if fqn in self.aliases:
+                why = f"a tied alias of {self.aliases[fqn]!r}: name that one"
+            elif fqn in entries:
+                why = "already tracked"
+            elif fqn in self.untracked:
+                why = "not tracked"
+            elif fqn in self.followed:
+                why = "an integer buffer (it always follows the model)"
+            else:
+                why = "not a parameter or persistent buffer of the model"
+            bad.append(f"{fqn!r}: {why}")
+        if not bad:
+            return None
+        verb = "drop" if tracked else "add"
+        return ValueError(f"cannot {verb} tensors: {'; '.join(bad[:5])}")
+
+    def _decided(self) -> None:
+        """After the tracked set changed: bucket views rebuilt, the pointers and the
+        trainable snapshot taken again."""
+        assert self.build is not None
+        if self.build.bucket_view:
+            bucket_view_(self.entries)
+        self._pointers = _pointers(self.entries)
+        if self.trainable is not None:
+            self.trainable = {k: p.requires_grad for k, p in self._parameters}
 
     @torch.no_grad()
     def rebind_ema(self, tensors: Mapping[str, DTensor]) -> None:
@@ -315,6 +512,8 @@ def build_plan(
     bucket_view: bool = False,
     replicate_buffers: bool = False,
     verify_replicas: bool = True,
+    track: TrackPredicate | None = None,
+    watch_trainable: bool = False,
 ) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
@@ -344,9 +543,16 @@ def build_plan(
         verify_replicas: run :func:`~dtensor_ema.replicas.check_replicas` (default). Off
             only where the first update is known to copy the model (the check's
             collectives are then skipped too).
+        track: which floating-point tensors get an entry (:data:`TrackPredicate`, decided
+            once per tensor, tied ones by their first name); ``None``: all of them. The
+            others go to ``untracked``; the ranks' tracked sets are part of the structure
+            fingerprint, so ranks that disagree are refused.
+        watch_trainable: record every float parameter's ``requires_grad`` so that
+            :meth:`EmaPlan.check_trainable` refuses a change (``track="trainable"``).
 
     Raises:
-        ValueError: the model has no floating-point state, has tensors on the meta device,
+        ValueError: the model has no tracked floating-point state, has tensors on the meta
+            device,
             a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks track
             different models, or replicated parameters differ across their replicas.
     """
@@ -360,9 +566,11 @@ def build_plan(
         )
     entries: list[PlanEntry] = []
     followed: dict[str, torch.Tensor] = {}
+    untracked: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
     parameter_ids = {id(p) for p in module.parameters()}
+    options = _BuildOptions(ema_dtype, offload, bucket_view, replicate_buffers)
     builder = LayoutBuilder(world)
     for fqn, tensor in tensors.items():
         if not torch.is_floating_point(tensor):
@@ -372,35 +580,25 @@ def build_plan(
             aliases[fqn] = seen[id(tensor)]
             continue
         seen[id(tensor)] = fqn
-        dtype = ema_dtype or default_ema_dtype(tensor.dtype)
-        piece = _piece(tensor)
-        plain_buffer = id(tensor) not in parameter_ids and not isinstance(tensor, DTensor)
-        if replicate_buffers and plain_buffer:
-            layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
-        else:
-            layout = builder.layout(fqn, tensor, piece.shape)
-        source_local = _narrow(piece, layout)
-        ema = _ema_tensor(tensor, source_local, layout, dtype, offload)
-        entries.append(
-            PlanEntry(
-                fqn=fqn,
-                source=tensor,
-                source_piece=piece,
-                source_local=source_local,
-                ema=ema,
-                ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
-                layout=layout,
-                is_parameter=id(tensor) in parameter_ids,
-                signature=(tensor.shape, tensor.dtype, tensor.device),
-            )
-        )
+        is_parameter = id(tensor) in parameter_ids
+        if track is not None and not track(fqn, tensor, is_parameter):
+            untracked[fqn] = tensor
+            continue
+        entries.append(_make_entry(fqn, tensor, builder, options, is_parameter))
     if not entries:
+        floats = [k for k in tensors if k not in followed and k not in aliases]
+        if floats:
+            raise ValueError(
+                f"track= selects none of {type(module).__name__}'s {len(floats)} "
+                f"floating-point tensors (e.g. {floats[:3]}; with track='trainable': is "
+                "every parameter frozen?); the EMA needs at least one"
+            )
         raise ValueError(
             f"{type(module).__name__} has no floating-point parameters or buffers to average "
             f"(state dict keys: {list(followed)[:5]})"
         )
     check_live(module, entries)
-    agree_on_structure(world, {k: f"{tuple(t.shape)} {t.dtype}" for k, t in tensors.items()})
+    agree_on_structure(world, _structure(tensors, {e.fqn for e in entries}))
     if verify_replicas:
         check_replicas(entries, world)
     if bucket_view:
@@ -412,10 +610,67 @@ def build_plan(
         keys=list(tensors),
         followed=followed,
         aliases=aliases,
+        untracked=untracked,
         watch=ModuleWatch(module),
+        build=options,
     )
+    plan._builder = builder
+    plan._signatures = {k: (t.shape, t.dtype, t.device) for k, t in untracked.items()}
+    plan._parameters = [
+        (k, t)
+        for k, t in tensors.items()
+        if id(t) in parameter_ids and k not in aliases and t.is_floating_point()
+    ]
+    if watch_trainable:
+        plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
     plan._pointers = _pointers(entries)
     return plan
+
+
+def _make_entry(
+    fqn: str,
+    tensor: torch.Tensor,
+    builder: LayoutBuilder,
+    options: _BuildOptions,
+    is_parameter: bool,
+) -> PlanEntry:
+    """One entry: this rank's layout of ``tensor`` and a fresh EMA shard of its current
+    value. Local."""
+    dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
+    piece = _piece(tensor)
+    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
+    if options.replicate_buffers and plain_buffer:
+        layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
+    else:
+        layout = builder.layout(fqn, tensor, piece.shape)
+    source_local = _narrow(piece, layout)
+    ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
+    return PlanEntry(
+        fqn=fqn,
+        source=tensor,
+        source_piece=piece,
+        source_local=source_local,
+        ema=ema,
+        ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
+        layout=layout,
+        is_parameter=is_parameter,
+        signature=(tensor.shape, tensor.dtype, tensor.device),
+    )
+
+
+def _structure(tensors: Mapping[str, torch.Tensor], tracked: set[str]) -> dict[str, str]:
+    """``fqn -> "shape dtype"`` of every tensor, marked where the EMA does not hold it: the
+    fingerprint every rank of the world must share."""
+    return {
+        k: f"{tuple(t.shape)} {t.dtype}"
+        + ("" if k in tracked or not t.is_floating_point() else " untracked")
+        for k, t in tensors.items()
+    }
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
 
 
 def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:

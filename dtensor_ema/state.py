@@ -19,18 +19,27 @@ shapes and dtypes read from a checkpoint's metadata) against the EMA's own state
 touching anything, and :func:`format_mismatch` words every mismatch the same way, so
 ``load_state_dict``, ``load_checkpoint`` and ``MultiModelEMA`` refuse alike and validate
 before they write.
+
+**Tracked sets** (``ModelEMA(track=...)``): a state holds only the tensors its EMA tracked,
+and, when some float tensor was untracked, its ``config`` says so (``"track"`` and the
+sorted ``"untracked"`` names, :data:`~dtensor_ema.options.TRACKING_CONFIG_KEYS`; absent
+means every float tensor was tracked). :func:`tracked_difference` tells a state saved with
+another tracked set of the same model from a state of another model; such a state is
+refused, naming the tensors, unless the caller asks for the tensors both hold
+(``common_subset=True``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.options import TRACKING_CONFIG_KEYS
 from dtensor_ema.plan import EmaPlan, PlanEntry, ema_local_from_full
 
 __all__ = [
@@ -39,12 +48,15 @@ __all__ = [
     "STATE_KEYS",
     "UPDATES",
     "TensorSpec",
+    "TrackedDifference",
+    "common_names",
     "compare_tensors",
     "format_mismatch",
     "load_local_state",
     "local_piece",
     "local_state",
     "tag_rank",
+    "tracked_difference",
     "validate_state",
 ]
 
@@ -126,9 +138,25 @@ def compare_tensors(
     return format_mismatch(missing, unexpected, mismatched)
 
 
-def _config_diffs(saved: str | Mapping[str, Any], ours: str | Mapping[str, Any]) -> list[str]:
-    theirs = json.loads(saved) if isinstance(saved, str) else dict(saved)
-    mine = json.loads(ours) if isinstance(ours, str) else dict(ours)
+def _config(value: str | Mapping[str, Any]) -> dict[str, Any]:
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def _config_diffs(
+    saved: str | Mapping[str, Any],
+    ours: str | Mapping[str, Any],
+    within: set[str] | None = None,
+) -> list[str]:
+    """Options that differ; the tracked set's description is metadata, not an option, and
+    with ``within`` only the copied tensors among those names count."""
+    theirs, mine = _config(saved), _config(ours)
+    for key in TRACKING_CONFIG_KEYS:
+        theirs.pop(key, None)
+        mine.pop(key, None)
+    if within is not None:
+        for config in (theirs, mine):
+            if isinstance(config.get("copied"), list):
+                config["copied"] = [k for k in config["copied"] if k in within]
     return [
         f"{k}: checkpoint {theirs.get(k)!r}, this EMA {mine.get(k)!r}"
         for k in sorted(set(theirs) | set(mine))
@@ -136,7 +164,68 @@ def _config_diffs(saved: str | Mapping[str, Any], ours: str | Mapping[str, Any])
     ]
 
 
-def validate_state(state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
+@dataclass(frozen=True, slots=True)
+class TrackedDifference:
+    """How a saved state's tracked set differs from this EMA's, for one model."""
+
+    only_saved: tuple[str, ...] = ()
+    """Tensors the saved EMA averaged that this EMA does not track."""
+    only_ours: tuple[str, ...] = ()
+    """Tensors this EMA tracks that the saved EMA did not."""
+
+    def __bool__(self) -> bool:
+        return bool(self.only_saved or self.only_ours)
+
+    def message(self, common: int) -> str:
+        parts = []
+        if self.only_saved:
+            parts.append(f"tracked only in the checkpoint {_listed(self.only_saved, 5)}")
+        if self.only_ours:
+            parts.append(f"tracked only by this EMA {_listed(self.only_ours, 5)}")
+        return (
+            f"the checkpoint's EMA tracks other tensors than this EMA ({'; '.join(parts)}). "
+            f"Build the EMA with the checkpoint's tracked set (track=, add_tensors, "
+            f"drop_tensors), or load the {common} tensors both track with "
+            "common_subset=True (the others keep their current values)"
+        )
+
+
+def tracked_difference(
+    saved_names: Iterable[str],
+    saved_config: str | Mapping[str, Any] | None,
+    ours: Mapping[str, Any],
+) -> TrackedDifference:
+    """The tensors of this EMA's model that one side tracks and the other does not.
+
+    A saved name this EMA leaves untracked (its config lists it) was tracked only by the
+    saved EMA; a name this EMA tracks that the saved config lists as untracked, only by
+    this EMA. A saved config without an ``"untracked"`` list tracked every float tensor, so
+    every tensor this EMA leaves untracked was tracked only by it. Names neither side
+    knows are not a tracked-set difference (another model: :func:`compare_tensors`).
+    """
+    saved = list(saved_names)
+    saved_set = set(saved)
+    our_untracked = set(_config(ours[CONFIG]).get("untracked", ()))
+    only_saved = [k for k in saved if k in our_untracked]
+    only_ours: list[str] = []
+    if saved_config is not None:
+        saved_untracked = set(_config(saved_config).get("untracked", ()))
+        only_saved += sorted(k for k in our_untracked - saved_untracked if k not in saved_set)
+        only_ours = [k for k in ours[EMA_TENSORS] if k in saved_untracked]
+    return TrackedDifference(tuple(only_saved), tuple(only_ours))
+
+
+def common_names(state: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
+    """This EMA's tensors that ``state`` holds and its EMA tracked (what
+    ``common_subset=True`` loads), in this EMA's order."""
+    values = state[EMA_TENSORS]
+    diff = tracked_difference(values, state.get(CONFIG), ours)
+    return [k for k in ours[EMA_TENSORS] if k in values and k not in diff.only_ours]
+
+
+def validate_state(
+    state: Mapping[str, Any], ours: Mapping[str, Any], *, common_subset: bool = False
+) -> int:
     """Check a saved EMA state against this EMA's own ``state_dict()``; touch nothing.
 
     Args:
@@ -144,6 +233,9 @@ def validate_state(state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
             tensors (DTensors or full plain tensors) or :class:`TensorSpec` (a checkpoint's
             metadata). Plain full tensors are compared by their global shape.
         ours: the EMA's own ``state_dict()``.
+        common_subset: accept a state saved with another tracked set of the same model
+            (:func:`tracked_difference`): only the tensors both track are checked (and
+            loaded, :func:`common_names`); at least one must be.
 
     Returns:
         The saved update counter.
@@ -151,9 +243,10 @@ def validate_state(state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
     Raises:
         KeyError: ``state`` lacks ``"ema"`` or ``"updates"`` (with a hint when it looks like
             a full model state dict, which :meth:`ModelEMA.load_full_state_dict` loads).
-        ValueError: missing/unexpected fqns, shape or dtype mismatches, a counter that is
-            not an int >= 0, or options (schedule, ``update_every``, ...) different from
-            this EMA's: resuming with other options would not continue the saved trajectory.
+        ValueError: missing/unexpected fqns, shape or dtype mismatches, another tracked set
+            (naming the tensors; unless ``common_subset``), a counter that is not an int
+            >= 0, or options (schedule, ``update_every``, ...) different from this EMA's:
+            resuming with other options would not continue the saved trajectory.
     """
     for key in (EMA_TENSORS, UPDATES):
         if key not in state:
@@ -167,11 +260,24 @@ def validate_state(state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
     values = state[EMA_TENSORS]
     if not isinstance(values, Mapping):
         raise ValueError(f"EMA state dict's 'ema' must map fqns to tensors, got {type(values)}")
-    problems = compare_tensors(values, ours[EMA_TENSORS])
+    diff = tracked_difference(values, state.get(CONFIG), ours)
+    problems = compare_tensors(
+        {k: v for k, v in values.items() if k not in diff.only_saved},
+        {k: v for k, v in ours[EMA_TENSORS].items() if k not in diff.only_ours},
+    )
     if problems:
         raise ValueError(f"EMA state dict does not match the model: {problems}")
+    common = [k for k in ours[EMA_TENSORS] if k in values and k not in diff.only_ours]
+    if diff and not common_subset:
+        raise ValueError(diff.message(len(common)))
+    if diff and not common:
+        raise ValueError(
+            f"common_subset=True, but the checkpoint's EMA and this EMA track no tensor in "
+            f"common ({diff.message(0)})"
+        )
     if CONFIG in state:
-        diffs = _config_diffs(state[CONFIG], ours[CONFIG])
+        within = set(common) if diff else None
+        diffs = _config_diffs(state[CONFIG], ours[CONFIG], within)
         if diffs:
             raise ValueError(
                 "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
@@ -193,18 +299,25 @@ def local_state(plan: EmaPlan, updates: int, config: str) -> dict[str, Any]:
     return {UPDATES: updates, CONFIG: config, EMA_TENSORS: {e.fqn: e.ema for e in plan}}
 
 
-def load_local_state(plan: EmaPlan, state: Mapping[str, Any], ours: Mapping[str, Any]) -> int:
+def load_local_state(
+    plan: EmaPlan,
+    state: Mapping[str, Any],
+    ours: Mapping[str, Any],
+    *,
+    common_subset: bool = False,
+) -> int:
     """Validate ``state`` against ``ours`` (the EMA's own :func:`local_state`), then copy
     this rank's piece of every saved tensor into ``plan``'s EMA; return the saved counter.
 
     Local, no collective. Nothing is written unless everything validates (a plain
     ``dcp.load`` may already have filled the live tensors in place; the error then says
-    so). Peak extra memory: none (pieces are copied in place).
+    so). With ``common_subset`` only the tensors both EMAs track are copied (see
+    :func:`validate_state`). Peak extra memory: none (pieces are copied in place).
     """
     values = state.get(EMA_TENSORS) if isinstance(state, Mapping) else None
     in_place = isinstance(values, Mapping) and any(values.get(e.fqn) is e.ema for e in plan)
     try:
-        updates = validate_state(state, ours)
+        updates = validate_state(state, ours, common_subset=common_subset)
     except ValueError as e:
         if in_place and "options differ" in str(e):
             raise ValueError(
@@ -213,7 +326,8 @@ def load_local_state(plan: EmaPlan, state: Mapping[str, Any], ours: Mapping[str,
             ) from None
         raise
     assert isinstance(values, Mapping)
-    pieces = [(e.ema_local, local_piece(e, values[e.fqn])) for e in plan]
+    loaded = set(common_names(state, ours))
+    pieces = [(e.ema_local, local_piece(e, values[e.fqn])) for e in plan if e.fqn in loaded]
     with torch.no_grad():
         for target, piece in pieces:
             if piece is not target:

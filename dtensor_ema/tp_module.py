@@ -1,19 +1,26 @@
-"""``ema.module`` for tensor-parallel models: the EMA's own DTensors, gathered per unit.
+"""``ema.module`` gathered per unit: tensor-parallel models, and EMAs of a tracked subset.
 
 A TP model's EMA keeps the parameter's TP sharding and splits what the model replicates
 (the FSDP2 shard of a TP-replicated norm, a plain parameter) further over the replica dims
 (:mod:`dtensor_ema.layout`). FSDP2 cannot hold that nested split, and a second shard per
 tp rank would double those parameters' bytes. So the twin built here holds **no storage of
 its own for parameters**: at rest each of its parameter slots *is* the EMA's DTensor (the
-same local storage ``update()`` writes), and every *unit* (the model's FSDP2 units, or for
-a TP-only model the repeated blocks and the root) gathers its parameters just before its
-forward, into the layout the model's forward computes with, and drops them right after:
+same local storage ``update()`` writes), or, for a tensor the EMA does not track
+(``track=``: a LoRA model's frozen base), the model's own tensor (shared, never copied, and
+never part of any sharding of the twin); and every *unit* (the model's FSDP2 units, or the
+repeated blocks and the root) gathers its parameters just before its forward, into the
+layout the model's forward computes with, and drops them right after:
 
 * the replica split is undone (one flat all-gather per bucket over each replica group),
 * the FSDP2 shard dims are gathered (one flat all-gather per bucket over the dp group),
 * the result is wrapped as the model's *unsharded* parameter: a DTensor with the model's
   TP mesh and placements (for FSDP2 + TP, the layout FSDP2 itself unshards to), or a plain
   full tensor for a parameter that was plain before ``fully_shard``.
+
+Untracked tensors take the same path from the model's own local pieces (an FSDP2 shard is
+gathered over the dp group, as the model's own forward would; a plain or TP-local piece is
+read in place). This is the twin of every EMA with untracked tensors on a mesh (DDP,
+FSDP2, HSDP, TP): the FSDP2 twin of :mod:`dtensor_ema.ema_module` would have to shard them.
 
 The TP forward hooks and torchtitan's forward closures are carried over from the model
 (see :func:`~dtensor_ema.ema_module._rebind_callables`), so the twin runs the model's own
@@ -34,10 +41,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema.layout import chunk_range, contiguous_stride
+from dtensor_ema.layout import ReplicaLevel, chunk_range, contiguous_stride
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan, PlanEntry
+from dtensor_ema.twin import (
+    SharedSlots,
+    clone_without_fsdp,
+    install_forward_hooks,
+    prepare_twin,
+    slots,
+    student_mp_policy,
+)
 
 __all__ = ["build_tp_twin", "needs_tp_twin"]
 
@@ -73,10 +88,66 @@ def needs_tp_twin(plan: EmaPlan) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class _Gather:
-    """How one EMA entry becomes the parameter the forward reads."""
+class _Tracked:
+    """A parameter the EMA holds: its EMA rows are gathered."""
 
     entry: PlanEntry
+
+    @property
+    def fqn(self) -> str:
+        return self.entry.fqn
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.entry.source
+
+    @property
+    def levels(self) -> tuple[ReplicaLevel, ...]:
+        return self.entry.levels
+
+    @property
+    def piece_shape(self) -> torch.Size:
+        return self.entry.source_piece.shape
+
+    def local(self) -> torch.Tensor:
+        return self.entry.ema_local  # read now: the plan may have re-bound it
+
+    def resting(self) -> torch.Tensor:
+        return self.entry.ema
+
+
+@dataclass(frozen=True, slots=True)
+class _Untracked:
+    """A parameter the EMA does not hold: the model's own local piece is gathered."""
+
+    plan: EmaPlan
+    fqn: str
+    levels: tuple[ReplicaLevel, ...] = ()
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.plan.untracked[self.fqn]  # read now: the plan may have re-bound it
+
+    @property
+    def piece_shape(self) -> torch.Size:
+        return self.local().shape
+
+    def local(self) -> torch.Tensor:
+        source = self.source
+        return (source.to_local() if isinstance(source, DTensor) else source).detach()
+
+    def resting(self) -> torch.Tensor:
+        return self.source
+
+
+_Source = _Tracked | _Untracked
+
+
+@dataclass(frozen=True, slots=True)
+class _Gather:
+    """How one parameter (the EMA's, or the model's own) becomes what the forward reads."""
+
+    entry: _Source
     mesh: DeviceMesh | None
     """The model parameter's mesh (its FSDP2 dims are gathered over it), or ``None``."""
     placements: tuple[Placement, ...]
@@ -87,25 +158,26 @@ class _Gather:
     dtype: torch.dtype
 
     def in_place(self) -> bool:
-        """The EMA shard already is the compute-layout piece, in the compute dtype."""
+        """The local piece already is the compute-layout piece, in the compute dtype."""
+        local = self.entry.local()
         return (
             not self.entry.levels
             and all(p.is_replicate() for p in self.placements)
-            and self.entry.ema_local.dtype == self.dtype
-            and tuple(self.entry.ema_local.shape) == tuple(self.shape)
+            and local.dtype == self.dtype
+            and tuple(local.shape) == tuple(self.shape)
         )
 
     def piece(self) -> LocalPiece:
-        entry = self.entry  # ema_local read now: the plan may have re-bound it
+        entry = self.entry
         return LocalPiece(
             fqn=entry.fqn,
-            local=entry.ema_local,
+            local=entry.local(),
             shape=self.shape,
             mesh=self.mesh,
             placements=self.placements,
             out_dtype=self.dtype,
             levels=entry.levels,
-            piece_shape=entry.source_piece.shape,
+            piece_shape=entry.piece_shape,
         )
 
     def wrap(self, local: torch.Tensor) -> nn.Parameter:
@@ -136,20 +208,17 @@ def build_tp_twin(
         compute_dtype: dtype of the gathered parameters and float buffers; ``None``: the
             FSDP2 unit's ``param_dtype`` if set, else the model parameter's dtype.
 
+    Untracked parameters (``plan.untracked``) are gathered from the model's own pieces;
+    untracked float buffers are the model's own (:class:`~dtensor_ema.twin.SharedSlots`).
+
     Raises:
         NotImplementedError: a DTensor buffer, or a parameter whose layout the twin cannot
             rebuild (naming it and its placements).
     """
-    from dtensor_ema.ema_module import (
-        _clone_without_fsdp,
-        _install_forward_hooks,
-        _rebind_callables,
-        _slots,
-    )
-
     by_fqn = plan.by_fqn()
+    shared = SharedSlots(plan)
     dtensor_buffers = [
-        f for f, t, _, _, k in _slots(model) if k == "buffer" and isinstance(t, DTensor)
+        f for f, t, _, _, k in slots(model) if k == "buffer" and isinstance(t, DTensor)
     ]
     if dtensor_buffers:
         raise NotImplementedError(
@@ -160,24 +229,28 @@ def build_tp_twin(
     policies = _unit_policies(model)
     unit_dtypes = {u: p.param_dtype for u, p in policies.items() if p.param_dtype is not None}
     memo: dict[int, Any] = {}
-    for fqn, tensor, _, _, kind in _slots(model):
+    for fqn, tensor, _, _, kind in slots(model):
         if id(tensor) in memo:
             continue
         tracked = by_fqn.get(plan.aliases.get(fqn, fqn))
+        untracked = shared.untracked_fqn(fqn)
         if kind == "param":
             memo[id(tensor)] = nn.Parameter(
                 torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), requires_grad=False
             )
+        elif untracked is not None:  # the model's own buffer
+            memo[id(tensor)] = shared.value(untracked, kind)
         elif tracked is None:  # never averaged: copied from the model before each forward
             memo[id(tensor)] = torch.empty_like(tensor)
         else:
             memo[id(tensor)] = torch.empty(
                 tensor.shape, dtype=compute_dtype or tensor.dtype, device=tensor.device
             )
-    twin = _clone_without_fsdp(model, memo)
-    _rebind_callables(model, twin)
-    twin.requires_grad_(False)
-    twin.eval()
+    twin = prepare_twin(model, clone_without_fsdp(model, memo))
+    for fqn, _, owner, name, kind in slots(twin):
+        target = shared.untracked_fqn(fqn)
+        if kind == "buffer" and target is not None:
+            shared.add(owner, name, kind, target)
 
     unit_of = _assign_units(model, [*units, ""])
     gathers: dict[str, _Gather] = {}
@@ -190,35 +263,44 @@ def build_tp_twin(
             seen_slots.add((id(owner), name))
             raw = f"{prefix}.{name}" if prefix else name
             fqn = canonical_fqn(raw)
-            entry = by_fqn[plan.aliases.get(fqn, fqn)]
-            if entry.fqn not in gathers:
+            target = plan.aliases.get(fqn, fqn)
+            if target not in gathers:
+                source: _Source = (
+                    _Untracked(plan, target)
+                    if target in plan.untracked
+                    else _Tracked(by_fqn[target])
+                )
                 unit = unit_of[raw]
-                dtype = compute_dtype or unit_dtypes.get(unit) or entry.source.dtype
-                gathers[entry.fqn] = _gather_for(entry, specs, dtype)
-            by_unit[unit_of[raw]].append((owner, name, gathers[entry.fqn]))
+                dtype = compute_dtype or unit_dtypes.get(unit) or source.source.dtype
+                gathers[target] = _gather_for(source, specs, dtype)
+            by_unit[unit_of[raw]].append((owner, name, gathers[target]))
     rest = _RestingParameters()
-    for owner, name, gather in (s for slots in by_unit.values() for s in slots):
+    for owner, name, gather in (s for unit_slots in by_unit.values() for s in unit_slots):
         owner._parameters[name] = rest.get(gather.entry)
-    for unit, slots in by_unit.items():
+    for unit, unit_slots in by_unit.items():
         policy = policies.get(unit, MixedPrecisionPolicy())
         inputs = compute_dtype or (policy.param_dtype if policy.cast_forward_inputs else None)
-        if slots or inputs is not None or policy.output_dtype is not None:
-            _install_unit_hooks(twin.get_submodule(unit), slots, rest, inputs, policy.output_dtype)
-    _install_forward_hooks(model, twin, plan)
+        if unit_slots or inputs is not None or policy.output_dtype is not None:
+            _install_unit_hooks(
+                twin.get_submodule(unit), unit_slots, rest, inputs, policy.output_dtype
+            )
+    install_forward_hooks(model, twin, plan, shared)
     return twin
 
 
 class _RestingParameters:
-    """One ``nn.Parameter`` per EMA entry wrapping its current ``ema`` DTensor (shared
-    storage), rebuilt when the plan re-binds the entry."""
+    """One ``nn.Parameter`` per parameter wrapping its current resting tensor (the EMA's
+    ``ema`` DTensor, or the model's own untracked tensor: shared storage either way),
+    rebuilt when the plan re-binds it."""
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[torch.Tensor, nn.Parameter]] = {}
 
-    def get(self, entry: PlanEntry) -> nn.Parameter:
+    def get(self, entry: _Source) -> nn.Parameter:
         held = self._cache.get(entry.fqn)
-        if held is None or held[0] is not entry.ema:
-            held = (entry.ema, nn.Parameter(entry.ema, requires_grad=False))
+        resting = entry.resting()
+        if held is None or held[0] is not resting:
+            held = (resting, nn.Parameter(resting.detach(), requires_grad=False))
             self._cache[entry.fqn] = held
         return held[1]
 
@@ -243,7 +325,7 @@ def _install_unit_hooks(
         gathered = [g for g in unique if not g.in_place()]
         with torch.no_grad():
             full = gather_full_tensors([g.piece() for g in gathered]) if gathered else {}
-            full.update((g.entry.fqn, g.entry.ema_local) for g in direct)
+            full.update((g.entry.fqn, g.entry.local()) for g in direct)
             params = {g.entry.fqn: g.wrap(full[g.entry.fqn]) for g in unique}
         for owner, name, gather in slots:
             owner._parameters[name] = params[gather.entry.fqn]
@@ -271,7 +353,7 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dtype) -> _Gather:
+def _gather_for(entry: _Source, specs: dict[int, ComputeSpec], dtype: torch.dtype) -> _Gather:
     """Match the model parameter's (sharded) layout against the layout its forward reads.
 
     The model's mesh is the compute mesh, or the FSDP2 dp dims followed by it (FSDP2 + TP
@@ -302,7 +384,7 @@ def _gather_for(entry: PlanEntry, specs: dict[int, ComputeSpec], dtype: torch.dt
         extra < 0
         or len(gathered) != len(placements)
         or shape is None
-        or _local_shape(shape, mesh, tuple(gathered)) != tuple(entry.source_piece.shape)
+        or _local_shape(shape, mesh, tuple(gathered)) != tuple(entry.piece_shape)
     ):
         raise NotImplementedError(
             f"ema.module for {entry.fqn!r} with placements {placements} on mesh "
@@ -356,10 +438,8 @@ def _assign_units(model: nn.Module, units: list[str]) -> dict[str, str]:
 
 def _unit_policies(model: nn.Module) -> dict[str, MixedPrecisionPolicy]:
     """FSDP2 unit fqn -> the ``MixedPrecisionPolicy`` it was sharded with."""
-    from dtensor_ema.ema_module import _student_mp_policy
-
     return {
-        fqn: _student_mp_policy(module)  # type: ignore[arg-type]
+        fqn: student_mp_policy(module)  # type: ignore[arg-type]
         for fqn, module in model.named_modules()
         if isinstance(module, FSDPModule)
     }
