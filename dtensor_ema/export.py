@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -43,8 +43,14 @@ def export_ema(
     path: str | os.PathLike[str],
     *,
     bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES,
+    format: Literal["file", "peft"] = "file",
 ) -> None:
     """Write the full EMA weights to one file for inference. **Collective.**
+
+    ``format="peft"``: write the EMA of a PEFT model's adapter as a PEFT adapter directory
+    instead (:func:`dtensor_ema.peft_export.export_peft_adapter`, whose rules apply).
+    Untracked tensors (``ModelEMA(track=...)``) are written from the model, so the file is
+    a whole state dict; its safetensors metadata lists them (``dtensor_ema.from_model``).
 
     Every rank of the EMA's mesh (``ema.mesh``, and of every FSDP2 mesh) must call this;
     ranks outside it need not (pipeline stages export their own EMAs to their own files).
@@ -72,6 +78,13 @@ def export_ema(
     (a pipeline stage) gathers the full copy on every rank of it. Communication: one small
     all-reduce per mesh dim before and after, plus the gathers.
     """
+    if format == "peft":
+        from dtensor_ema.peft_export import export_peft_adapter
+
+        export_peft_adapter(ema, path, bucket_bytes=bucket_bytes)
+        return
+    if format != "file":
+        raise ValueError(f"format must be 'file' or 'peft', got {format!r}")
     with entering("export_ema", mesh=ema.mesh):
         _export(ema, Path(path), bucket_bytes)
 
@@ -90,12 +103,18 @@ def _export(ema: ModelEMA, path: Path, bucket_bytes: int) -> None:
     # without it (a pipeline stage) gathers everywhere and only its first rank writes.
     global_first = mesh is None or mesh.mesh.flatten()[0].item() == 0
     state = ema.get_ema_state_dict(
-        only_rank0_receives=global_first, cpu_offload=True, bucket_bytes=bucket_bytes
+        only_rank0_receives=global_first,
+        cpu_offload=True,
+        bucket_bytes=bucket_bytes,
+        include_untracked=True,
     )
     updates = ema.updates
+    metadata = {"updates": str(updates)}
+    if ema.untracked:
+        metadata["from_model"] = json.dumps(ema.untracked)
     if writer:
         try:
-            _write_file(state, path, {"updates": str(updates)})
+            _write_file(state, path, metadata)
         except (OSError, RuntimeError, ValueError) as e:
             error = e
     del state
