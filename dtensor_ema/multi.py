@@ -20,14 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.fused_update import lerp_groups_
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.options import ExcludeSpec
+from dtensor_ema.options import ExcludeSpec, TrackSpec
 from dtensor_ema.state import validate_state
 
 __all__ = ["MultiModelEMA"]
 
 # Options that decide which tensors exist and how they are grouped: shared by all EMAs so
 # their update groups line up one to one.
-_SHARED = ("mesh", "buffers", "exclude", "ema_dtype", "kernel")
+_SHARED = ("mesh", "buffers", "exclude", "track", "ema_dtype", "kernel")
 
 
 class MultiModelEMA(Mapping[str, ModelEMA]):
@@ -40,6 +40,8 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         mesh: shared by every EMA, as for :class:`ModelEMA`.
         buffers: shared by every EMA, as for :class:`ModelEMA`.
         exclude: shared by every EMA, as for :class:`ModelEMA`.
+        track: shared by every EMA, as for :class:`ModelEMA` (change it on no member:
+            their update groups must line up).
         ema_dtype: shared by every EMA, as for :class:`ModelEMA`.
         kernel: shared by every EMA, as for :class:`ModelEMA`.
 
@@ -59,6 +61,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         *,
         buffers: Literal["average", "copy"] = "average",
         exclude: ExcludeSpec = None,
+        track: TrackSpec = "all",
         ema_dtype: torch.dtype | None = None,
         kernel: Literal["eager", "compiled", "auto"] = "auto",
     ) -> None:
@@ -85,6 +88,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
                 mesh,
                 buffers=buffers,
                 exclude=exclude,
+                track=track,
                 ema_dtype=ema_dtype,
                 kernel=kernel,
                 cuda_graph=False,  # MultiModelEMA applies the steps itself, never update()

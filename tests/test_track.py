@@ -1,0 +1,396 @@
+"""``ModelEMA(track=...)`` in one process (no process group): only the tracked tensors are
+stored and averaged, bit for bit against a plain ``lerp_`` reference over them; whole-model
+outputs take untracked tensors from the model; ``add_tensors``/``drop_tensors`` and the
+trainable-set check; states of another tracked set refused unless ``common_subset=True``;
+a peft LoRA model (GPT-2 and Llama from transformers) holds its adapter bytes and exports an
+adapter ``PeftModel.from_pretrained`` loads with the swapped-in EMA's logits.
+
+The multi-rank layouts (DDP, FSDP2, HSDP, TP) and DCP reshards: ``test_track_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from models import EdgeModel, ReferenceEMA, mismatches
+from torch import nn
+
+from dtensor_ema import ModelEMA, MultiModelEMA, export_ema, load_checkpoint, save_checkpoint
+
+DECAY = 0.5
+
+
+def _edge(seed: int = 0) -> EdgeModel:
+    torch.manual_seed(seed)
+    return EdgeModel()
+
+
+def _bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@torch.no_grad()
+def _step_(model: nn.Module, step: int) -> None:
+    """A deterministic 'training step': every trainable parameter moves."""
+    g = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.1)
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+
+def test_track_option_is_validated() -> None:
+    model = _edge()
+    with pytest.raises(ValueError, match=r"track must be 'all', 'trainable' or a predicate"):
+        ModelEMA(model, track="frozen")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"must return a bool, got Tensor for 'scalar'"):
+        ModelEMA(model, track=lambda fqn, t: t.sum())  # type: ignore[arg-type, return-value]
+    with pytest.raises(ValueError, match=r"track= selects none of EdgeModel's 10 floating"):
+        ModelEMA(model, track=lambda fqn, t: False)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="is every parameter frozen"):
+        ModelEMA(frozen, track="trainable")
+    # exclude applies within the tracked set: an untracked name is named as such.
+    with pytest.raises(ValueError, match=r"\['frozen'\] are not tracked with track='trainable'"):
+        ModelEMA(model, track="trainable", exclude=["frozen"])
+
+
+def test_trainable_only_matches_reference_and_stores_only_tracked() -> None:
+    model = _edge()
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable", exclude=["odd"])
+    tracked = _trainable(model)
+    assert list(ema.ema_tensors()) == list(tracked)
+    assert ema.untracked == ["frozen", "float_buf"]
+    assert ema.local_nbytes() == _bytes(tracked)  # untracked bytes are never stored
+    full_ema = ModelEMA(model, decay=DECAY, tau=None)
+    assert full_ema.local_nbytes() == ema.local_nbytes() + (6 * 2 + 7) * 4
+    ref = ReferenceEMA({k: v for k, v in tracked.items() if k != "odd"}, DECAY, None)
+    for step in range(4):
+        _step_(model, step)
+        model(torch.randn(2, 3, 8, 8))  # moves float_buf / int_buf (untracked, followed)
+        ema.update()
+        ref.update(dict(model.named_parameters()))
+    got = {k: v.detach() for k, v in ema.ema_tensors().items()}
+    expected = {**ref.ema, "odd": model.odd.detach()}  # exclude= copies, within the set
+    assert mismatches(got, expected) == []
+    state = ema.state_dict()
+    assert list(state["ema"]) == list(tracked)
+    config = json.loads(state["config"])
+    assert config["track"] == "trainable" and config["untracked"] == ["float_buf", "frozen"]
+    assert config["copied"] == ["odd"]
+    assert "track" not in json.loads(full_ema.state_dict()["config"])  # default: unchanged
+    # A predicate, on canonical fqns and live tensors.
+    picked = ModelEMA(model, track=lambda fqn, t: fqn.startswith("conv."))
+    assert list(picked.ema_tensors()) == ["conv.weight", "conv.bias"]
+    assert "untracked=" in repr(picked)
+
+
+def test_state_dicts_take_untracked_tensors_from_the_model() -> None:
+    model = _edge()
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    for step in range(2):
+        _step_(model, step)
+        ema.update()
+    model_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tracked_only = ema.get_ema_state_dict()
+    assert list(tracked_only) == list(_trainable(model))  # no frozen, float_buf, int_buf
+    whole = ema.get_ema_state_dict(include_untracked=True)
+    ema_sd, original = ema.get_model_state_dict()
+    assert list(whole) == list(ema_sd) == list(model_sd)
+    assert mismatches(whole, ema_sd) == []
+    assert mismatches(original, model_sd) == []
+    for k in ("frozen", "float_buf", "int_buf"):
+        assert (
+            torch.equal(ema_sd[k], model_sd[k]) and ema_sd[k].data_ptr() != model_sd[k].data_ptr()
+        )
+    assert mismatches({k: ema_sd[k] for k in tracked_only}, tracked_only) == []
+    fresh = _edge(seed=1)
+    fresh.load_state_dict(ema_sd, strict=True)  # a plain model loads it strictly
+    # Both shapes of full state dict load back; untracked entries are ignored.
+    other = ModelEMA(_edge(seed=2), track="trainable")
+    other.load_full_state_dict(tracked_only)
+    assert mismatches(other.get_ema_state_dict(), tracked_only) == []
+    other.load_full_state_dict({**ema_sd, "frozen": torch.zeros(6, 2)})
+    assert mismatches(other.get_ema_state_dict(), tracked_only) == []
+    with pytest.raises(ValueError, match=r"missing \['odd'\]"):
+        other.load_full_state_dict({k: v for k, v in tracked_only.items() if k != "odd"})
+
+
+def test_swap_and_module_use_the_models_own_untracked_tensors(tmp_path: Path) -> None:
+    model = _edge()
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    for step in range(3):
+        _step_(model, step)
+        ema.update()
+    x = torch.randn(2, 3, 8, 8)
+    frozen = model.frozen
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = {k: v.detach().clone() for k, v in ema.ema_tensors().items()}
+    with ema.average_parameters() as m:
+        inside = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        assert m.frozen is frozen  # the untracked parameter is untouched, not swapped
+    assert mismatches({k: inside[k] for k in expected}, expected) == []
+    untracked = ("frozen", "float_buf", "int_buf")
+    assert mismatches({k: inside[k] for k in untracked}, {k: before[k] for k in untracked}) == []
+    assert mismatches(model.state_dict(), before) == []  # the tracked ones are restored
+    module = ema.module
+    # Untracked tensors are shared with the model (same storage), tracked ones are the EMA.
+    assert module.frozen.data_ptr() == model.frozen.data_ptr()
+    assert module.float_buf.data_ptr() == model.float_buf.data_ptr()
+    assert module.odd.data_ptr() == ema.ema_tensors()["odd"].data_ptr()
+
+    def swapped(x: torch.Tensor) -> torch.Tensor:
+        # EdgeModel's forward writes float_buf: the module's forward writes the model's own
+        # (shared) buffer, so each side starts from the same value.
+        saved = model.float_buf.clone()
+        with ema.average_parameters() as m:
+            out = m(x).detach()
+        model.float_buf.copy_(saved)
+        return out
+
+    expected_out = swapped(x)
+    assert torch.equal(module(x), expected_out)
+    # A re-allocated untracked tensor (p.data = ...) is followed before the next forward.
+    with torch.no_grad():
+        model.frozen.data = torch.full((6, 2), 3.0)
+        model.float_buf.copy_(before["float_buf"])
+    expected_out = swapped(x)
+    assert torch.equal(module(x), expected_out)
+    assert module.frozen.data_ptr() == model.frozen.data_ptr()
+
+
+def test_trainable_set_changes_are_explicit() -> None:
+    model = _edge()
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    ref = ReferenceEMA(dict(_trainable(model)), DECAY, None)
+    _step_(model, 0)
+    ema.update()
+    ref.update(dict(model.named_parameters()))
+    model.frozen.requires_grad_(True)  # progressive unfreezing
+    with pytest.raises(ValueError, match=r"now trainable \['frozen'\] \(call ema.add_tensors"):
+        ema.update()
+    assert ema.updates == 1  # the refused update did not count
+    with pytest.raises(ValueError, match=r"cannot add tensors: 'odd': already tracked; 'nope':"):
+        ema.add_tensors(["odd", "nope"])
+    with pytest.raises(ValueError, match=r"'int_buf': an integer buffer"):
+        ema.add_tensors(["int_buf"])
+    with pytest.raises(TypeError, match="got the string"):
+        ema.add_tensors("frozen")
+    with torch.no_grad():
+        model.frozen.add_(1.0)
+    ema.add_tensors(["frozen"])  # starts from its current value
+    assert torch.equal(ema.ema_tensors()["frozen"], model.frozen.detach())
+    order = [k for k in model.state_dict() if k in ema.ema_tensors()]
+    assert "frozen" in order and list(ema.ema_tensors()) == order  # state-dict order
+    ref.ema["frozen"] = model.frozen.detach().clone()
+    ref.updates = 1
+    for step in (1, 2):
+        _step_(model, step)
+        ema.update()
+        ref.update(dict(model.named_parameters()))
+    got = {k: v.detach() for k, v in ema.ema_tensors().items()}
+    assert mismatches(got, ref.ema) == []
+    assert json.loads(ema.state_dict()["config"])["untracked"] == ["float_buf"]
+    # Freezing: drop the tensor (its bytes are freed), or keep it with add_tensors([]).
+    model.odd.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen \['odd'\] \(call ema.drop_tensors\(\['odd'\]"):
+        ema.update()
+    nbytes = ema.local_nbytes()
+    ema.drop_tensors(["odd"])
+    assert ema.local_nbytes() == nbytes - 13 * 7 * 4 and "odd" in ema.untracked
+    ema.update()
+    model.vec.requires_grad_(False)
+    ema.add_tensors([])  # accepts the change; vec stays averaged
+    ema.update()
+    assert "vec" in ema.ema_tensors()
+    with pytest.raises(ValueError, match="cannot drop all"):
+        ema.drop_tensors(list(ema.ema_tensors()))
+    with pytest.raises(ValueError, match=r"'odd': not tracked"):
+        ema.drop_tensors(["odd"])
+    ema.module  # noqa: B018
+    with pytest.raises(RuntimeError, match=r"add_tensors\(\) after ema.module was built"):
+        ema.add_tensors(["odd"])
+
+
+def test_states_of_another_tracked_set_are_refused_unless_asked() -> None:
+    model = _edge()
+    whole = ModelEMA(model, decay=DECAY, tau=None)
+    lora = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    _step_(model, 0)
+    whole.update()
+    lora.update()
+    # The whole model's state into the trainable-only EMA: named, nothing written.
+    before = {k: v.clone() for k, v in lora.ema_tensors().items()}
+    _step_(model, 1)
+    whole.update()
+    with pytest.raises(
+        ValueError,
+        match=r"tracks other tensors than this EMA \(tracked only in the checkpoint "
+        r"\['frozen', 'float_buf'\]\).*load the 8 tensors both track with common_subset=True",
+    ):
+        lora.load_state_dict(whole.state_dict())
+    assert mismatches(lora.ema_tensors(), before) == [] and lora.updates == 1
+    lora.load_state_dict(whole.state_dict(), common_subset=True)
+    assert lora.updates == 2
+    expected = {k: v for k, v in whole.ema_tensors().items() if k in lora.ema_tensors()}
+    assert mismatches(lora.ema_tensors(), expected) == []
+    # The other way: the saved config says what it left untracked.
+    frozen_before = whole.ema_tensors()["frozen"].clone()
+    with pytest.raises(ValueError, match=r"tracked only by this EMA \['frozen', 'float_buf'\]"):
+        whole.load_state_dict(lora.state_dict())
+    whole.load_state_dict(lora.state_dict(), common_subset=True)
+    assert torch.equal(whole.ema_tensors()["frozen"], frozen_before)  # kept its value
+    # Another model's tensors are still "does not match", with or without common_subset.
+    state = lora.state_dict()
+    state = {**state, "ema": {**state["ema"], "ghost": torch.zeros(2)}}
+    with pytest.raises(ValueError, match=r"does not match the model: unexpected \['ghost'\]"):
+        lora.load_state_dict(state, common_subset=True)
+    # Options are still compared (within the common tensors).
+    other = ModelEMA(model, decay=0.9, tau=None, track="trainable")
+    with pytest.raises(ValueError, match="options differ"):
+        other.load_state_dict(whole.state_dict(), common_subset=True)
+
+
+def test_dcp_and_checkpoints_of_a_tracked_subset(tmp_path: Path) -> None:
+    assert not dist.is_initialized()
+    model = _edge()
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    for step in range(2):
+        _step_(model, step)
+        ema.update()
+    saved = {k: v.clone() for k, v in ema.ema_tensors().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to ..."
+        dcp.save({"ema": ema}, checkpoint_id=str(tmp_path / "dcp"))
+    save_checkpoint({"ema": ema}, tmp_path / "ckpt")
+    fresh = ModelEMA(_edge(seed=3), decay=DECAY, tau=None, track="trainable")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"ema": fresh}, checkpoint_id=str(tmp_path / "dcp"))
+    assert mismatches(fresh.ema_tensors(), saved) == [] and fresh.updates == 2
+    again = ModelEMA(_edge(seed=3), decay=DECAY, tau=None, track="trainable")
+    load_checkpoint({"ema": again}, tmp_path / "ckpt")
+    assert mismatches(again.ema_tensors(), saved) == [] and again.updates == 2
+    # After a change of the tracked set, the checkpoint loads into an EMA built with it.
+    model.frozen.requires_grad_(True)
+    ema.add_tensors(["frozen"])
+    _step_(model, 2)
+    ema.update()
+    save_checkpoint({"ema": ema}, tmp_path / "after")
+    rebuilt = _edge(seed=4)
+    rebuilt.frozen.requires_grad_(True)
+    follows = ModelEMA(rebuilt, decay=DECAY, tau=None, track="trainable")
+    load_checkpoint({"ema": follows}, tmp_path / "after")
+    assert mismatches(follows.ema_tensors(), ema.ema_tensors()) == []
+
+
+def test_multi_model_ema_shares_the_tracked_set() -> None:
+    model = _edge()
+    multi = MultiModelEMA(model, {"a": {"decay": 0.5}, "b": {"decay": 0.9}}, track="trainable")
+    multi.update()
+    assert list(multi["a"].ema_tensors()) == list(multi["b"].ema_tensors())
+    assert multi["a"].untracked == ["frozen", "float_buf"]
+    with pytest.raises(ValueError, match=r"\['track'\], which all EMAs share"):
+        MultiModelEMA(model, {"a": {"track": "trainable"}})
+
+
+# ------------------------------------------------------------------------------ peft LoRA
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def _base(family: str) -> nn.Module:
+    """A tiny transformers model, the same weights for a given family."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config: Any = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=2, vocab_size=96, n_positions=16,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, max_position_embeddings=16,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+
+
+def _lora(family: str) -> nn.Module:
+    config = peft.LoraConfig(r=4, target_modules=TARGETS[family], init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2's Conv1D: fan_in_fan_out set by peft
+        return peft.get_peft_model(_base(family), config)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_peft_lora_holds_the_adapter_and_exports_it(tmp_path: Path, family: str) -> None:
+    model = _lora(family)
+    adapter = {k: p for k, p in model.named_parameters() if "lora_" in k}
+    assert adapter and adapter == _trainable(model)
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    assert ema.local_nbytes() == _bytes(adapter)  # the adapter's bytes, not the model's
+    ref = ReferenceEMA(dict(adapter), DECAY, None)
+    optimizer = torch.optim.SGD(list(adapter.values()), lr=0.1)
+    tokens = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        ref.update(dict(model.named_parameters()))
+    assert mismatches({k: v.detach() for k, v in ema.ema_tensors().items()}, ref.ema) == []
+    model.eval()
+    with ema.average_parameters() as m, torch.no_grad():
+        swapped = m(tokens).logits
+    with torch.no_grad():
+        assert torch.equal(ema.module(tokens).logits, swapped)
+    export_ema(ema, tmp_path / "adapter", format="peft")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        meta = f.metadata()
+        keys = list(f.keys())
+    assert meta["dtensor_ema.tensors"] == "adapter" and meta["dtensor_ema.updates"] == "3"
+    assert len(keys) == len(adapter) and all(".default." not in k for k in keys)
+    loaded = peft.PeftModel.from_pretrained(_base(family), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, swapped)
+    # The whole-model export is strict-loadable into a plain peft model.
+    export_ema(ema, tmp_path / "whole.safetensors")
+    from safetensors.torch import load_model
+
+    fresh = _lora(family)
+    missing, unexpected = load_model(fresh, str(tmp_path / "whole.safetensors"))
+    assert not missing and not unexpected
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(tokens).logits, swapped)
+
+
+def test_peft_export_refuses_untracked_adapter_tensors(tmp_path: Path) -> None:
+    model = _lora("gpt2")
+    ema = ModelEMA(model, track=lambda fqn, t: "lora_A" in fqn)
+    with pytest.raises(ValueError, match=r"does not track 2 tensors of adapter 'default'.*lora_B"):
+        export_ema(ema, tmp_path / "adapter", format="peft")
+    with pytest.raises(TypeError, match="needs the EMA of a peft PeftModel"):
+        export_ema(ModelEMA(_edge()), tmp_path / "adapter", format="peft")
+    with pytest.raises(ValueError, match="format must be 'file' or 'peft'"):
+        export_ema(ema, tmp_path / "x.pt", format="lora")  # type: ignore[arg-type]
+    assert not (tmp_path / "adapter").exists()
