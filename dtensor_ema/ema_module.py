@@ -13,9 +13,14 @@ model whose parameter storage is the EMA itself:
   compute dtype, plus FSDP's prefetch of the next unit) plus activations.
 * **Without a process group**: the twin's parameters and float buffers *are* the EMA's
   (plain, full) tensors.
-* **Tensor parallelism** (TP, FSDP2 + TP): the twin's resting parameters are the EMA's own
-  DTensors, gathered unit by unit into the model's TP layout just for the forward
-  (:mod:`dtensor_ema.tp_module`).
+* **Tensor parallelism** (TP, FSDP2 + TP), and any mesh when the EMA tracks a subset
+  (``track=``): the twin's resting parameters are the EMA's own DTensors and the model's
+  own untracked tensors, gathered unit by unit into the model's layout just for the
+  forward (:mod:`dtensor_ema.tp_module`); untracked tensors are never sharded in the twin.
+  Without a process group the untracked slots are views of the model's storage.
+
+The pieces shared by these twins (structural clone, callables, buffer hooks, shared slots)
+live in :mod:`dtensor_ema.twin`.
 
 The twin is built from the model's structure on the ``meta`` device (``copy.deepcopy`` with
 every tensor pre-mapped to an empty meta tensor), so no weight is ever copied in full.
@@ -143,10 +148,12 @@ def build_ema_module(
     the plan's ``ema_local`` tensors. See :attr:`ModelEMA.module <dtensor_ema.ModelEMA.module>`.
     FSDP2 models are mirrored: the twin has the student's units, meshes, shard dims and
     ``MixedPrecisionPolicy`` (``units`` is then ignored). Models with DTensor parameters
-    that FSDP2 alone does not explain (TP, FSDP2 + TP) get the TP twin of
+    that FSDP2 alone does not explain (TP, FSDP2 + TP), and every plan with untracked
+    tensors on a mesh, get the gathered twin of
     :func:`~dtensor_ema.tp_module.build_tp_twin` instead: the EMA is not moved, the twin's
-    parameters are its DTensors, and each unit (the model's FSDP2 units, else ``units``
-    and the root) gathers them into the model's TP layout around its forward.
+    parameters are its DTensors (and the model's untracked tensors), and each unit (the
+    model's FSDP2 units, else ``units`` and the root) gathers them into the model's layout
+    around its forward.
 
     Args:
         model: the unwrapped, tracked model.

@@ -528,6 +528,9 @@ class ModelEMA:
         the model's local shard of the parameters split over the replicate dim). Works on
         wrapped (activation checkpointing), compiled and torchtitan-parallelized models;
         see :func:`~dtensor_ema.ema_module.build_ema_module` and ``docs/evaluation.md``.
+        Tensors the EMA does not track (``track=``) are the model's own, shared, never
+        copied nor sharded in the twin (with a mesh, each unit gathers them from the
+        model's pieces around its forward, as the model's own forward would).
 
         Calling the module is **collective** over the EMA mesh (every rank calls it, the
         same number of times): FSDP all-gathers one unit at a time. Peak extra memory:

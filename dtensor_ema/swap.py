@@ -1,6 +1,8 @@
 """Swapping the EMA into the model's own tensors and back (``ModelEMA.average_parameters``).
 
-Each rank rebuilds only its own local piece of every tracked tensor from the EMA rows the
+Only the tracked tensors are swapped (``ModelEMA(track=...)``: the others are the model's
+own already, and stay untouched). Each rank rebuilds only its own local piece of every
+tracked tensor from the EMA rows the
 plan gives it: for an FSDP2/TP parameter the EMA shard is gathered over the replica dims
 only (none on a 1-D FSDP mesh), so the full model is never gathered on a rank; replicated
 (plain/DDP) tensors are gathered in buckets straight into the model's tensors. The raw

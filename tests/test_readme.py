@@ -67,7 +67,12 @@ def collect() -> tuple[dict[str, str], int]:
 
 
 BLOCKS, NOT_RUN = collect()
-_EXTRAS = {"lightning": "lightning", "transformers": "transformers", "timm": "bench"}
+_EXTRAS = {
+    "lightning": "lightning",
+    "transformers": "transformers",
+    "peft": "transformers",
+    "timm": "bench",
+}
 """Blocks that import these modules need the named extra of the project."""
 
 

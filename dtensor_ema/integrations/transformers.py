@@ -139,7 +139,9 @@ class EMACallback(TrainerCallback):
         """Write the EMA weights as a ``save_pretrained`` folder (``config.json`` and
         safetensors) that ``from_pretrained`` loads. **Collective**: every rank must call
         it; the EMA is gathered to rank 0 on the CPU (``get_ema_state_dict(only_rank0_receives=True,
-        cpu_offload=True)``, in the model's dtypes), which alone writes.
+        cpu_offload=True, include_untracked=True)``, in the model's dtypes: a whole state dict,
+        tensors the EMA does not track taken from the model), which alone writes. A peft
+        model's ``save_pretrained`` writes its adapter from it.
 
         Args:
             output_dir: the folder.
@@ -154,7 +156,9 @@ class EMACallback(TrainerCallback):
                 f"{type(target).__name__} has no save_pretrained(); pass a transformers "
                 "PreTrainedModel as model="
             )
-        state = ema.get_ema_state_dict(only_rank0_receives=True, cpu_offload=True)
+        state = ema.get_ema_state_dict(
+            only_rank0_receives=True, cpu_offload=True, include_untracked=True
+        )
         if is_rank0():
             target.save_pretrained(output_dir, state_dict=state, **kwargs)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
