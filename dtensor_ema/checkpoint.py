@@ -49,7 +49,16 @@ from dtensor_ema.reader import (
     existing_checkpoint,
     open_checkpoint,
 )
-from dtensor_ema.state import EMA_TENSORS, TensorSpec, compare_tensors, validate_state
+from dtensor_ema.state import (
+    EMA_TENSORS,
+    TensorSpec,
+    common_names,
+    compare_tensors,
+    deferred_names,
+    tracked_difference,
+    validate_state,
+    with_common_subsets,
+)
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -199,6 +208,7 @@ def load_checkpoint(
     *,
     process_group: dist.ProcessGroup | None = None,
     verify: bool = True,
+    common_subset: bool = False,
 ) -> None:
     """Load ``state`` in place from the DCP checkpoint at ``path``, checking it first.
 
@@ -221,6 +231,12 @@ def load_checkpoint(
     same message naming which rank saw what, and a refused checkpoint leaves every EMA
     exactly as it was. Other entries (model, optimizer) get DCP's own checks: missing keys
     and shape mismatches raise before anything is written.
+
+    An EMA that tracks other tensors than the checkpoint's (``ModelEMA(track=...)``,
+    ``add_tensors``: the checkpoint's config lists what its EMA left untracked) is refused
+    the same way, naming the tensors each side tracks alone; with ``common_subset=True``
+    the tensors both track are loaded and the EMA's others keep their values (tensors of
+    another model, and other options, are still refused).
 
     With ``verify=True`` (default) and a checkpoint written by :func:`save_checkpoint`, each
     rank first checks ``.metadata`` and every saved item its load will read from (whole and
@@ -250,10 +266,16 @@ def load_checkpoint(
     """
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
-        _load(state, Path(path), group, verify)
+        _load(state, Path(path), group, verify, common_subset)
 
 
-def _load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, verify: bool) -> None:
+def _load(
+    state: dict[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+    verify: bool,
+    common_subset: bool = False,
+) -> None:
     emas = _emas_in(state)
     error: Exception | None = None
     checkpoint: Checkpoint | None = None
@@ -281,12 +303,18 @@ def _load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, ve
         for where, ema in emas.items():
             _set_nested(saved, where, _without_tensors(ema.state_dict()))
         checkpoint.load(saved, group=group)
+        subsets: dict[tuple[str, ...], list[str]] = {}
         try:
             for where, ema in emas.items():
-                _judge_saved_values(checkpoint, where, ema, _get_nested(saved, where))
+                names = _judge_saved_values(
+                    checkpoint, where, ema, _get_nested(saved, where), common_subset
+                )
+                if names is not None:
+                    subsets[where] = names
         except (KeyError, ValueError) as e:
             error = e
         agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
+        state = with_common_subsets(state, subsets)
     checkpoint.load(state, group=group)
 
 
@@ -314,7 +342,9 @@ def _get_nested(root: dict[str, Any], where: tuple[str, ...]) -> Any:
 
 
 def _check_ema_tensors(checkpoint: Checkpoint, where: tuple[str, ...], ema: ModelEMA) -> None:
-    """The checkpoint holds exactly this EMA's entries, with its shapes and dtypes."""
+    """The checkpoint holds this EMA's entries, with its shapes and dtypes; names a
+    tracked-set difference may explain are left to :func:`_judge_saved_values`, which has
+    read the saved config."""
     key = ".".join(where)
     path = checkpoint.path
     saved = checkpoint.entries_under(where)
@@ -323,8 +353,11 @@ def _check_ema_tensors(checkpoint: Checkpoint, where: tuple[str, ...], ema: Mode
             f"checkpoint {path} has no EMA state under {key!r}; its top-level entries are "
             f"{sorted(checkpoint.top_level_keys())}"
         )
-    ours = {_short(k, key): v for k, v in _flatten(ema.state_dict(), where)}
-    problems = compare_tensors({_short(k, key): _spec(md) for k, md in saved.items()}, ours)
+    own = ema.state_dict()
+    ours = {_short(k, key): v for k, v in _flatten(own, where)}
+    specs = {_short(k, key): _spec(md) for k, md in saved.items()}
+    deferred = deferred_names([k for k, v in specs.items() if v is not None], own)
+    problems = compare_tensors(specs, ours, ignore=deferred)
     if problems:
         raise ValueError(
             f"checkpoint {path} does not match the EMA under {key!r} (a different model?): "
@@ -339,10 +372,15 @@ def _spec(md: Any) -> TensorSpec | None:
 
 
 def _judge_saved_values(
-    checkpoint: Checkpoint, where: tuple[str, ...], ema: ModelEMA, saved: dict[str, Any]
-) -> None:
+    checkpoint: Checkpoint,
+    where: tuple[str, ...],
+    ema: ModelEMA,
+    saved: dict[str, Any],
+    common_subset: bool = False,
+) -> list[str] | None:
     """Validate the saved counter and options, with the tensors' metadata, against the EMA
-    (:func:`~dtensor_ema.state.validate_state`); nothing is written."""
+    (:func:`~dtensor_ema.state.validate_state`); nothing is written. Returns the tensors to
+    load when the tracked sets differ (``common_subset``), else ``None``."""
     key = ".".join(where)
     prefix = f"{key}.{_EMA_TENSORS}."
     tensors = {
@@ -350,12 +388,27 @@ def _judge_saved_values(
         for k, md in checkpoint.entries_under(where).items()
         if k.startswith(prefix)
     }
+    candidate = {**saved, _EMA_TENSORS: tensors}
+    ours = ema.state_dict()
+    diff = tracked_difference(tensors, saved.get("config"), ours)
+    problems = compare_tensors(
+        {k: v for k, v in tensors.items() if k not in diff.only_saved},
+        {k: v for k, v in ours[_EMA_TENSORS].items() if k not in diff.only_ours},
+    )
+    if problems:
+        raise ValueError(
+            f"checkpoint {checkpoint.path} does not match the EMA under {key!r} (a different "
+            f"model?): {problems}"
+        )
     try:
-        validate_state({**saved, _EMA_TENSORS: tensors}, ema.state_dict())
+        validate_state(candidate, ours, common_subset=common_subset)
     except (KeyError, ValueError) as e:
         raise type(e)(
             f"checkpoint {checkpoint.path} cannot resume the EMA under {key!r}: {e}"
         ) from e
+    if not (common_subset and diff):
+        return None
+    return common_names(candidate, ours)
 
 
 def _flatten(value: Any, prefix: tuple[str, ...]) -> Iterator[tuple[str, Any]]:

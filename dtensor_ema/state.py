@@ -47,10 +47,13 @@ __all__ = [
     "EMA_TENSORS",
     "STATE_KEYS",
     "UPDATES",
+    "CommonSubsetState",
+    "GroupState",
     "TensorSpec",
     "TrackedDifference",
     "common_names",
     "compare_tensors",
+    "deferred_names",
     "format_mismatch",
     "load_local_state",
     "local_piece",
@@ -58,6 +61,7 @@ __all__ = [
     "tag_rank",
     "tracked_difference",
     "validate_state",
+    "with_common_subsets",
 ]
 
 UPDATES = "updates"
@@ -221,6 +225,74 @@ def common_names(state: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]
     values = state[EMA_TENSORS]
     diff = tracked_difference(values, state.get(CONFIG), ours)
     return [k for k in ours[EMA_TENSORS] if k in values and k not in diff.only_ours]
+
+
+def deferred_names(saved_names: Iterable[str], ours: Mapping[str, Any]) -> list[str]:
+    """Tensor names a check made before the saved ``config`` is read must not judge: those
+    this EMA leaves untracked, and this EMA's tensors the saved state lacks (only the
+    config tells whether its EMA left them untracked, or was another model's)."""
+    saved = list(saved_names)
+    present = set(saved)
+    deferred = list(tracked_difference(saved, None, ours).only_saved)
+    return deferred + [k for k in ours[EMA_TENSORS] if k not in present]
+
+
+class CommonSubsetState:
+    """A DCP ``Stateful`` view of one ``ModelEMA`` through the tensors it shares with a
+    checkpoint (``load_checkpoint(..., common_subset=True)``): its state dict holds only
+    ``names``, and loading validates and copies only those (the others keep their values).
+    """
+
+    def __init__(self, ema: Any, names: Iterable[str]) -> None:
+        self.ema = ema
+        self.names = list(names)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.ema.state_dict()
+        tensors = state[EMA_TENSORS]
+        return {**state, EMA_TENSORS: {k: tensors[k] for k in self.names}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ema.load_state_dict(state, common_subset=True)
+
+
+class GroupState:
+    """A DCP ``Stateful`` over named members (a ``MultiModelEMA`` whose members load
+    through :class:`CommonSubsetState`): ``{name: member.state_dict()}``."""
+
+    def __init__(self, members: Mapping[str, Any]) -> None:
+        self.members = dict(members)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: member.state_dict() for name, member in self.members.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, member in self.members.items():
+            member.load_state_dict(state[name])
+
+
+def with_common_subsets(
+    state: dict[str, Any], subsets: Mapping[tuple[str, ...], list[str]]
+) -> dict[str, Any]:
+    """``state`` (what ``dcp.load`` gets) with each EMA that loads only some of its tensors
+    seen through :class:`CommonSubsetState`: ``subsets`` maps an EMA's path (``("ema",)``,
+    or ``("emas", "fast")`` for a ``MultiModelEMA`` member) to the names it loads."""
+    if not subsets:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        if (key,) in subsets:
+            out[key] = CommonSubsetState(value, subsets[(key,)])
+        elif any(len(w) == 2 and w[0] == key for w in subsets):  # a MultiModelEMA
+            out[key] = GroupState(
+                {
+                    name: CommonSubsetState(member, subsets[(key, name)])
+                    if (key, name) in subsets
+                    else member
+                    for name, member in value.items()
+                }
+            )
+    return out
 
 
 def validate_state(

@@ -294,6 +294,33 @@ def test_dcp_and_checkpoints_of_a_tracked_subset(tmp_path: Path) -> None:
     follows = ModelEMA(rebuilt, decay=DECAY, tau=None, track="trainable")
     load_checkpoint({"ema": follows}, tmp_path / "after")
     assert mismatches(follows.ema_tensors(), ema.ema_tensors()) == []
+    # Another tracked set is refused before anything is written, naming the tensors...
+    lora = ModelEMA(_edge(seed=5), decay=DECAY, tau=None, track="trainable")
+    before = {k: v.clone() for k, v in lora.ema_tensors().items()}
+    with pytest.raises(ValueError, match=r"tracked only in the checkpoint \['frozen'\].*"
+                       r"common_subset=True"):  # fmt: skip
+        load_checkpoint({"ema": lora}, tmp_path / "after")
+    assert mismatches(lora.ema_tensors(), before) == [] and lora.updates == 0
+    # ... unless the caller asks for the tensors both track.
+    load_checkpoint({"ema": lora}, tmp_path / "after", common_subset=True)
+    expected = {k: v for k, v in ema.ema_tensors().items() if k != "frozen"}
+    assert mismatches(lora.ema_tensors(), expected) == [] and lora.updates == 3
+    whole_model = ModelEMA(_edge(seed=6), decay=DECAY, tau=None)
+    kept = {k: whole_model.ema_tensors()[k].clone() for k in ("float_buf",)}
+    with pytest.raises(ValueError, match=r"tracked only by this EMA \['float_buf'\]"):
+        load_checkpoint({"ema": whole_model}, tmp_path / "after")
+    load_checkpoint({"ema": whole_model}, tmp_path / "after", common_subset=True)
+    got = whole_model.ema_tensors()
+    assert mismatches({k: got[k] for k in ema.ema_tensors()}, ema.ema_tensors()) == []
+    assert torch.equal(got["float_buf"], kept["float_buf"])  # not in the checkpoint: kept
+    # MultiModelEMA members too.
+    multi = MultiModelEMA(_edge(seed=7), {"a": {"decay": DECAY, "tau": None}})
+    save_checkpoint({"emas": MultiModelEMA(model, {"a": {"decay": DECAY, "tau": None}},
+                                           track="trainable")}, tmp_path / "multi")  # fmt: skip
+    with pytest.raises(ValueError, match="tracked only by this EMA"):
+        load_checkpoint({"emas": multi}, tmp_path / "multi")
+    load_checkpoint({"emas": multi}, tmp_path / "multi", common_subset=True)
+    assert multi["a"].updates == 0 and "frozen" in multi["a"].ema_tensors()
 
 
 def test_multi_model_ema_shares_the_tracked_set() -> None:

@@ -378,6 +378,18 @@ def load_at_w3(tmp: Path) -> dict[str, Any]:
     _, ema = _fresh("fsdp", unfrozen=True)
     load_checkpoint({"ema": ema}, tmp / "change_w2")
     out["change"] = mismatches(ema.get_ema_state_dict(), refs[f"change@{K + N}"])
+    # The checkpoint of the old set into an EMA of the new one: refused, naming the tensors
+    # only this EMA tracks, unless the caller asks for the tensors both track.
+    model, ema = _fresh("fsdp", unfrozen=True)
+    initial = ema.get_ema_state_dict()
+    out["other_set_refused"] = _error(lambda: load_checkpoint({"ema": ema}, tmp / "subset_w2"))
+    out["other_set_untouched"] = mismatches(ema.get_ema_state_dict(), initial)
+    load_checkpoint({"ema": ema}, tmp / "subset_w2", common_subset=True)
+    got = ema.get_ema_state_dict()
+    out["common_subset"] = mismatches({k: got[k] for k in refs[f"subset@{K}"]}, refs[f"subset@{K}"])
+    out["common_subset_kept"] = mismatches(
+        {k: got[k] for k in UNFROZEN}, {k: initial[k] for k in UNFROZEN}
+    )
     return out
 
 
@@ -471,7 +483,15 @@ def test_trainable_set_change_is_collective_and_checkpointed(track_results: Any)
         assert "now trainable ['layers.1.w1.weight', 'layers.1.w1.bias']" in out["update_refused"]
         assert out["change@K+N"] == [], (rank, out)
     for rank, result in enumerate(track_results[3]):
-        assert result["load"]["change"] == [], (rank, result["load"])
+        out = result["load"]
+        assert out["change"] == [], (rank, out)
+        assert out["other_set_refused"].startswith("ValueError: "), out
+        assert (
+            "tracks other tensors than this EMA (tracked only by this EMA "
+            "['layers.1.w1.weight', 'layers.1.w1.bias'])" in out["other_set_refused"]
+        ), out["other_set_refused"]
+        assert out["other_set_untouched"] == [], (rank, out)
+        assert out["common_subset"] == [] and out["common_subset_kept"] == [], (rank, out)
 
 
 def test_dcp_reshard_of_a_tracked_subset_2_3_1(track_results: Any) -> None:
