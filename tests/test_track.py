@@ -436,3 +436,39 @@ def test_peft_export_refuses_untracked_adapter_tensors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="format must be 'file' or 'peft'"):
         export_ema(ema, tmp_path / "x.pt", format="lora")  # type: ignore[arg-type]
     assert not (tmp_path / "adapter").exists()
+
+
+@needs_peft
+def test_hf_trainer_callback_keeps_and_saves_the_adapter_ema(tmp_path: Path) -> None:
+    """The Hugging Face ``Trainer`` path: ``EMACallback(track="trainable")`` on a peft
+    model; ``save_pretrained`` hands peft a whole state dict and peft writes the adapter."""
+    import peft
+    from transformers import TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from dtensor_ema.integrations.transformers import EMACallback, EMATrainer
+
+    hf_logging.set_verbosity_error()
+    model = _lora("gpt2")
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(1, 96, (8, 8), generator=g)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+    )
+    callback = EMACallback(decay=DECAY, tau=None, track="trainable")
+    EMATrainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    adapter = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    assert callback.ema.local_nbytes() == _bytes(adapter)
+    callback.save_pretrained(tmp_path / "ema")
+    tokens = torch.randint(1, 96, (1, 8), generator=g)
+    model.eval()
+    with callback.ema.average_parameters() as m, torch.no_grad():
+        swapped = m(tokens).logits
+    loaded = peft.PeftModel.from_pretrained(_base("gpt2"), str(tmp_path / "ema")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, swapped)
