@@ -393,15 +393,49 @@ def load_at_w3(tmp: Path) -> dict[str, Any]:
     return out
 
 
+def add_scenario(name: str, hidden: int = HIDDEN) -> dict[str, Any]:
+    """Unfreeze ``layers.1.w1`` (sharded by FSDP2, and by TP under ``fsdp_tp``) mid-run and
+    add it collectively: it starts from its current value and then follows the reference;
+    dropping ``out`` frees its rows."""
+    model, wrapped = _wrap(name, hidden)
+    ema = ModelEMA(wrapped, decay=DECAY, tau=None, track="trainable")
+    ref = _tracked(model)
+    out: dict[str, Any] = {}
+    for step in range(1, 4):
+        if step == 2:
+            for fqn in UNFROZEN:
+                model.get_parameter(fqn).requires_grad_(True)
+            before = ema.local_numel()
+            ema.add_tensors(UNFROZEN)
+            out["added_numel"] = ema.local_numel() - before
+            ref.update({k: v for k, v in _tracked(model).items() if k in UNFROZEN})
+        perturb_(model, step)
+        ema.update()
+        for k, v in _tracked(model).items():
+            ref[k].lerp_(v, 1 - DECAY)
+    out["after_add"] = mismatches(ema.get_ema_state_dict(), ref)
+    numel = torch.tensor([out["added_numel"]])
+    dist.all_reduce(numel)
+    out["added_numel_ok"] = int(numel) == sum(ref[k].numel() for k in UNFROZEN)
+    model.out.requires_grad_(False)
+    ema.drop_tensors(["out.weight", "out.bias"])
+    ema.update()
+    order = [k for k, _ in model.named_parameters() if k in ref and not k.startswith("out.")]
+    out["after_drop"] = list(ema.get_ema_state_dict()) == order
+    return out
+
+
 def track_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     tmp_path = Path(tmp)
     results: dict[str, Any] = {"ddp": layout_scenario("ddp")}
     if world_size in (2, 3):
         results["fsdp"] = layout_scenario("fsdp")
+        results["add_fsdp"] = add_scenario("fsdp")
     if world_size == 4:
         results["ddp_even"] = layout_scenario("ddp", EVEN_HIDDEN)
         results["hsdp"] = layout_scenario("hsdp", EVEN_HIDDEN)
         results["fsdp_tp"] = layout_scenario("fsdp_tp", EVEN_HIDDEN)
+        results["add_fsdp_tp"] = add_scenario("fsdp_tp", EVEN_HIDDEN)
     if world_size == 2 and HAVE_PEFT:
         for family, wrapper in (("gpt2", "ddp"), ("gpt2", "fsdp"), ("llama", "fsdp")):
             results[f"peft_{family}_{wrapper}"] = peft_scenario(family, wrapper, tmp_path)
@@ -492,6 +526,14 @@ def test_trainable_set_change_is_collective_and_checkpointed(track_results: Any)
         ), out["other_set_refused"]
         assert out["other_set_untouched"] == [], (rank, out)
         assert out["common_subset"] == [] and out["common_subset_kept"] == [], (rank, out)
+
+
+@pytest.mark.parametrize(("world_size", "name"), [(2, "fsdp"), (3, "fsdp"), (4, "fsdp_tp")])
+def test_add_and_drop_sharded_tensors(track_results: Any, world_size: int, name: str) -> None:
+    for rank, result in enumerate(track_results[world_size]):
+        out = result[f"add_{name}"]
+        assert out["after_add"] == [] and out["added_numel_ok"], (rank, out)
+        assert out["after_drop"], (rank, out)
 
 
 def test_dcp_reshard_of_a_tracked_subset_2_3_1(track_results: Any) -> None:
