@@ -132,7 +132,8 @@ def test_torchtitan_ema_matches_torchtitan_math(case: str) -> None:
     # Evaluation through the first EMA: the model holds it, then its own weights again.
     raw = {k: v.detach().clone() for k, v in live_tensors(model).items()}
     with ema.average_parameters() as swapped:
-        inside = live_tensors(swapped)
+        assert swapped == [model]
+        inside = live_tensors(model)
         assert _differ(dict(inside), reference.emas[names[0]]) == []
     assert _differ(dict(live_tensors(model)), raw) == []
 
@@ -166,8 +167,82 @@ def test_torchtitan_ema_buffer_patterns_and_disabled() -> None:
         TorchtitanEMA.Config(enable=True, decays=[1.5])
     with pytest.raises(ValueError, match="update_every_n_steps must be >= 1, got 0"):
         TorchtitanEMA.Config(enable=True, update_every_n_steps=0)
-    with pytest.raises(ValueError, match="one model part, got 2"):
+    with pytest.raises(ValueError, match="model parts 0 and 1 both hold"):
         TorchtitanEMA(config, model_parts=[model, model])
+    with pytest.raises(ValueError, match="model_parts is empty"):
+        TorchtitanEMA(config, model_parts=[])
+
+
+def test_torchtitan_ema_pipeline_stages_save_one_layout(tmp_path: Path) -> None:
+    """Two pipeline stages (torchtitan's own ``_split_module``) in one process, trained as a
+    chain: each stage's EMAs equal the reference; the saved state does not depend on the
+    split (a checkpoint of the two stages loads bit for bit into the whole model's EMA);
+    ``average_parameters`` swaps every stage; ``reset`` restarts from the weights; a resume
+    with other ``buffer_patterns`` is refused."""
+    from torchtitan.distributed.pipeline_parallel import _split_module
+
+    whole = _titan()
+    stages = [
+        _split_module(whole, ["tok_embeddings", "layers.0"]),
+        _split_module(whole, ["layers.1", "norm", "lm_head"]),
+    ]
+    config = TorchtitanEMA.Config(enable=True, decays=[0.5, 0.9])
+    ema = TorchtitanEMA(config, model_parts=stages)
+    assert len(ema.parts) == 2 and list(ema) == ["decay_0_5", "decay_0_9"]
+    with pytest.raises(ValueError, match="tracks 2 model parts"):
+        ema["decay_0_5"]
+    references = [TitanReference(stage, config, list(ema)) for stage in stages]
+    opt = torch.optim.AdamW([p for stage in stages for p in stage.parameters()], lr=1e-2)
+    for step in range(1, 4):
+        torch.manual_seed(100 + step)
+        tokens = torch.randint(0, 2048, (2, 8))
+        logits = stages[1](stages[0](tokens)).float()
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                           tokens[:, 1:].reshape(-1))  # fmt: skip
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ema.step(step)
+        for stage, reference in zip(stages, references, strict=True):
+            reference.step(stage, step)
+    want = {n: {k: v for r in references for k, v in r.emas[n].items()} for n in ema}
+    keys = sorted(want["decay_0_5"])
+    assert set(keys) == {k for k, p in whole.named_parameters()}
+    for part, reference in zip(ema.parts, references, strict=True):
+        for name in ema:
+            assert _differ(part[name].ema_tensors(), reference.emas[name]) == [], name
+
+    dcp.save({"ema": ema}, checkpoint_id=str(tmp_path / "stages"))
+    single = TorchtitanEMA(config, model_parts=[whole])
+    dcp.load({"ema": single}, checkpoint_id=str(tmp_path / "stages"))
+    for name in single:
+        assert _differ(_ema_full(single, name, keys), want[name]) == [], name
+        merged = ema.get_ema_state_dict(name)
+        assert merged.keys() == single.get_ema_state_dict(name).keys()
+    assert single["decay_0_5"].updates == 3
+
+    raw = {k: v.detach().clone() for stage in stages for k, v in live_tensors(stage).items()}
+    with ema.average_parameters("decay_0_9") as parts:
+        assert parts == stages
+        inside = {k: v for stage in stages for k, v in live_tensors(stage).items()}
+        assert _differ(inside, want["decay_0_9"]) == []
+    after = {k: v for stage in stages for k, v in live_tensors(stage).items()}
+    assert _differ(after, raw) == []
+
+    other = TorchtitanEMA(
+        TorchtitanEMA.Config(enable=True, decays=[0.5, 0.9], buffer_patterns=["*.bias_E"]),
+        model_parts=[whole],
+    )
+    with pytest.raises(ValueError, match="resuming would not continue"):
+        other.load_state_dict(ema.state_dict())
+    with pytest.raises(ValueError, match="checkpoint EMAs"):
+        TorchtitanEMA(TorchtitanEMA.Config(enable=True), model_parts=[whole]).load_state_dict(
+            ema.state_dict()
+        )
+    ema.reset()
+    for name in ema:
+        assert _differ({k: v for p in ema.parts for k, v in p[name].ema_tensors().items()},
+                       raw) == []  # fmt: skip
 
 
 # ------------------------------------------------------------------ W=2, DCP
