@@ -11,12 +11,14 @@ torchtitan targets CUDA; the CPU switches, in one place:
   torchtitan's ``parallelize_llama``/``parallelize_deepseekv3``: gloo has no ``PREMUL_SUM``.
 
 torchtitan's own ``Trainer`` needs more (:func:`use_cpu_trainer`, :func:`trainer_assets`,
-:func:`cpu_trainer_config`, :func:`build_cpu_trainer`): ``device_module`` (``torch.cuda``
-at import) pointed at ``torch.cpu`` wherever a module copied it (``set_device``), a memory
-monitor without CUDA's statistics, CUDA graphs off, fp32 parameters, a gloo process group
-started before the trainer (its ``init_distributed`` would pick NCCL; it skips when a group
-exists), and the tokenizer and ``c4_test`` dataset that the wheel does not ship (written
-here: a word-level tokenizer and a few lines of generated text).
+:func:`cpu_trainer_config`, :func:`build_cpu_trainer`): ``device_type`` set in the modules
+that copied it (then its ``init_distributed`` starts gloo, not NCCL), ``device_module``
+(``torch.cuda`` at import) pointed at ``torch.cpu`` (``set_device``, barriers), a memory
+monitor without CUDA's statistics, the FSDP2 sum reduction applied inside torchtitan's own
+FSDP setup, SDPA as a torchtitan ``--override.imports`` override, CUDA graphs off, fp32
+parameters, and the tokenizer and ``c4_test`` dataset that the wheel does not ship (written
+here: a word-level tokenizer and a few lines of generated text). ``python -m titan_models
+SCRIPT ARGS`` (under ``torchrun``) runs a script with these switches on.
 
 Every function imports torchtitan lazily, so this module imports without it (rank bodies
 reach it through the test modules, which the spawned ranks import by name).
@@ -24,6 +26,7 @@ reach it through the test modules, which the spawned ranks import by name).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -218,21 +221,59 @@ class _CpuDeviceModule:
 
 def use_cpu_trainer() -> None:
     """:func:`use_cpu`, plus what torchtitan's ``Trainer`` reaches: ``device_type`` in
-    ``torchtitan.distributed.utils`` and ``torchtitan.components.metrics``,
-    ``device_module`` = ``torch.cpu`` (:class:`_CpuDeviceModule`) wherever a module copied
-    ``torch.cuda`` at import, and a memory monitor that reads no CUDA statistics.
-    Process-wide; call it in every rank before the build."""
+    ``torchtitan.distributed.utils`` (so its ``init_distributed`` starts gloo) and
+    ``torchtitan.components.metrics``; ``device_module`` = ``torch.cpu``
+    (:class:`_CpuDeviceModule`) wherever a module copied ``torch.cuda`` at import; a memory
+    monitor that reads no CUDA statistics; every FSDP2 module torchtitan builds set to sum
+    its gradients (:func:`_sum_on_gloo`); and the override :func:`sdpa_on_cpu` registered
+    for ``--override.imports titan_models.sdpa_on_cpu``. Process-wide, idempotent; call it
+    in every rank before the build."""
     import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.models.common.token_dispatcher as dispatcher
     import torchtitan.tools.profiler as profiler
     import torchtitan.tools.utils as tt_utils
+    from torchtitan.config import override
+    from torchtitan.models.common.attention import FlexAttention
 
     use_cpu()
     dist_utils.device_type = metrics.device_type = "cpu"
     for module in (tt_utils, dist_utils, metrics, dispatcher, profiler):
         module.device_module = _CpuDeviceModule()  # type: ignore[attr-defined]
     metrics.build_device_memory_monitor = _CpuMemoryMonitor  # type: ignore[assignment]
+    if not getattr(titan_fsdp.disable_fsdp_gradient_division, "sums_on_gloo", False):
+        titan_fsdp.disable_fsdp_gradient_division = _sum_on_gloo(
+            titan_fsdp.disable_fsdp_gradient_division
+        )
+    with contextlib.suppress(ValueError):  # registered already
+        override(target=FlexAttention.Config, description="CPU: SDPA")(sdpa_on_cpu)
+
+
+def _sum_on_gloo(disable_division: Any) -> Any:
+    """torchtitan's ``disable_fsdp_gradient_division`` (called on every model its
+    ``apply_fsdp_to_decoder`` shards), then ``set_force_sum_reduction_for_comms(True)`` on
+    every FSDP2 module: gloo has no ``PREMUL_SUM``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def wrapped(model: nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    wrapped.sums_on_gloo = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def sdpa_on_cpu(config: Any) -> Any:
+    """A torchtitan ``@override`` of every ``FlexAttention.Config`` (registered by
+    :func:`use_cpu_trainer`): SDPA, since FlexAttention has no CPU backward. Activate it on
+    torchtitan's command line with ``--override.imports titan_models.sdpa_on_cpu``."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    del config
+    return ScaledDotProductAttention.Config()
 
 
 WORDS = 300
@@ -331,21 +372,27 @@ def cpu_trainer_config(
 
 
 def build_cpu_trainer(config: Any) -> Any:
-    """``config.build()`` on CPU ranks (:func:`use_cpu_trainer` first; a gloo group must
-    exist; ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set from it as ``torchrun`` would), then
-    every FSDP2 module set to sum its gradients (gloo has no ``PREMUL_SUM``). Collective:
-    every rank builds."""
+    """``config.build()`` on CPU ranks: :func:`use_cpu_trainer` first; a gloo group must
+    exist (torchtitan's ``init_distributed`` then keeps it); ``RANK``/``LOCAL_RANK``/
+    ``WORLD_SIZE`` set from it as ``torchrun`` would. Collective: every rank builds."""
     import os
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
 
     use_cpu_trainer()
     rank, world = str(dist.get_rank()), str(dist.get_world_size())
     os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world)
-    trainer = config.build()
-    for part in trainer.model_parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-    return trainer
+    return config.build()
+
+
+if __name__ == "__main__":
+    # ``torchrun ... -m titan_models SCRIPT ARGS``: SCRIPT on CPU ranks with the switches above
+    # (the example smoke test runs torchtitan's entry point this way).
+    import runpy
+    import sys
+
+    import titan_models
+
+    titan_models.use_cpu_trainer()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
