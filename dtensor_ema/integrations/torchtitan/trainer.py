@@ -95,6 +95,10 @@ class EMAValidator(Validator):
         """The last validation's losses: ``"raw"`` and one per EMA name."""
 
     def validate(self, model_parts: list[nn.Module], step: int) -> None:
+        """torchtitan's validation of ``model_parts`` at ``step``, then the same through
+        each EMA; one log call with all the losses. Collective (see the class). Peak extra
+        memory: the swap's backup, ``1/W`` of the swapped weights per part. The raw weights
+        come back after each EMA's pass, also when it raises."""
         ema = self.ema
         if ema is None or not ema.names:
             super().validate(model_parts, step)
@@ -162,6 +166,9 @@ class EMACheckpointManager(CheckpointManager):
         from_hf: bool,
         from_quantized: bool,
     ) -> None:
+        """torchtitan's load of ``state_dict`` from ``checkpoint_id``; then, when it held no
+        EMA (no ``ema`` entry asked for, HF weights, or none in the checkpoint's metadata:
+        a warning), the EMA restarts from the loaded weights. Collective (DCP's load)."""
         ema = self.states.get(EMA)
         reseed = ema is not None and (from_hf or EMA not in state_dict)
         if ema is not None and not reseed and not _holds(checkpoint_id, EMA):
@@ -226,7 +233,7 @@ class EMATrainer(Trainer):
         ema: TorchtitanEMA.Config = field(default_factory=lambda: TorchtitanEMA.Config(enable=True))
         """The EMA (on by default: ``--ema.decays 0.999``, ``--ema.half_life_fractions``,
         ``--ema.start_step``, ``--ema.update_every_n_steps``, ``--ema.buffer_patterns``...;
-        ``--ema.enable False`` turns it off)."""
+        ``--ema.no_enable`` turns it off)."""
         validator: EMAValidator.Config = field(default_factory=EMAValidator.Config)
         checkpoint: EMACheckpointManager.Config = field(default_factory=EMACheckpointManager.Config)
 
