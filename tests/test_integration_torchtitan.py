@@ -8,8 +8,9 @@ torchtitan needs live in ``titan_models`` (test setup, never the library).
 
 * W=4 (one spawn): llama3 HSDP 2x2 (an ``async_mode="async"`` checkpoint at step 2, the
   final one at step 3 model-only), llama3 FSDP2 2 x TP 2 (HF export of the EMA and of the raw
-  weights), llama3 PP 2 x FSDP2 2 (one EMA per stage over the stage's mesh), deepseek_v3
-  (MoE, ``expert_bias_E`` averaged through ``buffer_patterns``) HSDP 2x2 and FSDP2 2 x TP 2.
+  weights; the final checkpoint model-only in HF format), llama3 PP 2 x FSDP2 2 (one EMA
+  per stage over the stage's mesh), deepseek_v3 (MoE, ``expert_bias_E`` averaged through
+  ``buffer_patterns``) HSDP 2x2 and FSDP2 2 x TP 2.
 * W=2 (one spawn): llama3 FSDP2 resumed from the W=4 HSDP step-2 checkpoint, then a
   model-only load; deepseek_v3 FSDP2; and ``TorchtitanEMA`` in a hand-written loop under
   DDP and FSDP2 (each rank holds half of the EMA bytes, torchtitan's clone all of them under
@@ -634,8 +635,12 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer.close()
     out["llama_hsdp"] = run
 
-    # llama3 FSDP2 2 x TP 2: half-life EMA from step 2; HF export of the EMA and raw weights.
-    config = _config(base / "tp", "llama3", shard=2, tp=2, steps=3, validate_every=3)
+    # llama3 FSDP2 2 x TP 2: half-life EMA from step 2; HF export of the EMA and raw weights,
+    # and a final model-only checkpoint in HF format (the EMA beside it, the same way).
+    config = _config(base / "tp", "llama3", shard=2, tp=2, steps=3, validate_every=3,
+                     checkpoint_every=10)  # fmt: skip
+    config.checkpoint.last_save_model_only = True
+    config.checkpoint.last_save_in_hf = True
     config.ema.decays = []
     config.ema.half_life_fractions = [0.5]
     config.ema.start_step = 2
@@ -911,6 +916,17 @@ def test_hf_export_loads_into_transformers(w4: tuple[Path, list[dict[str, Any]]]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         logits[kind] = got
     assert not torch.allclose(logits["ema"], logits["raw"], atol=1e-3)
+
+    # The final checkpoint in HF format (last_save_in_hf): torchtitan's own save of the raw
+    # weights, and the EMA beside it, equal the exports bit for bit.
+    final = root / "tp" / "outputs" / "checkpoint" / "step-3"
+    for kind, folder in (("raw", final), ("ema", final / "ema" / "hlf_0_5")):
+        files = sorted(folder.glob("*.safetensors"))
+        assert files, sorted(folder.iterdir())
+        saved = {k: v for f in files for k, v in load_file(f).items()}
+        exported = load_file(root / "tp" / f"hf_{kind}" / "model.safetensors")
+        assert saved.keys() == exported.keys(), kind
+        assert all(torch.equal(saved[k], exported[k]) for k in exported), kind
 
 
 @pytest.mark.distributed
