@@ -12,9 +12,10 @@ torchtitan needs live in ``titan_models`` (test setup, never the library).
   per stage over the stage's mesh), deepseek_v3 (MoE, ``expert_bias_E`` averaged through
   ``buffer_patterns``) HSDP 2x2 and FSDP2 2 x TP 2.
 * W=2 (one spawn): llama3 FSDP2 resumed from the W=4 HSDP step-2 checkpoint, then a
-  model-only load; deepseek_v3 FSDP2; and ``TorchtitanEMA`` in a hand-written loop under
-  DDP and FSDP2 (each rank holds half of the EMA bytes, torchtitan's clone all of them under
-  DDP; DCP ``save``/``load`` under the key ``ema`` into a fresh object resumes bit for bit).
+  model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2; and
+  ``TorchtitanEMA`` in a hand-written loop under DDP and FSDP2 (each rank holds half of the
+  EMA bytes, torchtitan's clone all of them under DDP; DCP ``save``/``load`` under the key
+  ``ema`` into a fresh object resumes bit for bit).
 * One process: the W=4 checkpoint's EMA into a plain model's EMA (no process group), the
   EMA written beside the model-only final checkpoint, and the HF export into
   ``transformers``' Llama; ``TorchtitanEMA.step(current_step)`` against torchtitan's
@@ -730,6 +731,14 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
         n: _differ(_trainer_ema_full(trainer, n, keys), weights) for n in trainer.ema
     }
     run["reseeded_to_step2"] = _differ(weights, saved["weights"][2])
+    # A checkpoint without EMA (the W=4 run's model-only final one, loaded as a full one):
+    # a warning, then the EMA restarts from the weights it loaded.
+    final = Path(w4_root) / "hsdp" / "outputs" / "checkpoint" / "step-3"
+    states = {**checkpointer.states["model"].state_dict(), "ema": trainer.ema}
+    checkpointer.dcp_load(states, str(final), from_hf=False, from_quantized=False)
+    weights = reference.weights()
+    run["no_ema"] = {n: _differ(_trainer_ema_full(trainer, n, keys), weights) for n in trainer.ema}
+    run["no_ema_to_step3"] = _differ(weights, saved["weights"][3])
     trainer.close()
     out["llama_resume"] = run
 
@@ -838,6 +847,8 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
         assert run["differ"] == {"decay_0_9": [], "decay_0_5": []}, rank
         assert run["reseeded"] == {"decay_0_9": [], "decay_0_5": []}, rank
         assert run["reseeded_to_step2"] == [], rank
+        assert run["no_ema"] == {"decay_0_9": [], "decay_0_5": []}, rank
+        assert run["no_ema_to_step3"] == [], rank
     _assert_validation(w2, "llama_resume", 3)
     _assert_run(w2, "moe_fsdp", [1, 2, 3])
     _assert_validation(w2, "moe_fsdp", 3)
@@ -865,6 +876,11 @@ def test_one_process_loads_the_w4_checkpoints(w4: tuple[Path, list[dict[str, Any
 
     final = dcp.FileSystemReader(str(folder / "step-3")).read_metadata().state_dict_metadata
     assert "tok_embeddings.weight" in final and not any(k.startswith("ema") for k in final)
+    from dtensor_ema.integrations.torchtitan.trainer import _holds
+
+    assert _holds(str(folder / "step-2"), "ema") and not _holds(str(folder / "step-3"), "ema")
+    assert _holds(str(folder / "step-3" / "ema" / "decay_0_9"), "tok_embeddings")
+    assert _holds(str(root / "not-a-checkpoint"), "ema")  # no local folder: the load decides
     assert results[0]["llama_hsdp"]["ema_folder"] == str(folder / "step-3" / "ema" / "decay_0_9")
     for name in ("decay_0_9", "decay_0_5"):
         state = model.state_dict()  # torchtitan's hook: fresh wq/wk/wv tensors to load into

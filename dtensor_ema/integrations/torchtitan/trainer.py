@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -45,6 +44,7 @@ from torchtitan.trainer import Trainer
 
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.hf import check_to_hf_keys, export_hf
+from dtensor_ema.reader import open_checkpoint
 
 __all__ = ["EMA", "EMACheckpointManager", "EMATrainer", "EMAValidator", "stage_mesh", "with_ema"]
 
@@ -168,7 +168,12 @@ class EMACheckpointManager(CheckpointManager):
     ) -> None:
         """torchtitan's load of ``state_dict`` from ``checkpoint_id``; then, when it held no
         EMA (no ``ema`` entry asked for, HF weights, or none in the checkpoint's metadata:
-        a warning), the EMA restarts from the loaded weights. Collective (DCP's load)."""
+        a warning), the EMA restarts from the loaded weights. Collective (DCP's load).
+
+        Raises:
+            CheckpointError: the checkpoint's ``.metadata`` would run code when unpickled
+                (read by dtensor_ema's restricted reader before torchtitan's plain DCP).
+        """
         ema = self.states.get(EMA)
         reseed = ema is not None and (from_hf or EMA not in state_dict)
         if ema is not None and not reseed and not _holds(checkpoint_id, EMA):
@@ -399,13 +404,19 @@ def _check_keys(sd_adapter: Any, states: dict[str, Any]) -> None:
 
 
 def _holds(checkpoint_id: str, key: str) -> bool:
-    """Whether the DCP checkpoint at ``checkpoint_id`` has entries under ``key``; ``True``
-    where its metadata cannot be read here (a remote path): the load then decides."""
+    """Whether the DCP checkpoint at ``checkpoint_id`` has entries under ``key``, from its
+    metadata read by :func:`dtensor_ema.reader.open_checkpoint` (no code run); ``True``
+    where there is no local checkpoint folder to read (a remote path): the load decides.
+
+    Raises:
+        CheckpointError: ``.metadata`` would run code when unpickled (before torchtitan's
+            plain DCP load reads it).
+    """
     try:
-        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
-    except (OSError, ValueError):
+        checkpoint = open_checkpoint(checkpoint_id)
+    except FileNotFoundError:
         return True
-    return any(k == key or k.startswith(key + ".") for k in metadata.state_dict_metadata)
+    return key in checkpoint.top_level_keys()
 
 
 def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
