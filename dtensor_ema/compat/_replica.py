@@ -54,7 +54,13 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["EmaReplica", "fix_message", "keeps_buffers_whole"]
+__all__ = [
+    "EmaReplica",
+    "facade_getstate",
+    "facade_setstate",
+    "fix_message",
+    "keeps_buffers_whole",
+]
 
 
 def keeps_buffers_whole(model: nn.Module, evaluation: str = "replica") -> bool:
@@ -91,6 +97,7 @@ class EmaReplica:
     def __init__(self, engine: ModelEMA, fix: str, *, sharded: bool = False) -> None:
         self.engine = engine
         self.fix = fix
+        self._sharded_option = sharded
         model = engine.model
         self.live = engine.mesh is None or engine.mesh.size() == 1
         # DTensor models (FSDP2, TP) use the engine's module at every W, W=1 included:
@@ -151,6 +158,15 @@ class EmaReplica:
         module.register_forward_pre_hook(_refuse_released_forward)
         module.register_load_state_dict_pre_hook(_LoadIntoEngine(self.engine))
         return module
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """The engine and options only: the module is rebuilt around the unpickled (or
+        copied) engine, whose EMA tensors it must share. The engine refuses at W > 1."""
+        return {"engine": self.engine, "fix": self.fix, "sharded": self._sharded_option}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        EmaReplica.__init__(self, state["engine"], state["fix"], sharded=state["sharded"])
 
     # ------------------------------------------------------------------ evaluation
     @property
@@ -249,6 +265,23 @@ class EmaReplica:
             f"{what} on a sharded EMA (each of the {world} ranks holds 1/{world} of every "
             f"tensor) would save one rank's piece. Fix: {self.fix}"
         )
+
+
+def facade_getstate(facade: nn.Module, key: str) -> dict[str, Any]:
+    """``__getstate__`` of an ``nn.Module`` facade that registers its replica's module as
+    the child ``key``: everything but that module (rebuilt by the replica on load)."""
+    state = facade.__dict__.copy()
+    state["_modules"] = {k: v for k, v in state["_modules"].items() if k != key}
+    return state
+
+
+def facade_setstate(facade: nn.Module, state: dict[str, Any], key: str, *, always: bool) -> None:
+    """``__setstate__`` matching :func:`facade_getstate`: re-register the rebuilt module as
+    ``key`` (``always``: also the sharded one, as timm's ``ModelEmaV3.module``)."""
+    nn.Module.__setstate__(facade, state)
+    replica: EmaReplica = facade.__dict__["_replica"]
+    if always or not replica.sharded:
+        facade._modules[key] = replica.module
 
 
 def _full_local(tensor: torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,20 @@ class EMAModel:
         self.temp_stored_params: list[torch.Tensor] | None = None
         self._private = False  # from_pretrained: parameters nobody else can change
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> EMAModel:
+        """A copy with its own EMA that steps from the same parameters, as a copy of
+        diffusers' ``EMAModel`` (which holds no model) does. Local; refused at W > 1 by the
+        engine (naming what to save instead). ``pickle``/``torch.save`` instead carry the
+        parameters along: the unpickled ``EMAModel`` tracks its own copies of them
+        (``state_dict``, ``shadow_params``, ``copy_to`` work; ``step`` takes those)."""
+        for param in self._params:
+            memo[id(param)] = param
+        copied = EMAModel.__new__(EMAModel)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
+
     @property
     def engine(self) -> ModelEMA:
         """The :class:`~dtensor_ema.ModelEMA` doing the work."""

@@ -39,7 +39,13 @@ import torch
 from torch import nn
 
 from dtensor_ema.compat._ema_pytorch_posthoc import PostHocEMA
-from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
+from dtensor_ema.compat._replica import (
+    EmaReplica,
+    facade_getstate,
+    facade_setstate,
+    fix_message,
+    keeps_buffers_whole,
+)
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
@@ -146,6 +152,14 @@ class EMA(nn.Module):
         ``gather_for_save()``; running it while they are freed raises), or with
         ``evaluation="sharded"`` the engine's sharded module (collective forward)."""
         return self._replica.module
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
+        replica's module is rebuilt on load around the unpickled engine."""
+        return facade_getstate(self, "ema_model")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        facade_setstate(self, state, "ema_model", always=False)
 
     @property
     def engine(self) -> ModelEMA:

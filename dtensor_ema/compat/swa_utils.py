@@ -44,11 +44,33 @@ import torch
 from torch import Tensor, nn
 from torch.optim import swa_utils as _torch_swa
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
+from dtensor_ema.compat._replica import (
+    EmaReplica,
+    facade_getstate,
+    facade_setstate,
+    fix_message,
+    keeps_buffers_whole,
+)
 from dtensor_ema.decay import ConstantDecay, DecaySchedule, RunningMeanDecay
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import AveragingFunction
 
-__all__ = ["AveragedModel", "get_ema_avg_fn", "get_ema_multi_avg_fn"]
+__all__ = [
+    "AveragedModel",
+    "averaging_of",
+    "get_ema_avg_fn",
+    "get_ema_multi_avg_fn",
+    "get_swa_avg_fn",
+    "get_swa_multi_avg_fn",
+    "update_bn",
+]
+
+get_swa_multi_avg_fn = _torch_swa.get_swa_multi_avg_fn
+"""torch's function, re-exported (mapped onto the fused running mean, ``"lerp"``)."""
+get_swa_avg_fn = _torch_swa.get_swa_avg_fn
+"""torch's function, re-exported (mapped onto the fused running mean, ``"divide"``)."""
+update_bn = _torch_swa.update_bn
+"""torch's ``update_bn``: recomputes the BatchNorm statistics of the average's module."""
 
 
 def get_ema_multi_avg_fn(decay: float = 0.999) -> Callable[..., None]:
@@ -65,31 +87,52 @@ def get_ema_avg_fn(decay: float = 0.999) -> Callable[..., Tensor]:
     return fn
 
 
-def ema_of(fn: Callable[..., Any] | None, multi: bool) -> tuple[float, str] | None:
-    """``(decay, formula)`` of an EMA averaging function from torch's factories, ``None``
-    for none (SWA). Reads the factory's closure: torch exposes no other handle on the
-    decay; a function it cannot read is refused rather than guessed."""
-    if fn is None:
+def _torch_factory(fn: Callable[..., Any]) -> str | None:
+    """The name of the ``torch.optim.swa_utils`` factory that made ``fn``, if one did."""
+    inner = inspect.unwrap(fn)  # torch.no_grad() wraps it
+    if getattr(inner, "__module__", None) != "torch.optim.swa_utils":
         return None
+    factory = getattr(inner, "__qualname__", "").partition(".<locals>")[0]
+    return factory if factory.startswith(("get_ema_", "get_swa_")) else None
+
+
+def averaging_of(
+    avg_fn: Callable[..., Any] | None, multi_avg_fn: Callable[..., Any] | None
+) -> tuple[DecaySchedule | AveragingFunction, str, int]:
+    """``(schedule, formula, update_after_step)`` of the engine for torch's arguments.
+
+    torch's factories (and this module's re-exports) take the fused formulas, bit for bit:
+    ``get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``, ``"lerp"``; ``get_ema_avg_fn(d)``:
+    ``"weighted_sum"``; ``get_swa_multi_avg_fn()``: ``RunningMeanDecay``, ``"lerp"``;
+    ``get_swa_avg_fn()``: ``"divide"``; no function: ``"swa"`` (torch's device rule: lerp
+    on CUDA, divide on CPU). Any other callable runs on the eager path as an
+    :class:`~dtensor_ema.options.AveragingFunction` (checked to be elementwise: raises
+    ``ValueError`` naming it otherwise). The decay of torch's EMA factories is read from
+    their closure, torch's only handle on it.
+    """
+    if avg_fn is not None and multi_avg_fn is not None:
+        raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
+    multi = multi_avg_fn is not None
+    fn = multi_avg_fn if multi else avg_fn
+    if fn is None:
+        return RunningMeanDecay(), "swa", 0
     tagged = getattr(fn, "ema_decay", None)
     if tagged is not None:
-        return tuple(tagged)
-    factory = "get_ema_multi_avg_fn" if multi else "get_ema_avg_fn"
-    inner = inspect.unwrap(fn)  # torch.no_grad() wraps it
-    code = getattr(inner, "__code__", None)
-    if (
-        getattr(inner, "__module__", None) == "torch.optim.swa_utils"
-        and getattr(inner, "__qualname__", "").startswith(factory + ".")
-        and code is not None
-        and "decay" in code.co_freevars
-    ):
-        cell = inner.__closure__[code.co_freevars.index("decay")]
-        return float(cell.cell_contents), "lerp" if multi else "weighted_sum"
-    raise ValueError(
-        f"{'multi_avg_fn' if multi else 'avg_fn'}={fn!r} cannot be mapped onto the sharded EMA: "
-        "only torch.optim.swa_utils.get_ema_multi_avg_fn(decay) / get_ema_avg_fn(decay) (or "
-        "none, for SWA's running mean) are supported"
-    )
+        return ConstantDecay(decay=tagged[0]), tagged[1], 1
+    factory = _torch_factory(fn)
+    if factory == ("get_swa_multi_avg_fn" if multi else "get_swa_avg_fn"):
+        return RunningMeanDecay(), "lerp" if multi else "divide", 0
+    if factory == ("get_ema_multi_avg_fn" if multi else "get_ema_avg_fn"):
+        inner = inspect.unwrap(fn)
+        code = inner.__code__
+        if "decay" in code.co_freevars and inner.__closure__ is not None:
+            cell = inner.__closure__[code.co_freevars.index("decay")]
+            return (
+                ConstantDecay(decay=float(cell.cell_contents)),
+                ("lerp" if multi else "weighted_sum"),
+                1,
+            )
+    return AveragingFunction(fn, multi=multi), "lerp", 1
 
 
 class AveragedModel(nn.Module):
@@ -113,13 +156,9 @@ class AveragedModel(nn.Module):
         **engine: Any,
     ) -> None:
         super().__init__()
-        found = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
+        schedule, formula, after = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
         if evaluation not in ("replica", "sharded"):
             raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
-        schedule: DecaySchedule = (
-            RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
-        )
-        formula: Any = "lerp" if found is None else found[1]
         first = next(iter(model.parameters()))
         if device is not None and torch.device(device) != first.device:
             raise ValueError(
@@ -131,7 +170,7 @@ class AveragedModel(nn.Module):
         self._engine = ModelEMA(
             model,
             schedule=schedule,
-            update_after_step=0 if found is None else 1,  # n_averaged == 0: copy
+            update_after_step=after,  # the first call (n_averaged == 0) copies
             buffers="average" if use_buffers else "copy",
             formula=formula,
             **engine,
@@ -150,12 +189,18 @@ class AveragedModel(nn.Module):
         avg_fn: Callable[..., Any] | None = None,
         multi_avg_fn: Callable[..., Any] | None = None,
         **engine: Any,
-    ) -> tuple[float, str] | None:
-        """``(decay, formula)`` of the averaging function, ``None`` for SWA; raises for one
-        that cannot be mapped (before any model exists: Lightning's callback checks early)."""
-        if avg_fn is not None and multi_avg_fn is not None:
-            raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
-        return ema_of(multi_avg_fn, True) or ema_of(avg_fn, False)
+    ) -> tuple[DecaySchedule | AveragingFunction, Any, int]:
+        """:func:`averaging_of` the averaging function; raises for one that is not
+        elementwise (before any model exists: Lightning's callback checks early)."""
+        return averaging_of(avg_fn, multi_avg_fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
+        replica's module is rebuilt on load around the unpickled engine."""
+        return facade_getstate(self, "module")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        facade_setstate(self, state, "module", always=False)
 
     @property
     def engine(self) -> ModelEMA:

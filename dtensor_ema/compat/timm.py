@@ -47,7 +47,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
+from dtensor_ema.compat._replica import (
+    EmaReplica,
+    facade_getstate,
+    facade_setstate,
+    fix_message,
+    keeps_buffers_whole,
+)
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
 
@@ -134,6 +140,14 @@ class ModelEmaV3(nn.Module):
         self._replica = EmaReplica(engine, _FIX, sharded=evaluation == "sharded")
         self.module = self._replica.module
         self._engine = engine
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
+        replica's module is rebuilt on load around the unpickled engine."""
+        return facade_getstate(self, "module")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        facade_setstate(self, state, "module", always=True)
 
     @property
     def engine(self) -> ModelEMA:
