@@ -240,6 +240,13 @@ class AveragedModel(nn.Module):
         self._engine.update(model)
         self._replica.changed()
 
+    def reset_to(self, model: nn.Module) -> None:
+        """Copy ``model`` (the tracked one) into the average, keeping ``n_averaged``.
+        Local."""
+        self._replica.release()
+        self._engine.set(model)
+        self._replica.changed()
+
     def materialize(self) -> None:
         """Gather the full average on every rank until the next update (replica), or to
         rank 0's CPU (sharded). **Collective**. Peak: one full copy of the parameters."""
