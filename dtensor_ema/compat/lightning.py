@@ -112,7 +112,7 @@ class WeightAveraging(Callback):
         # update copies the model anyway (on_fit_start re-reads it if nothing ran yet).
         self._build(pl_module, verify_replicas=False)
 
-    def _build(self, pl_module: pl.LightningModule, **engine: Any) -> None:
+    def _build(self, pl_module: pl.LightningModule, **engine: Any) -> AveragedModel:
         self._average_model = AveragedModel(
             pl_module,
             device=self._device,
@@ -120,16 +120,18 @@ class WeightAveraging(Callback):
             **self._kwargs,
             **engine,
         )
+        return self._average_model
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._average_model is None:
-            self._build(pl_module)
-        elif self._average_model.engine.updates == 0 and self._pending is None:
+        average = self._average_model
+        if average is None:
+            average = self._build(pl_module)
+        elif average.engine.updates == 0 and self._pending is None:
             # Built in setup and nothing averaged or loaded yet: start from the weights the
             # strategy left (DDP broadcast rank 0's), as every later update reads them.
-            self._average_model.reset_to(pl_module)
+            average.reset_to(pl_module)
         if self._pending is not None:
-            self._average_model.load_state_dict(self._pending)
+            average.load_state_dict(self._pending)
             self._pending = None
         if self._pending_sharded is not None:
             path, n_averaged = self._pending_sharded
