@@ -219,8 +219,10 @@ class EmaReplica:
             self.materialize()
 
     def forward_module(self) -> nn.Module:
-        """:meth:`prepare_eval`, then the module to run."""
-        self.prepare_eval()
+        """The module to run, with no hidden collective: the replica (gathered by the last
+        :meth:`materialize`, i.e. ``eval()``/``gather_for_save()``, that every rank reached
+        since the last change, or live; its forward raises naming the fix otherwise), or
+        the sharded module (collective per forward by nature, as an FSDP2 model's own)."""
         return self.module
 
     def release(self) -> None:

@@ -205,17 +205,18 @@ class EMA(nn.Module):
         return self.ema_model.eval()
 
     def train(self, mode: bool = True) -> EMA:
-        """``train()`` frees the gathered replica (local); ``train(False)`` is ``eval()``."""
-        if mode:
-            self._replica.release()
-        else:
+        """``train(False)`` is ``eval()``; ``train()`` is local and keeps the gathered
+        replica until the next update (a forward in train mode, e.g. ``update_bn``, runs
+        on it)."""
+        if not mode:
             self._replica.prepare_eval()
         if self._replica.sharded:
             self._replica.module.train(mode)
         return super().train(mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``ema_model(*args)``; gathers first after an update (**collective**; replica)."""
+        """``ema_model(*args)``. Local (replica): after an update, on the copy gathered by
+        ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix."""
         return self._replica.forward_module()(*args, **kwargs)
 
     def forward_eval(self, *args: Any, **kwargs: Any) -> Any:

@@ -219,16 +219,15 @@ class AveragedModel(nn.Module):
         return torch.tensor(self._engine.updates, dtype=torch.long)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The average's forward. **Collective** after an update (the gather; replica), or
-        on every call (sharded)."""
+        """The average's forward. Local (replica): after an update, on the copy gathered by
+        ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
+        **collective** on every call with the sharded module."""
         return self._replica.forward_module()(*args, **kwargs)
 
     def train(self, mode: bool = True) -> AveragedModel:
-        """``eval()`` gathers the replica (**collective**); ``train()`` frees it (a forward
-        in train mode, e.g. ``update_bn``, gathers it again)."""
-        if mode:
-            self._replica.release()
-        else:
+        """``eval()`` gathers the replica (**collective**); ``train()`` is local and keeps
+        it until the next update (``update_bn``'s forwards in train mode run on it)."""
+        if not mode:
             self._replica.prepare_eval()
         if self._replica.sharded:
             self._replica.module.train(mode)

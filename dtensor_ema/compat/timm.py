@@ -203,16 +203,16 @@ class ModelEmaV3(nn.Module):
         self._replica.materialize()
 
     def train(self, mode: bool = True) -> ModelEmaV3:
-        """``eval()`` gathers the parameters (**collective**, replica only); ``train()``
-        frees them."""
-        if mode:
-            self._replica.release()
-        else:
+        """``eval()`` gathers the parameters (**collective**, replica only); ``train()`` is
+        local and keeps them until the next update."""
+        if not mode:
             self._replica.prepare_eval()
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The EMA module's forward; gathers first after an update (**collective**)."""
+        """The EMA module's forward. Local (replica): after an update, on the copy gathered
+        by ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
+        with ``evaluation="sharded"`` collective per call, as an FSDP2 model's forward."""
         return self._replica.forward_module()(*args, **kwargs)
 
 
