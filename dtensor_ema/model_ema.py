@@ -120,7 +120,7 @@ class ModelEMA:
             :attr:`cuda_graph`), ``False`` (never) or ``True`` (required).
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
             (default), ``"weighted_sum"``, ``"subtract"``, ``"subtract_alpha"``, or torch
-            SWA's ``"divide"``/``"swa"`` (with :class:`~dtensor_ema.decay.RunningMeanDecay`)
+            SWA's ``"divide"``/``"swa"`` (with ``RunningMeanDecay``)
             (:data:`dtensor_ema.fused_update.FORMULAS`; eager kernel, one temporary of this
             rank's shard size per update).
 

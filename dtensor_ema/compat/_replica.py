@@ -14,10 +14,10 @@ it), puts the full EMA where the habits read it. Where it goes depends on the la
   update), and whose parameters (and sharded float buffers) hold **no storage** (``meta``)
   until :meth:`~EmaReplica.materialize` all-gathers the full EMA into them on every rank.
   They stay until :meth:`~EmaReplica.changed` (the facades call it on ``update``, ``set``
-  and ``load``, and on ``train()``). Evaluation then runs at replica speed: no
-  communication per batch. Peak extra memory while materialized: one full copy of the
-  parameters per rank, on the model's device, plus one gather bucket
-  (``DEFAULT_BUCKET_BYTES``) during the gather.
+  and ``load``; ``train()`` keeps them, so ``update_bn``'s forwards in train mode run on
+  them). Evaluation then runs at replica speed: no communication per batch. Peak extra
+  memory while materialized: one full copy of the parameters per rank, on the model's
+  device, plus one gather bucket (``DEFAULT_BUCKET_BYTES``) during the gather.
 * **sharded** (FSDP2/TP models, whose ranks may not fit a full copy; or a plain model with
   the facade's ``evaluation="sharded"``): the module is the engine's
   :attr:`~dtensor_ema.ModelEMA.module` (FSDP2 over the EMA mesh: each forward all-gathers
@@ -31,16 +31,23 @@ built); its parameters are the EMA's own there.
 
 The rules, the same in every facade:
 
-1. A save that rank 0 makes alone (the facade's ``state_dict()``, ``save_pretrained()``,
-   ``module.state_dict()`` of a replica, or of the sharded module of a plain model) yields
-   full tensors when unsharded or after a ``materialize()`` that every rank reached since
-   the last change; otherwise it raises a ``RuntimeError`` naming the one-line fix
-   (``<owner>.gather_for_save()`` on every rank). It never returns one rank's piece.
+1. No hidden collective: a call that needs other ranks' pieces and that a library's
+   habit makes on one rank alone (the facade's ``state_dict()``, ``save_pretrained()``,
+   diffusers' ``copy_to``, ``module.state_dict()`` of a replica, or of the sharded module
+   of a plain model, and the replica's forward) reads the full tensors when unsharded or
+   after a ``materialize()`` that every rank reached since the last change; otherwise it
+   raises a ``RuntimeError`` at once naming the one-line fix (``<owner>.gather_for_save()``
+   on every rank). It never waits for other ranks and never returns one rank's piece.
+   ``materialize()`` itself (``gather_for_save()``, ``eval()``) is the one collective.
 2. Loading full tensors on every rank (the facade's ``load_state_dict`` or the replica's
    ``module.load_state_dict``) restores each rank's piece of the engine. Local.
 
 The module's hooks are module-level objects so that the module (or a ``deepcopy`` of it)
-still pickles.
+still pickles. An :class:`EmaReplica` pickles as its engine and options and rebuilds its
+module around the unpickled engine (whose EMA tensors the module must share);
+:func:`facade_getstate`/:func:`facade_setstate` do the same for the facades that register
+that module as a child. The engine refuses to pickle at W > 1 (see
+:meth:`dtensor_ema.ModelEMA.__getstate__`).
 """
 
 from __future__ import annotations

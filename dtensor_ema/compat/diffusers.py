@@ -17,12 +17,21 @@ reads the sharded parameters even after a forward without backward. Deliberate
 differences: ``to()``/``pin_memory()`` cannot move the shards (use ``ModelEMA(offload=True)``);
 ``load_state_dict`` refuses other hyper-parameters than the constructor's.
 
-The rank-0 save (``state_dict()``, ``save_pretrained()``, ``copy_to`` a fresh model) uses
-the mechanism every drop-in shares (:mod:`dtensor_ema.compat._replica`): with more than
-one rank it works after ``ema.gather_for_save()`` on every rank (one collective; plain/DDP
-parameters: every rank then holds one full copy of the EMA, what diffusers keeps always,
-until the next ``step``; DTensor parameters: rank 0 alone holds one full CPU copy), and
-raises naming that fix otherwise.
+diffusers' scripts call ``store``, ``copy_to`` (also on the tracked parameters, for
+validation and at the end of training), ``state_dict()`` and ``save_pretrained()`` on the
+main process alone. None of them is a collective here, so none can wait for ranks that
+never come (:mod:`dtensor_ema.compat._replica`): with more than one rank they read the full
+EMA gathered by ``ema.gather_for_save()`` on every rank since the last ``step`` (one
+collective; plain/DDP parameters: every rank then holds one full copy of the EMA, what
+diffusers keeps always, until the next ``step``; DTensor parameters: rank 0 alone holds one
+full CPU copy, and ``copy_to`` of the tracked parameters writes each rank's own pieces), and
+raise at once naming that fix otherwise. The scripts' fix is one line,
+``ema_unet.gather_for_save()`` on every rank before the main-process block.
+
+``copy.deepcopy(ema)`` is an independent EMA that steps from the same parameters (as a copy
+of diffusers' ``EMAModel``, which holds no model); ``pickle``/``torch.save`` carry the
+parameters along (load with ``torch.load(path, weights_only=False)``). Both raise at
+W > 1, naming what to save instead.
 """
 
 from __future__ import annotations

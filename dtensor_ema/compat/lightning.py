@@ -25,10 +25,21 @@ same DCP checkpoint, since the strategy writes only ``state_dict`` with DCP; ``m
 there: its ``setup`` calls ``configure_model`` itself and deep-copies the sharded module,
 which FSDP2 refuses (``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6).
 
-Differences: the average is built at ``on_fit_start`` (after the strategy has set the
-module up) rather than in ``setup``; integer buffers follow the model; float buffers that
-differ across DDP ranks (BatchNorm without ``SyncBatchNorm``) are averaged row-wise from
-each rank's own statistics (Lightning's checkpoint holds rank 0's).
+The average is built in ``setup``, as Lightning builds it (``configure_model`` first),
+where the module already sits on the training device (CPU runs); otherwise at
+``on_fit_start``, once the strategy has moved it (GPU) or sharded it
+(``ModelParallelStrategy``, ``FSDPStrategy``): our average tracks the module's own tensors,
+which must not move after it is built. Validation and the end of training go through
+Lightning's hooks ``_swap_models`` (twice per validation epoch) and
+``_copy_average_to_current``, so subclasses that override ``should_update`` or those
+hooks get Lightning's calls. Any averaging function Lightning accepts works
+(:mod:`dtensor_ema.compat.swa_utils`: torch's factories fused, other elementwise
+functions, such as the picklable function objects Lightning recommends for
+``ddp_spawn``, on each rank's pieces).
+
+Differences: integer buffers follow the model; float buffers that differ across DDP ranks
+(BatchNorm without ``SyncBatchNorm``) are averaged row-wise from each rank's own
+statistics (Lightning's checkpoint holds rank 0's).
 """
 
 from __future__ import annotations

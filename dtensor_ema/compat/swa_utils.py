@@ -2,36 +2,51 @@
 ``from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_multi_avg_fn``.
 
 Same constructor, ``update_parameters(model)``, ``n_averaged``, ``use_buffers``,
-``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`:
+``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`; the names
+torch's tests import (``get_ema_multi_avg_fn``, ``get_ema_avg_fn``, ``get_swa_multi_avg_fn``,
+``get_swa_avg_fn``, ``update_bn``) are here too. The first ``update_parameters`` copies the
+model (``n_averaged == 0``), the next ones average, with any averaging function
+(:func:`averaging_of`):
 
-* the first ``update_parameters`` copies the model (``n_averaged == 0``), the next ones
-  average: ``update_after_step=1`` (SWA: its schedule copies at step 1);
-* ``multi_avg_fn=get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``, lerp (torch's kernel);
-  ``avg_fn=get_ema_avg_fn(d)``: the same decay with ``formula="weighted_sum"``
-  (``d * ema + (1 - d) * model``, as torch rounds it); no function: SWA's running mean,
-  :class:`~dtensor_ema.decay.RunningMeanDecay`. Both torch's functions and this module's are
-  recognized; any other averaging function cannot be mapped and raises ``ValueError``;
+* torch's factories keep the fused path: ``get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``,
+  lerp (torch's kernel); ``get_ema_avg_fn(d)``: ``formula="weighted_sum"`` (``d * ema +
+  (1 - d) * model``, as torch rounds it); ``get_swa_multi_avg_fn()``:
+  :class:`~dtensor_ema.decay.RunningMeanDecay`, lerp; ``get_swa_avg_fn()``:
+  ``formula="divide"`` (``a + (b - a) / (n + 1)``); no function: ``formula="swa"``,
+  torch's device rule (foreach lerp on CUDA, the division on CPU);
+* any other callable, ``avg_fn(averaged, current, num_averaged)`` or
+  ``multi_avg_fn(averaged_list, current_list, num_averaged)`` as torch defines them
+  (a user's ``decay * p_avg + (1 - decay) * p``, Lightning's picklable function objects),
+  runs on the eager path, applied to each rank's local pieces with torch's
+  ``num_averaged``: :class:`~dtensor_ema.options.AveragingFunction`. The contract: the
+  function must be elementwise; construction checks it on a probe and raises
+  ``ValueError`` naming the function otherwise.
 * ``use_buffers=False`` copies the buffers from the model on every call
   (``buffers="copy"``), ``True`` averages the float buffers.
 
-Bit for bit equal to torch's ``AveragedModel`` (``tests/test_compat.py``), except integer
-buffers (``num_batches_tracked``): they follow the model, where torch with
-``use_buffers=True`` averages them too (and truncates). ``device`` must be the model's
-device or ``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``)
-and each rank averages its own model's, as torch's replica on that rank does.
+Bit for bit equal to torch's ``AveragedModel`` for all of these
+(``tests/test_compat_upstream.py``), except integer buffers (``num_batches_tracked``): they
+follow the model, where torch with ``use_buffers=True`` pushes them through the function
+too (its ``get_swa_multi_avg_fn`` then raises). ``device`` must be the model's device or
+``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``) and each
+rank averages its own model's, as torch's replica on that rank does.
 
 Evaluation (``.module``, forward) runs on a replica gathered once per validation pass:
-``eval()``, or the first forward after an update, all-gathers the full parameters
-(**collective**: every rank validates) and keeps them until the next
-``update_parameters``, ``train()`` or load; each rank holds ``1/W`` of the parameters in
-between (peak while gathered: one full copy per rank, what torch's replica keeps always).
-``update_bn(loader, swa_model)`` recomputes the EMA's own BatchNorm statistics (each rank
-its own, as torch). ``evaluation="sharded"`` (keyword) evaluates through the engine's
-FSDP2 module instead (one unit gathered per forward: peak about the largest unit, 1.4-1.8x
-the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``); FSDP2/TP models
-always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works after
-``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix otherwise
-(see :mod:`dtensor_ema.compat._replica`).
+``eval()`` or ``gather_for_save()`` all-gathers the full parameters (**collective**: every
+rank calls it) and keeps them until the next ``update_parameters`` or load (``train()``
+keeps them: ``update_bn(loader, swa_model)`` runs on them and recomputes the average's own
+BatchNorm statistics, each rank its own, as torch). A forward after an update without that
+gather raises at once naming it: no hidden collective. Each rank holds ``1/W`` of the
+parameters in between (peak while gathered: one full copy per rank, what torch's replica
+keeps always). ``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2
+module instead (one unit gathered per forward, collective per call: peak about the largest
+unit, 1.4-1.8x the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``);
+FSDP2/TP models always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works
+after ``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix
+otherwise (see :mod:`dtensor_ema.compat._replica`). ``pickle``, ``torch.save(swa_model)``
+and ``copy.deepcopy`` work without a process group (load with ``torch.load(path,
+weights_only=False)``; a copy averages its own copy of the model) and raise at W > 1,
+naming what to save instead.
 """
 
 from __future__ import annotations
@@ -139,8 +154,8 @@ class AveragedModel(nn.Module):
     """torch's ``AveragedModel`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
-    ``update_parameters`` is local; ``eval()``, ``gather_for_save()`` and the first forward
-    after an update are collective over the EMA's mesh (see the module docstring).
+    ``update_parameters``, ``train()`` and the replica's forward are local; ``eval()`` and
+    ``gather_for_save()`` are collective over the EMA's mesh (see the module docstring).
     ``evaluation`` and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
     """
 
