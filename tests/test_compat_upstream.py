@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.optim import swa_utils as torch_swa  # noqa: E402
 
-from dtensor_ema import ModelEMA  # noqa: E402
+from dtensor_ema import ModelEMA, MultiModelEMA  # noqa: E402
 from dtensor_ema.compat import diffusers as our_diffusers  # noqa: E402
 from dtensor_ema.compat import ema_pytorch as our_ema_pytorch  # noqa: E402
 from dtensor_ema.compat import lightning as our_lightning  # noqa: E402
@@ -200,6 +200,8 @@ def test_non_elementwise_functions_are_refused_naming_them() -> None:
         ModelEMA(net, schedule=AveragingFunction(user_avg), update_every=2)
     with pytest.raises(ValueError, match="cannot be combined with capturable=True"):
         ModelEMA(net, schedule=AveragingFunction(user_avg), capturable=True)
+    with pytest.raises(ValueError, match="not supported by MultiModelEMA"):
+        MultiModelEMA(net, {"a": {"schedule": AveragingFunction(user_avg)}})
     with pytest.raises(AssertionError, match="Only one of"):  # torch's own message
         our_swa.AveragedModel(net, avg_fn=user_avg, multi_avg_fn=user_multi)
 
