@@ -21,6 +21,7 @@ import os
 import statistics
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -30,12 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
-from torch.distributed.checkpoint import FileSystemReader
 
 from dtensor_ema import ModelEMA, export_ema
 from dtensor_ema._collectives import CHECK_ENV, check_group_enters
 from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
-from dtensor_ema.checksums import crc32_of, verify_checksums
+from dtensor_ema.reader import open_checkpoint
 
 
 def _median(fn: Callable[[], Any], repeat: int) -> float:
@@ -58,8 +58,7 @@ def _once(fn: Callable[[], Any]) -> float:
 
 def _verify_only(ema: ModelEMA, ckpt: Path, rank: int) -> None:
     """What ``load_checkpoint(verify=True)`` adds: the checksum pass alone."""
-    metadata = FileSystemReader(str(ckpt)).read_metadata()
-    verify_checksums({"ema": ema}, ckpt, metadata, is_coordinator=rank == 0)
+    open_checkpoint(ckpt).verify({"ema": ema}, is_coordinator=rank == 0)
 
 
 def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, queue: Any) -> None:
@@ -89,7 +88,12 @@ def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, queu
             times["verify"].append(_once(lambda: _verify_only(ema, ckpt, rank)))
         out.update({k: statistics.median(v) for k, v in times.items()})
         local = [v.to_local() for v in ema.ema_tensors().values()]
-        out["crc"] = _median(lambda: [crc32_of(t) for t in local], args.repeat)
+        out["crc"] = _median(
+            lambda: [
+                zlib.crc32(t.reshape(-1).contiguous().view(torch.uint8).numpy()) for t in local
+            ],
+            args.repeat,
+        )
         group = dist.group.WORLD
         os.environ[CHECK_ENV] = "600"
         out["barrier"] = _median(lambda: check_group_enters(group, "bench"), args.repeat * 20)

@@ -2,6 +2,8 @@
 
 * :func:`agree` / :func:`mesh_agree`: every rank learns whether any rank failed a step, so
   all raise or none does (one all-reduce of a flag per rank; per mesh dim on N-D meshes).
+  :func:`agree` then gathers the failing ranks' messages in a fixed-size byte tensor (no
+  pickling), so every rank raises the same error naming which rank saw what.
 * :func:`collective` (a ``ModelEMA`` method) and :func:`entering` (any other block):
   mark a collective over a mesh or a process group. They name the call when a rank is
   missing: always when the backend's timeout fires, and early with
@@ -15,9 +17,11 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -80,24 +84,100 @@ def _reduce_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+MESSAGE_BYTES = 2048
+"""Bytes of each failing rank's message that :func:`agree` gathers (UTF-8, cut beyond)."""
+MESSAGE_RANKS = 8
+"""How many failing ranks' messages :func:`agree` gathers (the lowest ranks)."""
+
+
 def agree(group: dist.ProcessGroup | None, error: BaseException | None, what: str) -> None:
     """All ranks of ``group`` learn which ranks failed ``what``; every rank raises if any did.
 
-    One all-reduce of a flag per rank (no pickling). A failed rank re-raises its own error;
-    the others raise a ``RuntimeError`` naming the failed ranks.
+    One all-reduce of an int32 flag per rank. When some rank failed, one more all-reduce of
+    a ``(failing ranks, MESSAGE_BYTES)`` uint8 tensor, each failing rank filling its row with
+    its error's type and message (UTF-8; no pickling), so every rank raises the same
+    message: ``"<what> failed on rank 1: ChecksumError: ..."``, or one line per distinct
+    message (at most :data:`MESSAGE_RANKS` ranks' messages, each cut at
+    :data:`MESSAGE_BYTES` bytes). The exception's type is the first failing rank's when it
+    is a builtin exception or one of this package's (else ``RuntimeError``); on a failing
+    rank it chains the rank's own error. A group of one rank (or none) raises ``error``
+    itself.
     """
-    if group is None:
+    if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=_reduce_device(group))
-    flags[dist.get_rank(group)] = int(error is not None)
+    device = _reduce_device(group)
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+    rank = dist.get_rank(group)
+    flags[rank] = int(error is not None)
     dist.all_reduce(flags, group=group)
     failed = flags.nonzero().flatten().tolist()
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on rank(s) {failed}; their errors say why")
+    if not failed:
+        return
+    shown = failed[:MESSAGE_RANKS]
+    rows = torch.zeros(len(shown), MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if error is not None and rank in shown:
+        encoded = _encode(error)
+        rows[shown.index(rank), : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
+    dist.all_reduce(rows, group=group)
+    messages = [_decode(row) for row in rows.cpu()]
+    raise _same_error(what, failed, shown, messages) from error
+
+
+def _encode(error: BaseException) -> bytearray:
+    kind = f"{type(error).__module__}.{type(error).__qualname__}"
+    data = f"{kind}\0{error}".encode(errors="replace")
+    if len(data) > MESSAGE_BYTES:
+        data = data[: MESSAGE_BYTES - 4] + b"..."
+    return bytearray(data)
+
+
+def _decode(row: torch.Tensor) -> tuple[str, str]:
+    """``(qualified type name, message)`` from one gathered row (NUL padding dropped)."""
+    text = bytes(row.numpy().tobytes()).rstrip(b"\0").decode(errors="ignore")
+    kind, _, message = text.partition("\0")
+    return kind, message
+
+
+def _error_type(kind: str) -> type[Exception]:
+    """The exception class named ``kind`` when it is a builtin or one of this package's
+    (already imported, never imported here); else ``RuntimeError``."""
+    module, _, name = kind.rpartition(".")
+    if module == "builtins":
+        found = getattr(builtins, name, None)
+    elif module.split(".")[0] == "dtensor_ema" and module in sys.modules:
+        found = getattr(sys.modules[module], name, None)
+    else:
+        found = None
+    return found if isinstance(found, type) and issubclass(found, Exception) else RuntimeError
+
+
+def _same_error(
+    what: str, failed: list[int], shown: list[int], messages: list[tuple[str, str]]
+) -> Exception:
+    """The error every rank raises: who failed, and what each distinct message was."""
+    by_message: dict[tuple[str, str], list[int]] = {}
+    for r, seen in zip(shown, messages, strict=True):
+        by_message.setdefault(seen, []).append(r)
+    where = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+    if len(by_message) == 1 and len(shown) == len(failed):
+        ((kind, message),) = by_message
+        detail = f"{kind.rpartition('.')[2]}: {message}"
+    else:
+        detail = "; ".join(
+            f"{f'rank {ranks[0]}' if len(ranks) == 1 else f'ranks {ranks}'}: "
+            f"{kind.rpartition('.')[2]}: {message}"
+            for (kind, message), ranks in by_message.items()
+        )
+        if len(failed) > len(shown):
+            detail += f"; {len(failed) - len(shown)} more failing ranks not shown"
+    text = f"{what} failed on {where}: {detail}"
+    cls = _error_type(messages[0][0])
+    try:
+        return cls(text)
+    except Exception:  # a type whose constructor wants more than a message
+        return RuntimeError(text)
 
 
 def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) -> None:

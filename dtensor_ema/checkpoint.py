@@ -1,5 +1,5 @@
-"""Checkpoints that survive a crash mid-save, refuse the wrong checkpoint before touching
-anything, and export the average for inference.
+"""Checkpoints that survive a crash mid-save and refuse the wrong, corrupted or crafted
+checkpoint before touching anything.
 
 ``ModelEMA`` already implements DCP's ``Stateful`` protocol, so plain ``dcp.save`` /
 ``dcp.load`` work and reshard across world sizes and between DDP and FSDP2. This module adds
@@ -7,30 +7,26 @@ what plain DCP does not do:
 
 * :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
   over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
-  raises, a process is killed) leaves the previous checkpoint at ``path`` intact.
+  raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
+  the CRC-32 of every byte range DCP wrote (:mod:`dtensor_ema.checksums`).
 * :func:`load_checkpoint` checks the checkpoint against every ``ModelEMA`` it will fill (the
-  data files exist and are long enough; tensor names, shapes and dtypes; the counter and the
-  options that shape the next update) **before** DCP writes into the live EMA tensors, so a
-  refused checkpoint leaves the EMA as it was. Plain ``dcp.load`` checks names and shapes
-  first too, but casts other dtypes silently, ignores extra tensors, and only learns that the
-  decay options differ after it has overwritten the EMA in place.
-* :func:`export_ema` gathers the full average to rank 0 on the CPU, one bounded bucket at a
-  time, and writes one ``torch.save`` or ``.safetensors`` file keyed like the model.
-* :func:`convert_checkpoint` turns a DCP checkpoint directory into such a file offline: one
-  process, no process group.
+  data files exist and are long enough; the checksums; tensor names, shapes and dtypes; the
+  counter and the options that shape the next update) **before** DCP writes into the live
+  EMA tensors, so a refused checkpoint leaves the EMA as it was. Plain ``dcp.load`` checks
+  names and shapes first too, but casts other dtypes silently, ignores extra tensors, and
+  only learns that the decay options differ after it has overwritten the EMA in place.
 
-Non-tensor values (the update counter, the options) are read with
-``torch.load(..., weights_only=True)``; DCP's default planner unpickles them unrestricted.
-DCP's own ``.metadata`` file is still read by DCP (``pickle``).
+Reading runs no code from the checkpoint: ``.metadata`` is unpickled with a restricted
+unpickler and non-tensor values with ``torch.load(..., weights_only=True)``
+(:mod:`dtensor_ema.reader`, which every reader of the package shares). Plain ``dcp.load``
+unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,35 +34,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtensor_ema._collectives import agree, entering, group_of, quiet_single_process, rank_of
-from dtensor_ema.checksums import (
-    ChecksumError,
-    ChecksumSavePlanner,
-    verify_checksums,
-    write_sidecar,
-)
+from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
+from dtensor_ema.reader import (
+    PREVIOUS_SUFFIX,
+    Checkpoint,
+    CheckpointError,
+    existing_checkpoint,
+    open_checkpoint,
+)
 from dtensor_ema.state import EMA_TENSORS, TensorSpec, compare_tensors, validate_state
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
-
-class CheckpointError(RuntimeError):
-    """DCP failed while saving or loading. Chains DCP's ``CheckpointException``, which
-    derives from ``BaseException`` and so escapes ``except Exception``."""
-
-
 PARTIAL_SUFFIX = ".partial"
 """``<path>.partial``: where :func:`save_checkpoint` writes before it commits."""
-PREVIOUS_SUFFIX = ".previous"
-"""``<path>.previous``: the last good checkpoint while a commit swaps the directories."""
 
 _EMA_TENSORS = EMA_TENSORS
 
@@ -96,11 +84,10 @@ def save_checkpoint(
     :func:`load_checkpoint` falls back to. Leftovers of an interrupted save are deleted by
     the next save. ``path`` and its siblings must be on a filesystem every rank sees.
 
-    With ``checksums=True`` (default) every rank records the CRC-32 of each item it writes
-    (its tensor chunks and values, computed locally on what DCP writes: one extra pass over
-    those bytes, no communication; about 5 % of a ResNet-50 save at W=2, see
-    ``benchmarks/checksums.py``) in ``__<rank>.checksums.json`` beside DCP's files, and
-    :func:`load_checkpoint` verifies them (see :mod:`dtensor_ema.checksums`); plain
+    With ``checksums=True`` (default) every rank then reads back the byte ranges it wrote
+    (each tensor chunk and value, as DCP wrote them; rank 0 also ``.metadata``) and records
+    their CRC-32 in ``__<rank>.checksums.json`` beside DCP's files (local, no communication;
+    cost in ``docs/checkpoints.md``), and :func:`load_checkpoint` verifies them; plain
     ``dcp.load`` ignores these files. Then one more flag all-reduce, so rank 0 commits only
     once every rank's checksum file is written. With
     ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not call this makes the
@@ -136,23 +123,19 @@ def _save(
     except (Exception, CheckpointException) as e:
         error = _ordinary(e, f"collecting the state to save to {path}")
     agree(group, error, f"collecting the state to save to {path}")
-    planner = ChecksumSavePlanner()
+    writer = RecordingWriter(partial)
     try:
         with quiet_single_process():
-            dcp.save(
-                staged,
-                checkpoint_id=str(partial),
-                process_group=group,
-                no_dist=group is None,
-                planner=planner,
-            )
+            dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointException as e:  # a BaseException: make it an ordinary error
         raise CheckpointError(
             f"saving {path} failed, the checkpoint there is unchanged: {e}"
         ) from e
     if checksums:
         try:
-            write_sidecar(partial, rank_of(group), planner.checksums)
+            rank = rank_of(group)
+            payload = record_checksums(partial, writer.results, metadata=rank == 0)
+            write_sidecar(partial, rank, payload)
         except OSError as e:
             error = e
         agree(group, error, f"writing the checksums of {partial}")
@@ -223,24 +206,31 @@ def load_checkpoint(
     call this with the same keys. Without a process group it loads in one process. The
     checkpoint may come from any world size, and from DDP or FSDP2 (DCP reshards).
 
+    Nothing from the checkpoint is run: ``.metadata`` is read with a restricted unpickler
+    that builds only DCP's metadata classes (anything else raises :class:`CheckpointError`
+    naming the refused global and the file, before anything else is read) and non-tensor
+    values with ``torch.load(..., weights_only=True)`` (:mod:`dtensor_ema.reader`).
+
     Before anything is written, every rank checks that the checkpoint is complete (its
     ``.metadata`` and every data file it names exist and are long enough) and, for every
     :class:`~dtensor_ema.ModelEMA` in ``state`` (a top-level value, or one of a top-level
     :class:`~dtensor_ema.MultiModelEMA`'s), that the checkpoint holds exactly
     its tensors (no missing or extra names, same global shapes and dtypes) and options the
     EMA accepts (``ModelEMA.load_state_dict`` decides, on the saved counter and options).
-    The ranks agree on the outcome, so all of them raise or none does, and a refused
-    checkpoint leaves every EMA exactly as it was. Other entries (model, optimizer) get
-    DCP's own checks: missing keys and shape mismatches raise before anything is written.
+    The ranks agree on the outcome, so all of them raise or none does, every rank with the
+    same message naming which rank saw what, and a refused checkpoint leaves every EMA
+    exactly as it was. Other entries (model, optimizer) get DCP's own checks: missing keys
+    and shape mismatches raise before anything is written.
 
     With ``verify=True`` (default) and a checkpoint written by :func:`save_checkpoint`, each
-    rank first re-reads every saved chunk its load will read from, whole and as saved, and
-    compares its CRC-32 with the one recorded at save time (so a resharding load is
-    verified too); a mismatch raises :class:`CheckpointError` naming the data file and the
-    tensor, before anything is written. This reads those chunks twice: a verified load took
-    about 2x an unverified one (ResNet-50, W=2 gloo, ``benchmarks/checksums.py``);
-    ``verify=False`` skips it. Peak extra memory: the largest saved chunk. Checkpoints
-    without checksum files (plain ``dcp.save``) are not verified.
+    rank first checks ``.metadata`` and every saved item its load will read from (whole and
+    as saved, so a resharding load is verified too) against the CRC-32 recorded at save
+    time, in one streaming pass over those byte ranges (8 MiB at a time: the peak extra
+    memory); a mismatch raises :class:`CheckpointError` naming the file and the tensor or
+    value, before anything is written. The pass reads raw bytes and deserializes nothing,
+    so a verified load costs little more than an unverified one (numbers in
+    ``docs/checkpoints.md``); ``verify=False`` skips it. Checkpoints without checksum files
+    (plain ``dcp.save``) are not verified.
 
     If ``path`` is missing but ``<path>.previous`` exists (a :func:`save_checkpoint`
     interrupted while it swapped directories) the previous checkpoint is loaded, with a
@@ -251,8 +241,12 @@ def load_checkpoint(
             data files (an interrupted plain ``dcp.save``).
         ValueError: the checkpoint does not match an EMA (names, shapes, dtypes, options),
             or has no EMA state under that EMA's key.
-        CheckpointError: a chunk's checksum differs from the saved one (``verify=True``).
-        RuntimeError: another rank refused the checkpoint (its own error says why).
+        CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (a
+            crafted checkpoint; nothing was run), a checksum differs from the saved one
+            (``verify=True``), or DCP failed.
+
+    When ranks fail differently, every rank raises the same message, of the first failing
+    rank's exception type (``RuntimeError`` where that type is not a builtin or ours).
     """
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
@@ -262,24 +256,23 @@ def load_checkpoint(
 def _load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, verify: bool) -> None:
     emas = _emas_in(state)
     error: Exception | None = None
-    checkpoint_dir = path
+    checkpoint: Checkpoint | None = None
     try:
-        checkpoint_dir = _existing_checkpoint(path)
-        metadata = _read_metadata(checkpoint_dir)
-        _check_files(checkpoint_dir, metadata)
+        checkpoint = open_checkpoint(existing_checkpoint(path))
+        if verify:  # first: a corrupted .metadata must not pass for another model
+            checkpoint.verify_metadata()
+        checkpoint.check_files()
         for where, ema in emas.items():
-            _check_ema_tensors(checkpoint_dir, where, ema, metadata)
+            _check_ema_tensors(checkpoint, where, ema)
         if verify:
-            verify_checksums(state, checkpoint_dir, metadata, is_coordinator=rank_of(group) == 0)
-    except ChecksumError as e:
-        error = CheckpointError(str(e))
-        error.__cause__ = e
-    except (OSError, ValueError) as e:
+            checkpoint.verify(state, is_coordinator=rank_of(group) == 0)
+    except (OSError, ValueError, CheckpointError) as e:
         error = e
-    except Exception as e:  # e.g. an unreadable .metadata: still tell the other ranks
+    except Exception as e:  # anything else: still tell the other ranks
         error = RuntimeError(f"reading the checkpoint at {path} failed: {e!r}")
         error.__cause__ = e
     agree(group, error, f"checking the checkpoint at {path}")
+    assert checkpoint is not None
 
     if emas:
         # The counter and options are small: read them alone, then let the EMA judge them
@@ -287,64 +280,14 @@ def _load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, ve
         saved: dict[str, Any] = {}
         for where, ema in emas.items():
             _set_nested(saved, where, _without_tensors(ema.state_dict()))
-        _dcp_load(saved, checkpoint_dir, group)
+        checkpoint.load(saved, group=group)
         try:
             for where, ema in emas.items():
-                _judge_saved_values(checkpoint_dir, where, ema, _get_nested(saved, where), metadata)
+                _judge_saved_values(checkpoint, where, ema, _get_nested(saved, where))
         except (KeyError, ValueError) as e:
             error = e
-        agree(group, error, f"checking the EMA options saved in {checkpoint_dir}")
-    _dcp_load(state, checkpoint_dir, group)
-
-
-def _existing_checkpoint(path: Path) -> Path:
-    if path.is_dir():
-        return path
-    _, previous = _siblings(path)
-    if not path.exists() and (previous / ".metadata").is_file():
-        warnings.warn(
-            f"no checkpoint at {path}, loading {previous}: a save_checkpoint() was "
-            "interrupted while it swapped directories; the next save_checkpoint() puts it back",
-            stacklevel=3,
-        )
-        return previous
-    if path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} is not a directory (a DCP checkpoint is)")
-    raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist")
-
-
-def _read_metadata(path: Path) -> Metadata:
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete DCP checkpoint: it has no .metadata file (the save did "
-            "not finish, or this is not a checkpoint directory)"
-        )
-    return FileSystemReader(str(path)).read_metadata()
-
-
-def _check_files(path: Path, metadata: Metadata) -> None:
-    """Every data file the metadata names exists and is long enough."""
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        relative = getattr(info, "relative_path", None)
-        if relative is None:  # not a FileSystemWriter checkpoint: let DCP read it
-            return
-        needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
-    missing = sorted(f for f in needed if not (path / f).is_file())
-    if missing:
-        raise FileNotFoundError(
-            f"checkpoint {path} is incomplete: data files {missing[:5]} named by its "
-            ".metadata are missing"
-        )
-    short = [
-        f"{f} ({(path / f).stat().st_size} bytes, needs {n})"
-        for f, n in sorted(needed.items())
-        if (path / f).stat().st_size < n
-    ]
-    if short:
-        raise FileNotFoundError(
-            f"checkpoint {path} is incomplete: truncated data files {short[:5]}"
-        )
+        agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
+    checkpoint.load(state, group=group)
 
 
 def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:
@@ -370,16 +313,15 @@ def _get_nested(root: dict[str, Any], where: tuple[str, ...]) -> Any:
     return root
 
 
-def _check_ema_tensors(
-    path: Path, where: tuple[str, ...], ema: ModelEMA, metadata: Metadata
-) -> None:
+def _check_ema_tensors(checkpoint: Checkpoint, where: tuple[str, ...], ema: ModelEMA) -> None:
     """The checkpoint holds exactly this EMA's entries, with its shapes and dtypes."""
     key = ".".join(where)
-    saved = _entries_under(where, metadata)
+    path = checkpoint.path
+    saved = checkpoint.entries_under(where)
     if not saved:
         raise ValueError(
             f"checkpoint {path} has no EMA state under {key!r}; its top-level entries are "
-            f"{sorted(_top_level_keys(metadata))}"
+            f"{sorted(checkpoint.top_level_keys())}"
         )
     ours = {_short(k, key): v for k, v in _flatten(ema.state_dict(), where)}
     problems = compare_tensors({_short(k, key): _spec(md) for k, md in saved.items()}, ours)
@@ -397,11 +339,7 @@ def _spec(md: Any) -> TensorSpec | None:
 
 
 def _judge_saved_values(
-    path: Path,
-    where: tuple[str, ...],
-    ema: ModelEMA,
-    saved: dict[str, Any],
-    metadata: Metadata,
+    checkpoint: Checkpoint, where: tuple[str, ...], ema: ModelEMA, saved: dict[str, Any]
 ) -> None:
     """Validate the saved counter and options, with the tensors' metadata, against the EMA
     (:func:`~dtensor_ema.state.validate_state`); nothing is written."""
@@ -409,35 +347,15 @@ def _judge_saved_values(
     prefix = f"{key}.{_EMA_TENSORS}."
     tensors = {
         k[len(prefix) :]: _spec(md)
-        for k, md in _entries_under(where, metadata).items()
+        for k, md in checkpoint.entries_under(where).items()
         if k.startswith(prefix)
     }
     try:
         validate_state({**saved, _EMA_TENSORS: tensors}, ema.state_dict())
     except (KeyError, ValueError) as e:
-        raise type(e)(f"checkpoint {path} cannot resume the EMA under {key!r}: {e}") from e
-
-
-def _entries_under(where: tuple[str, ...], metadata: Metadata) -> dict[str, Any]:
-    planner_data = metadata.planner_data or {}
-    prefix = ".".join(where) + "."
-    return {
-        k: v
-        for k, v in metadata.state_dict_metadata.items()
-        if (
-            tuple(str(p) for p in planner_data[k][: len(where)]) == where
-            if k in planner_data
-            else k.startswith(prefix)
-        )
-    }
-
-
-def _top_level_keys(metadata: Metadata) -> set[str]:
-    planner_data = metadata.planner_data or {}
-    return {
-        str(planner_data[k][0]) if k in planner_data else k.split(".", 1)[0]
-        for k in metadata.state_dict_metadata
-    }
+        raise type(e)(
+            f"checkpoint {checkpoint.path} cannot resume the EMA under {key!r}: {e}"
+        ) from e
 
 
 def _flatten(value: Any, prefix: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
@@ -468,46 +386,3 @@ def _short(dcp_key: str, key: str) -> str:
         if dcp_key.startswith(prefix):
             return dcp_key[len(prefix) :]
     return dcp_key
-
-
-def _listed(names: list[str], limit: int = 5) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor values are unpickled with ``weights_only``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            # DCP's own helper for writing a value back into the nested state dict; public
-            # planners have used it since DCP's flattening appeared (torch 2.1).
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-def _dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
-    try:
-        with quiet_single_process():
-            dcp.load(
-                state,
-                checkpoint_id=str(path),
-                planner=_SafeLoadPlanner(),
-                process_group=group,
-                no_dist=group is None,
-            )
-    except CheckpointException as e:  # a BaseException: make it an ordinary error
-        raise CheckpointError(f"loading {path} failed: {e}") from e
-
-
-def __getattr__(name: str) -> Any:
-    """``dtensor_ema.checkpoint.export_ema`` & co. moved to :mod:`dtensor_ema.export`."""
-    if name in ("export_ema", "convert_checkpoint", "DEFAULT_EXPORT_BUCKET_BYTES"):
-        from dtensor_ema import export
-
-        return getattr(export, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,16 +18,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtensor_ema._collectives import entering, is_mesh_first, mesh_agree
-from dtensor_ema.checkpoint import (
-    PARTIAL_SUFFIX,
-    _check_files,
-    _dcp_load,
-    _entries_under,
-    _existing_checkpoint,
-    _read_metadata,
-    _top_level_keys,
-)
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.reader import existing_checkpoint, open_checkpoint
 from dtensor_ema.state import EMA_TENSORS
 
 __all__ = ["DEFAULT_EXPORT_BUCKET_BYTES", "convert_checkpoint", "export_ema"]
@@ -36,6 +28,7 @@ DEFAULT_EXPORT_BUCKET_BYTES = 64 * 1024 * 1024
 """Gathered bytes per all-gather during export: bounds the transient buffers of every rank."""
 
 _EMA_TENSORS = EMA_TENSORS
+_TMP_SUFFIX = ".partial"
 
 
 def export_ema(
@@ -108,6 +101,7 @@ def convert_checkpoint(
     *,
     key: str = "ema",
     dtype: torch.dtype | None = None,
+    verify: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Turn the EMA in a DCP checkpoint into one file keyed by the model's fqns. Offline.
 
@@ -121,6 +115,11 @@ def convert_checkpoint(
     ``torch.save`` (``.pt``/``.pth``; other suffixes and missing parent directories are
     refused before anything is read).
 
+    Reads as :func:`~dtensor_ema.load_checkpoint` does (:mod:`dtensor_ema.reader`): no code
+    from the checkpoint runs (restricted ``.metadata``, ``weights_only`` values), and with
+    ``verify=True`` (default) the bytes it reads are checked against the checksums
+    :func:`~dtensor_ema.save_checkpoint` recorded, in one streaming pass before loading.
+
     Returns:
         The ``fqn -> tensor`` dict that was written.
 
@@ -129,17 +128,18 @@ def convert_checkpoint(
             for ``path``.
         ValueError: the checkpoint has no EMA tensors under ``key``, or ``path`` has an
             unknown suffix.
+        CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (nothing
+            was run), a checksum differs (``verify=True``), or DCP failed.
     """
     error = _check_destination(Path(path))
     if error is not None:
         raise error
-    checkpoint_dir = _existing_checkpoint(Path(checkpoint_dir))
-    metadata = _read_metadata(checkpoint_dir)
-    _check_files(checkpoint_dir, metadata)
-    planner_data = metadata.planner_data or {}
+    checkpoint = open_checkpoint(existing_checkpoint(Path(checkpoint_dir)))
+    checkpoint.check_files()
+    planner_data = checkpoint.metadata.planner_data or {}
     tensors: dict[str, torch.Tensor] = {}
     extras: dict[str, Any] = {}
-    for k, md in _entries_under((key,), metadata).items():
+    for k, md in checkpoint.entries_under((key,)).items():
         where = planner_data.get(k, ())
         if isinstance(md, TensorStorageMetadata) and tuple(where[:2]) == (key, _EMA_TENSORS):
             tensors[".".join(str(p) for p in where[2:])] = torch.empty(
@@ -149,11 +149,13 @@ def convert_checkpoint(
             extras[str(where[1])] = None
     if not tensors:
         raise ValueError(
-            f"checkpoint {checkpoint_dir} has no EMA tensors under {key!r}; its top-level "
-            f"entries are {sorted(_top_level_keys(metadata))}"
+            f"checkpoint {checkpoint.path} has no EMA tensors under {key!r}; its top-level "
+            f"entries are {sorted(checkpoint.top_level_keys())}"
         )
     state = {key: {_EMA_TENSORS: tensors, **extras}}
-    _dcp_load(state, checkpoint_dir, None)
+    if verify:
+        checkpoint.verify(state, is_coordinator=True)
+    checkpoint.load(state, group=None)
     tensors = state[key][_EMA_TENSORS]
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
@@ -188,7 +190,7 @@ def _check_destination(path: Path) -> ValueError | FileNotFoundError | None:
 
 def _write_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """Write ``state`` to ``path`` by way of a temporary sibling (never a torn file)."""
-    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    tmp = path.with_name(path.name + _TMP_SUFFIX)
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
 

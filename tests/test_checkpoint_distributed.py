@@ -630,7 +630,9 @@ def test_convert_checkpoint_offline(saved: Any, tmp_path: Path, suffix: str) -> 
 
 
 # ---------------------------------------------------------------- atomicity, bad input
-def _assert_bad_inputs(out: dict[str, Any], data_files: list[str]) -> None:
+def _assert_bad_inputs(
+    out: dict[str, Any], data_files: list[str], dist_ranks: list[int] | None = None
+) -> None:
     expected = {
         "missing_key": r"^ValueError: checkpoint .* does not match the EMA under 'ema' "
         r"\(a different model\?\): missing \['extra'\]$",
@@ -652,8 +654,14 @@ def _assert_bad_inputs(out: dict[str, Any], data_files: list[str]) -> None:
     }
     assert set(out) - {"data_files"} == set(expected)
     for case, pattern in expected.items():
-        assert out[case]["error"] is not None, case
-        assert re.search(pattern, out[case]["error"]), (case, out[case]["error"])
+        error = out[case]["error"]
+        assert error is not None, case
+        if dist_ranks is not None:
+            # Every rank raises agree's message: "<Type>: <step> failed on ranks [..]:
+            # <Type>: <the error every rank saw>".
+            head, sep, error = error.partition(f" failed on ranks {dist_ranks}: ")
+            assert sep and head.split(": ", 1)[0] == error.split(": ", 1)[0], (case, head)
+        assert re.search(pattern, error), (case, error)
         assert out[case]["unchanged"], f"{case}: the refused load changed the EMA"
 
 
@@ -662,7 +670,7 @@ def test_bad_checkpoints_are_refused_before_anything_is_written(loaded_w3: Any) 
     data_files = results[0]["bad_inputs"]["data_files"]
     assert data_files == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     for r in results:
-        _assert_bad_inputs(r["bad_inputs"], data_files)
+        _assert_bad_inputs(r["bad_inputs"], data_files, [0, 1, 2])
 
 
 def test_bad_checkpoints_without_process_group(tmp_path: Path) -> None:
@@ -682,14 +690,12 @@ def test_failed_saves_keep_the_last_good_checkpoint(loaded_w3: Any) -> None:
             got["write_error"],
             re.S,
         )
-        if rank == 1:
-            assert got["state_error"] == "RuntimeError: injected: rank 1 cannot produce its state"
-        else:
-            assert re.search(
-                r"^RuntimeError: collecting the state to save to .*ckpt failed on rank\(s\) "
-                r"\[1\]; their errors say why$",
-                got["state_error"],
-            )
+        # Every rank raises rank 1's error, naming rank 1.
+        assert re.search(
+            r"^RuntimeError: collecting the state to save to .*ckpt failed on rank 1: "
+            r"RuntimeError: injected: rank 1 cannot produce its state$",
+            got["state_error"],
+        ), (rank, got["state_error"])
         assert got["after_write_error"] == ([], 1)
         assert got["after_state_error"] == ([], 1)
         assert got["partial_after_write_error"]  # evidence the save died mid-way

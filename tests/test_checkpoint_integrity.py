@@ -1,9 +1,13 @@
-"""Checkpoints that detect corruption (issue 19), and exports that refuse bad paths.
+"""Checkpoints that detect corruption (issues 19, 27), crafted ones refused on every rank,
+and exports that refuse bad paths.
 
-``save_checkpoint`` records a CRC-32 per written chunk; ``load_checkpoint`` verifies, before
-anything changes, every saved chunk its load reads, also when it reshards: saved at W=3,
-loaded at W=2 (one spawn each) and in this process with no process group. A byte flipped
-inside a tensor's data in a ``.distcp`` file loaded silently before.
+``save_checkpoint`` records a CRC-32 per byte range it writes (and of ``.metadata``);
+``load_checkpoint`` verifies, before anything changes, every saved item its load reads,
+also when it reshards: saved at W=3, loaded at W=2 (one spawn each) and in this process with
+no process group. A byte flipped inside a tensor's data in a ``.distcp`` file loaded
+silently before; so did one in a non-tensor value or in ``.metadata``. At W=2 every rank
+raises the same error naming the rank that saw it (``agree`` gathers the messages), and a
+crafted ``.metadata`` runs no code on any rank.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from crafted import REFUSED, craft
 from dist_harness import run_ranks
 from models import mismatches
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from dtensor_ema import ModelEMA, export_ema
+from dtensor_ema._collectives import MESSAGE_BYTES, agree
 from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 CORRUPTED = "0.weight"  # the tensor whose first saved chunk gets a flipped byte
@@ -79,10 +85,23 @@ def save_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+class _NotOurs(Exception):
+    """An exception type ``agree`` cannot name on other ranks: they raise RuntimeError."""
+
+
+def _raised(fn: Any) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
 def load_body(rank: int, world_size: int, tmp: str, full: dict[str, Any]) -> dict[str, Any]:
-    """W=2: a verified resharding load; the corrupted copy refused on every rank, nothing
-    written; ``verify=False`` and plain ``dcp.load`` still load."""
-    good, bad = Path(tmp) / "good", Path(tmp) / "bad"
+    """W=2: a verified resharding load; the corrupted and the crafted copies refused on every
+    rank with the same message, nothing written, nothing run; ``verify=False`` and plain
+    ``dcp.load`` still load the corrupted one; ``agree`` with different errors per rank."""
+    good, bad, crafted = Path(tmp) / "good", Path(tmp) / "bad", Path(tmp) / "crafted"
     model = _model()
     out: dict[str, Any] = {}
     ema = ModelEMA(model, decay=0.5, tau=None)
@@ -90,17 +109,29 @@ def load_body(rank: int, world_size: int, tmp: str, full: dict[str, Any]) -> dic
     out["good_mismatch"] = mismatches(ema.get_ema_state_dict(), full)
     fresh = ModelEMA(model, decay=0.5, tau=None)
     before = _local(fresh)
-    try:
-        load_checkpoint({"ema": fresh}, bad)
-        out["bad_error"] = None
-    except (CheckpointError, RuntimeError) as e:
-        out["bad_error"] = (type(e).__name__, str(e))
+    out["bad_error"] = _raised(lambda: load_checkpoint({"ema": fresh}, bad))
+    out["crafted_error"] = _raised(lambda: load_checkpoint({"ema": fresh}, crafted))
     out["bad_untouched"] = mismatches(_local(fresh), before) == [] and fresh.updates == 0
     load_checkpoint({"ema": fresh}, bad, verify=False)
     out["unverified_updates"] = fresh.updates
     plain = ModelEMA(model, decay=0.5, tau=None)
     dcp.load({"ema": plain}, checkpoint_id=str(good))
     out["dcp_mismatch"] = mismatches(plain.get_ema_state_dict(), full)
+    world = dist.group.WORLD
+    out["agree_distinct"] = _raised(
+        lambda: agree(
+            world,
+            FileNotFoundError("no file here") if rank == 0 else ValueError("bad value there"),
+            "a test step",
+        )
+    )
+    out["agree_unknown_type"] = _raised(
+        lambda: agree(world, _NotOurs("mine") if rank == 1 else None, "another step")
+    )
+    out["agree_long"] = _raised(
+        lambda: agree(world, ValueError("x" * 5000) if rank == 0 else None, "a long one")
+    )
+    out["agree_none"] = _raised(lambda: agree(world, None, "a step that worked"))
     return out
 
 
@@ -117,20 +148,60 @@ def test_save_writes_one_checksum_file_per_rank(saved: Any) -> None:
         assert r["sidecars"] == [f"__{i}.checksums.json" for i in range(3)]
 
 
-@pytest.mark.distributed
-def test_corruption_is_detected_when_resharding_to_two_ranks(saved: Any) -> None:
+@pytest.fixture(scope="module")
+def loaded_w2(saved: Any) -> tuple[Path, list[dict[str, Any]]]:
+    """One W=2 spawn: the loads of ``load_body``, with a crafted copy of the checkpoint."""
     tmp, results = saved
-    full, file = results[0]["full"], results[0]["file"]
-    loaded = run_ranks(load_body, 2, tmp, str(tmp), full)
-    kinds = [r["bad_error"][0] if r["bad_error"] else None for r in loaded]
-    assert None not in kinds, kinds  # every rank refused, none went on into DCP
-    named = [msg for kind, msg in (r["bad_error"] for r in loaded) if kind == "CheckpointError"]
-    assert named, kinds  # the rank(s) whose pieces overlap the chunk say what is wrong
-    assert all(file in msg and CORRUPTED in msg and "corrupted" in msg for msg in named)
+    marker = tmp / "ran"
+    craft(tmp / "good", tmp / "crafted", marker, "inside")
+    return marker, run_ranks(load_body, 2, tmp, str(tmp), results[0]["full"])
+
+
+@pytest.mark.distributed
+def test_corruption_is_detected_when_resharding_to_two_ranks(saved: Any, loaded_w2: Any) -> None:
+    _, results = saved
+    file = results[0]["file"]
+    marker, loaded = loaded_w2
+    # Rank 0 reads the corrupted chunk (rows 0-4 of 0.weight), rank 1 does not: both raise
+    # rank 0's error, with the same message naming rank 0.
+    errors = [r["bad_error"] for r in loaded]
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    kind, message = errors[0]
+    assert kind == "ChecksumError", errors
+    assert message.startswith("checking the checkpoint at ") and "failed on rank 0: " in message
+    assert file in message and CORRUPTED in message and "corrupted" in message, message
+    crafted = [r["crafted_error"] for r in loaded]
+    assert (
+        crafted[0] == crafted[1] and crafted[0] is not None and crafted[0][0] == "CheckpointError"
+    )
+    assert "failed on ranks [0, 1]: CheckpointError: " in crafted[0][1], crafted
+    assert REFUSED in crafted[0][1] and "crafted/.metadata" in crafted[0][1], crafted
+    assert not marker.exists()
     for r in loaded:
         assert r["good_mismatch"] == [] and r["dcp_mismatch"] == []
         assert r["bad_untouched"]
         assert r["unverified_updates"] == 1  # verify=False loads it anyway
+
+
+@pytest.mark.distributed
+def test_every_rank_raises_every_failing_ranks_message(loaded_w2: Any) -> None:
+    """``agree`` gathers the failing ranks' messages (a fixed-size byte tensor, no pickling):
+    every rank raises the same text, of the first failing rank's type when that type is a
+    builtin or ours."""
+    for r in loaded_w2[1]:
+        assert r["agree_distinct"] == (
+            "FileNotFoundError",
+            "a test step failed on ranks [0, 1]: rank 0: FileNotFoundError: no file here; "
+            "rank 1: ValueError: bad value there",
+        )
+        assert r["agree_unknown_type"] == (
+            "RuntimeError",
+            "another step failed on rank 1: _NotOurs: mine",
+        )
+        kind, message = r["agree_long"]
+        assert kind == "ValueError" and message.startswith("a long one failed on rank 0: Val")
+        assert message.endswith("x...") and len(message) < MESSAGE_BYTES + 40
+        assert r["agree_none"] is None
 
 
 @pytest.mark.distributed
@@ -146,14 +217,38 @@ def test_corruption_is_detected_in_one_process(saved: Any) -> None:
     assert mismatches(_local(fresh), before) == [] and fresh.updates == 0
 
 
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def test_single_process_checksums_and_older_checkpoints(tmp_path: Path) -> None:
     ema = _trained(_model())
     save_checkpoint({"ema": ema}, tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "__0.checksums.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.json")) == ["__0.checksums.json"]
+    for copy in ("value", "metadata", "torn-metadata"):
+        shutil.copytree(tmp_path / "ckpt", tmp_path / copy)
     _flip_inside(tmp_path / "ckpt", CORRUPTED, _local(ema)[CORRUPTED])
     fresh = ModelEMA(_model(), decay=0.5, tau=None)
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp.*0\.weight"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp.*0\.weight.*corrupted"):
         load_checkpoint({"ema": fresh}, tmp_path / "ckpt")
+    # A flipped byte in a non-tensor value (the saved options) ...
+    metadata = FileSystemReader(str(tmp_path / "value")).read_metadata()
+    index = next(i for i in metadata.storage_data if i.fqn == "ema.config")
+    info = metadata.storage_data[index]
+    _flip_byte(tmp_path / "value" / info.relative_path, info.offset + info.length // 2)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: 'ema\.config'.*corrupted"):
+        load_checkpoint({"ema": fresh}, tmp_path / "value")
+    # ... and in .metadata itself (a tensor's name: still a valid pickle, a wrong checkpoint)
+    raw = (tmp_path / "metadata" / ".metadata").read_bytes()
+    _flip_byte(tmp_path / "metadata" / ".metadata", raw.index(b"ema.ema.2.weight") + 8)
+    with pytest.raises(CheckpointError, match=r"\.metadata has crc32 .* corrupted or was replaced"):
+        load_checkpoint({"ema": fresh}, tmp_path / "metadata")
+    (tmp_path / "torn-metadata" / ".metadata").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError, match=r"\.metadata is not a readable DCP \.metadata"):
+        load_checkpoint({"ema": fresh}, tmp_path / "torn-metadata")
+    assert fresh.updates == 0
     # A checkpoint without checksum files (plain dcp.save) loads unverified, as before.
     dcp.save({"ema": ema}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     load_checkpoint({"ema": fresh}, tmp_path / "plain")

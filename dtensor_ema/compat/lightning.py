@@ -49,16 +49,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema._collectives import group_of
 from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_avg_fn
 from dtensor_ema.integrations._common import EvalSwap, copy_ema_into_model, is_rank0
+from dtensor_ema.reader import CheckpointError, open_checkpoint
 
 __all__ = ["CURRENT_PREFIX", "EMAWeightAveraging", "WeightAveraging"]
 
@@ -290,16 +290,19 @@ class WeightAveraging(Callback):
     def _load_sharded(self, pl_module: pl.LightningModule, path: str, n_averaged: int) -> None:
         """Read this rank's shards of the raw weights (into the module) and of the average
         (into the EMA) from the DCP checkpoint at ``path``. **Collective** (every rank).
-        Peak extra memory: one copy of this rank's shards of the module and of the EMA."""
+        Peak extra memory: one copy of this rank's shards of the module and of the EMA.
+        Runs no code from the checkpoint (:mod:`dtensor_ema.reader`): a ``.metadata`` that is
+        not DCP's raises ``CheckpointError``."""
         assert self._average_model is not None
         engine = self._average_model.engine
         ema_state = engine.state_dict()
         average = {k: torch.empty_like(v) for k, v in ema_state["ema"].items()}
         raw = {k: torch.empty_like(v) for k, v in pl_module.state_dict().items()}
         dest = {CURRENT_PREFIX + k: v for k, v in raw.items()} | average
+        checkpoint = open_checkpoint(path)  # .metadata read safely: a crafted one raises
         try:
-            dcp.load({"state_dict": dest}, checkpoint_id=path)
-        except CheckpointException as e:
+            checkpoint.load({"state_dict": dest}, group=group_of(None))
+        except CheckpointError as e:
             raise ValueError(
                 f"{type(self).__name__}: cannot read the average and the raw weights from "
                 f"{path} (a different model, or a checkpoint without them): {e}"

@@ -31,12 +31,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema._collectives import group_of
 from dtensor_ema.integrations._common import (
     EvalSwap,
     StepGate,
@@ -45,6 +44,7 @@ from dtensor_ema.integrations._common import (
     full_ema_tensors,
 )
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.reader import CheckpointError, open_checkpoint
 
 __all__ = ["EMA_KEY_PREFIX", "EMACallback"]
 
@@ -347,19 +347,22 @@ class EMACallback(Callback):
         self._started = bool(state["started"])
 
     def _read_sharded(self, ema: ModelEMA) -> dict[str, torch.Tensor]:
-        """This rank's EMA shards from the DCP checkpoint being restored (collective)."""
+        """This rank's EMA shards from the DCP checkpoint being restored (collective). Runs
+        no code from the checkpoint: a ``.metadata`` that is not DCP's raises
+        ``CheckpointError`` (:mod:`dtensor_ema.reader`)."""
         if self._ckpt_path is None or not Path(self._ckpt_path).is_dir():
             raise ValueError(
                 f"EMACallback({self.name!r}): the checkpoint's EMA is sharded (DCP) but the "
                 f"checkpoint path {self._ckpt_path!r} is not a directory"
             )
         fresh = {fqn: torch.empty_like(t) for fqn, t in ema.state_dict()["ema"].items()}
+        checkpoint = open_checkpoint(self._ckpt_path)  # .metadata read safely
         try:
-            dcp.load(
+            checkpoint.load(
                 {"state_dict": {EMA_KEY_PREFIX + k: v for k, v in fresh.items()}},
-                checkpoint_id=self._ckpt_path,
+                group=group_of(None),
             )
-        except CheckpointException as e:
+        except CheckpointError as e:
             raise ValueError(
                 f"EMACallback({self.name!r}): cannot read the EMA shards from "
                 f"{self._ckpt_path} (a different model, or a checkpoint without them): {e}"

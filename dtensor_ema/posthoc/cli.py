@@ -29,6 +29,7 @@ from dtensor_ema.posthoc.synthesis import (
     plan_synthesis,
     synthesize,
 )
+from dtensor_ema.reader import CheckpointError
 
 __all__ = ["main"]
 
@@ -74,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (errors print one line, status 2)."""
+    """Run the command line; returns the exit status (errors print one line, status 2: bad
+    arguments, missing or mismatched snapshots, a snapshot refused as unsafe or corrupted)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "list":
@@ -83,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _synthesize(args)
         else:
             _merge(args)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError, ImportError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

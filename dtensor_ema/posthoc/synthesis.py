@@ -13,6 +13,11 @@ warmup-stable-merge style weights). Both run on one engine:
   rank reads and builds only its ``Shard(0)`` piece of each tensor (DCP reads only the
   saved chunks that overlap it) and the output is a sharded DCP checkpoint that loads into
   a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
+
+Snapshots are read through :mod:`dtensor_ema.reader`, so reading someone else's snapshots
+runs no code from them: every selected snapshot's ``.metadata`` is read with a restricted
+unpickler, and its data files checked, before any tensor is read; values are read with
+``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -27,14 +32,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dtensor_ema._collectives import agree
 from dtensor_ema._collectives import group_of as _group
-from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema.checkpoint import save_checkpoint
 from dtensor_ema.export import _check_destination, _write_file
 from dtensor_ema.layout import chunk_range
@@ -46,6 +48,7 @@ from dtensor_ema.phema_math import (
     solve_coefficients,
 )
 from dtensor_ema.posthoc.snapshots import Snapshot, check_compatible, dtype_from_str, list_snapshots
+from dtensor_ema.reader import Checkpoint, CheckpointError, open_checkpoint
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Term", "merge_snapshots", "plan_synthesis", "synthesize"]
 
@@ -263,6 +266,9 @@ def synthesize(
             one-file ``out`` (checked before any snapshot is read).
         ValueError: see :func:`plan_synthesis`; a ``.safetensors``/``.pt`` output when
             distributed, or several ``sigma_rel`` into one file.
+        CheckpointError: a snapshot's ``.metadata`` refers to a global that is not DCP
+            metadata (a crafted snapshot: refused before any tensor is read, nothing run),
+            or DCP failed to read a snapshot.
     """
     many = not isinstance(sigma_rel, (int, float))
     sigmas = (
@@ -332,6 +338,7 @@ def merge_snapshots(
     Raises:
         ValueError: both or neither of ``last``/``weights``, a step with no snapshot, an
             untracked ``sigma_rel``, or snapshots of different models.
+        CheckpointError: as for :func:`synthesize`.
     """
     terms = _merge_terms(snapshot_dir, last=last, weights=weights, sigma_rel=sigma_rel)
     group = _group(process_group)
@@ -371,6 +378,7 @@ def combine(
     order += [k for k in spec if k not in set(order)]
     mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
     active = [t for t in terms if t.weight != 0.0]
+    opened = _open_snapshots([*(t.snapshot for t in active), latest], group)
     buckets = list(_buckets(order, spec, bucket_bytes))
     bar = _progress_bar(len(buckets) * len(active), progress)
     out: StateDict = {}
@@ -382,7 +390,7 @@ def combine(
         for term in active:
             stored = {k: dtype_from_str(spec[k]["dtype"]) for k in bucket}
             target = {k: _empty(spec[k]["shape"], stored[k], mesh) for k in bucket}
-            _load(term.snapshot.path, {term.key: target}, group)
+            opened[term.snapshot.path].load({term.key: target}, group=group, partial=True)
             for k in bucket:
                 acc[k].add_(_local(target[k]), alpha=term.weight)
             del target
@@ -393,7 +401,7 @@ def combine(
             out[k] = _wrap(acc.pop(k).to(out_dtype), spec[k]["shape"], mesh)
     if bar is not None:
         bar.close()
-    followed = _followed(latest, group)
+    followed = _followed(latest, opened[latest.path], group)
     state: StateDict = {}
     for key in latest.manifest["model_keys"]:
         if key in out:
@@ -449,26 +457,32 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def _open_snapshots(
+    snapshots: Sequence[Snapshot], group: dist.ProcessGroup | None
+) -> dict[Path, Checkpoint]:
+    """Every snapshot's DCP checkpoint, its ``.metadata`` read safely and its data files
+    checked, before any tensor is read; all ranks agree (one flag all-reduce)."""
+    opened: dict[Path, Checkpoint] = {}
+    error: Exception | None = None
     try:
-        with _quiet_single_process():
-            dcp.load(
-                state,
-                checkpoint_id=str(path),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-                process_group=group,
-                no_dist=group is None,
-            )
-    except CheckpointException as e:  # a BaseException: make it an ordinary error
-        raise RuntimeError(f"reading snapshot {path} failed: {e}") from e
+        for snapshot in snapshots:
+            if snapshot.path not in opened:
+                opened[snapshot.path] = checkpoint = open_checkpoint(snapshot.path)
+                checkpoint.check_files()
+    except (OSError, CheckpointError) as e:
+        error = e
+    agree(group, error, "reading the snapshots' metadata")
+    return opened
 
 
-def _followed(latest: Snapshot, group: dist.ProcessGroup | None) -> StateDict:
+def _followed(
+    latest: Snapshot, checkpoint: Checkpoint, group: dist.ProcessGroup | None
+) -> StateDict:
     spec = latest.manifest.get("followed", {})
     if not spec:
         return {}
     state = {k: torch.empty(v["shape"], dtype=dtype_from_str(v["dtype"])) for k, v in spec.items()}
-    _load(latest.path, {"followed": state}, group)
+    checkpoint.load({"followed": state}, group=group, partial=True)
     return state
 
 
