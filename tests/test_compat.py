@@ -695,6 +695,10 @@ def test_diffusers_save_pretrained_round_trip(tmp_path: Path) -> None:
 
 
 def test_lightning_w1_matches_and_load_from_checkpoint(tmp_path: Path) -> None:
+    """Mirrors Lightning ``tests_pytorch/callbacks/test_weight_averaging.py``
+    ``test_ema_resume`` and ``test_ema_weight_averaging_checkpoint_save_load``: checkpoints
+    in Lightning's layout, bit for bit, and a resumed fit ending where the uninterrupted one
+    ends; ``load_from_checkpoint`` gives the averaged model."""
     out = lightning_runs(1, tmp_path)
     for name, run in out.items():
         assert run["final"] and run["seen"] and run["validations"] >= 3, (name, run)
@@ -802,6 +806,8 @@ def test_diffusers_checkpoint_hooks_w2(ranks: dict[int, list[dict[str, Any]]]) -
 
 @pytest.mark.distributed
 def test_lightning_ddp_w2(ranks: dict[int, list[dict[str, Any]]]) -> None:
+    """Mirrors Lightning ``test_weight_averaging.py`` ``test_ema_resume_ddp`` (there under
+    ``ddp_spawn``; ``ddp_spawn`` itself: ``test_compat_upstream.py``) at W=2."""
     for name, run in ranks[2][0]["lightning"].items():
         assert run["final"] and run["seen"] and run["validations"] >= 2, (name, run)
         assert run["checkpoints"] and all(all(c.values()) for c in run["checkpoints"].values()), run

@@ -34,8 +34,14 @@ import torch.distributed as dist  # noqa: E402
 from diffusers import UNet2DModel  # noqa: E402
 from diffusers.training_utils import EMAModel as RealEMAModel  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from lightning.pytorch.callbacks import WeightAveraging as RealWeightAveraging  # noqa: E402
-from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset  # noqa: E402
+from lightning_mirror import (  # noqa: E402
+    Decayed,
+    LateModule,
+    OurCounting,
+    RealCounting,
+    TinyModule,
+    fit,
+)
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.optim import swa_utils as torch_swa  # noqa: E402
@@ -52,18 +58,6 @@ from dtensor_ema.options import AveragingFunction  # noqa: E402
 
 
 # ------------------------------------------------------------------ averaging functions
-class Decayed:
-    """A picklable EMA function object, the pattern Lightning's test recommends for
-    ``ddp_spawn`` (the same arithmetic as torch's ``get_ema_avg_fn``)."""
-
-    def __init__(self, decay: float = 0.9) -> None:
-        self.decay = decay
-
-    @torch.no_grad()
-    def __call__(self, ema: torch.Tensor, current: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        return self.decay * ema + (1 - self.decay) * current
-
-
 def user_avg(p_avg: torch.Tensor, p: torch.Tensor, n_avg: torch.Tensor) -> torch.Tensor:
     return 0.9 * p_avg + (1 - 0.9) * p
 
@@ -389,122 +383,6 @@ def test_diffusers_copy_steps_from_the_same_parameters() -> None:
 
 
 # ------------------------------------------------------------------ Lightning
-class TinyModule(BoringModel):
-    """Lightning's test module shape: Linear, optional BatchNorm1d, ReLU, Linear; SGD."""
-
-    def __init__(self, batch_norm: bool = True) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        layers: list[nn.Module] = [nn.Linear(32, 32)]
-        if batch_norm:
-            layers.append(nn.BatchNorm1d(32))
-        self.layer = nn.Sequential(*layers, nn.ReLU(), nn.Linear(32, 2))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
-
-
-class LateModule(BoringModel):
-    """Its layers come from ``configure_model`` (called again by the strategy)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer: nn.Module | None = None
-
-    def configure_model(self) -> None:
-        self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class _Counting:
-    """Counts Lightning's hook calls and checks them where Lightning's test does (mixed into
-    both callbacks; module-level classes, so ``ddp_spawn`` can pickle them)."""
-
-    _average_model: Any
-
-    def __init__(self, every_epoch: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)  # type: ignore[call-arg]
-        self.every_epoch = every_epoch
-        self.swap_calls = self.copy_calls = 0
-        self.in_setup: dict[str, Any] = {}
-        self.history: list[tuple[int, int, int]] = []  # (epoch, n_averaged, swap_calls)
-
-    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
-        if self.every_epoch:
-            return epoch_idx in (1, 3)
-        return super().should_update(step_idx, epoch_idx)  # type: ignore[misc]
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
-        average = self._average_model
-        self.in_setup = {
-            "built": average is not None,
-            "bound": average is not None
-            and average.module.train_dataloader.__self__ is average.module,
-            "no_trainer": average is not None and average.module._trainer is None,
-        }
-
-    def _swap_models(self, *args: Any, **kwargs: Any) -> Any:
-        self.swap_calls += 1
-        return super()._swap_models(*args, **kwargs)  # type: ignore[misc]
-
-    def _copy_average_to_current(self, *args: Any, **kwargs: Any) -> Any:
-        self.copy_calls += 1
-        return super()._copy_average_to_current(*args, **kwargs)  # type: ignore[misc]
-
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
-        n = int(self._average_model.n_averaged)
-        self.history.append((trainer.current_epoch, n, self.swap_calls))
-        if self.copy_calls:
-            raise AssertionError("_copy_average_to_current before the end of training")
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        super().on_train_end(trainer, pl_module)  # type: ignore[misc]
-        if self.copy_calls != 1:
-            raise AssertionError(f"_copy_average_to_current called {self.copy_calls} times")
-
-
-class OurCounting(_Counting, our_lightning.WeightAveraging):
-    pass
-
-
-class RealCounting(_Counting, RealWeightAveraging):
-    pass
-
-
-def _fit(
-    module: pl.LightningModule,
-    callback: Any,
-    root: Path,
-    *,
-    strategy: str = "auto",
-    devices: int = 1,
-    epochs: int = 4,
-) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            strategy=strategy,
-            devices=devices,
-            logger=False,
-            callbacks=callback,
-            max_epochs=epochs,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            accumulate_grad_batches=2,
-            deterministic=True,
-            default_root_dir=str(root),
-        )
-        data = torch.utils.data.DataLoader(RandomDataset(32, 32), batch_size=4)
-        trainer.fit(module, data)
-
-
 @pytest.mark.parametrize(
     ("options", "every_epoch"),
     [
@@ -529,7 +407,7 @@ def test_lightning_hooks_and_numbers_match(
         module = TinyModule()
         callback = cls(every_epoch=every_epoch, **options)
         pl.seed_everything(3, verbose=False)
-        _fit(module, callback, tmp_path / name)
+        fit(module, callback, tmp_path / name)
         runs[name] = (callback, {k: v.clone() for k, v in module.state_dict().items()})
     (real, real_final), (ours, our_final) = runs["real"], runs["ours"]
     assert ours.in_setup == real.in_setup == {"built": True, "bound": True, "no_trainer": True}
@@ -544,9 +422,29 @@ def test_lightning_configure_model(tmp_path: Path) -> None:
     follows the re-created layers) are in the average's module."""
     callback = our_lightning.WeightAveraging(avg_fn=Decayed(0.99))
     module = LateModule()
-    _fit(module, callback, tmp_path, epochs=2)
+    fit(module, callback, tmp_path, epochs=2)
     assert isinstance(callback._average_model.module.layer, nn.Sequential)
     assert int(callback._average_model.n_averaged) == 8  # 4 optimizer steps per epoch
+
+
+def test_lightning_should_update_matches() -> None:
+    """Mirrors Lightning ``test_weight_averaging.py`` ``test_ema_weight_averaging_should_update``
+    (and the option sets of ``test_ema_weight_averaging_step_frequency``,
+    ``..._starting_step``, ``..._starting_epoch``): ``EMAWeightAveraging.should_update``
+    answers as Lightning's for every step and epoch index."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging as RealEMAWA
+
+    grid = [
+        dict(update_every_n_steps=5, update_starting_at_step=10),
+        dict(update_every_n_steps=1, update_starting_at_epoch=2),
+        dict(update_every_n_steps=3),
+        dict(update_every_n_steps=0, update_starting_at_epoch=1),
+    ]
+    for options in grid:
+        ours, real = our_lightning.EMAWeightAveraging(**options), RealEMAWA(**options)
+        for i in range(30):
+            assert ours.should_update(step_idx=i) == real.should_update(step_idx=i), (options, i)
+            assert ours.should_update(epoch_idx=i) == real.should_update(epoch_idx=i), (options, i)
 
 
 @pytest.mark.slow
@@ -560,7 +458,7 @@ def test_lightning_ddp_spawn(tmp_path: Path) -> None:
     for name, cls in (("real", RealCounting), ("ours", OurCounting)):
         module = TinyModule()
         callback = cls(avg_fn=Decayed(0.9))
-        _fit(module, callback, tmp_path / name, strategy="ddp_spawn", devices=2, epochs=2)
+        fit(module, callback, tmp_path / name, strategy="ddp_spawn", devices=2, epochs=2)
         finals[name] = {k: v.clone() for k, v in module.state_dict().items()}
     assert same(float_state(finals["ours"]), float_state(finals["real"]))
 
@@ -652,6 +550,26 @@ def test_diffusers_behaviours(tmp_path: Path, foreach: bool) -> None:
 
 
 # ------------------------------------------------------------------ timm's task
+class TinyFeatures(nn.Module):
+    """A student/teacher for ``FeatureDistillationTask``: ``forward_features``/``forward_head``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        torch.manual_seed(hidden)
+        self.num_classes, self.in_chans, self.num_features = 3, 3, hidden
+        self.pretrained_cfg = {"mean": (0.5,) * 3, "std": (0.25,) * 3}
+        self.stem, self.head = nn.Linear(3, hidden), nn.Linear(hidden, 3)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stem(x.mean((2, 3)))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
 class TinyClassifier(nn.Module):
     """What ``timm.task`` needs of a model: ``num_classes``, ``pretrained_cfg``."""
 
@@ -671,9 +589,11 @@ def test_timm_task_habits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib: 
     """Mirrors timm ``tests/test_task.py``:
     ``test_task_checkpoint_omits_empty_task_state_and_keeps_legacy_paths`` (``setup_ema``,
     ``CheckpointSaver`` with ``task=`` and with ``model_ema=``, ``resume_task_checkpoint``,
-    ``load_task_ema_checkpoint``) and ``test_compiled_ema_eval_model_reflects_update``
-    (``compile_ema`` then ``update_ema(step=2)`` with decay 0), with timm's task module
-    building the EMA from ``lib``'s ``ModelEmaV3``; both give the same files and outputs."""
+    ``load_task_ema_checkpoint``), ``test_compiled_ema_eval_model_reflects_update``
+    (``compile_ema`` then ``update_ema(step=2)`` with decay 0) and
+    ``test_feature_distillation_checkpoint_keeps_projection_in_task_state`` (the task's
+    EMA state and forward), with timm's task module building the EMA from ``lib``'s
+    ``ModelEmaV3``. (Its other three tests never touch the EMA.)"""
     import timm.task.task as task_module
     from timm.task import ClassificationTask, load_task_ema_checkpoint, resume_task_checkpoint
     from timm.utils import CheckpointSaver
@@ -715,6 +635,30 @@ def test_timm_task_habits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib: 
     assert resume_task_checkpoint(fresh, str(path), log_info=False, weights_only=False) == 3
     load_task_ema_checkpoint(fresh, str(path), weights_only=False)
     assert torch.equal(fresh.get_eval_model(ema=True)(x), after)
+    # test_feature_distillation_checkpoint_keeps_projection_in_task_state
+    from timm.task import FeatureDistillationTask
+
+    def distill() -> Any:
+        task = FeatureDistillationTask(
+            TinyFeatures(4), TinyFeatures(6), criterion=nn.CrossEntropyLoss(), verbose=False
+        )
+        task.setup_ema(decay=0.0)
+        return task
+
+    task = distill()
+    opt = torch.optim.SGD(task.get_trainable_module().parameters(), lr=0.1)
+    path = tmp_path / "fd.pth.tar"
+    CheckpointSaver(task.get_trainable_module(), opt, checkpoint_dir=tmp_path, task=task)._save(
+        path, epoch=1
+    )
+    checkpoint = torch.load(path, weights_only=False)
+    assert "projection" in checkpoint["task_state_ema"]
+    assert not any(k.startswith("projection") for k in checkpoint["state_dict_ema"])
+    assert task.get_eval_model(ema=True)(x).shape == (2, 3)
+    fresh = distill()
+    resume_task_checkpoint(fresh, str(path), log_info=False, weights_only=False)
+    load_task_ema_checkpoint(fresh, str(path), weights_only=False)
+    assert torch.equal(fresh.get_eval_model(ema=True)(x), task.get_eval_model(ema=True)(x))
 
 
 # ------------------------------------------------------------------ W=2: no hidden collective
@@ -849,7 +793,9 @@ def test_diffusers_main_process_habit_w2(w2: list[dict[str, Any]]) -> None:
 
 @pytest.mark.distributed
 def test_forward_and_update_bn_without_hidden_collective_w2(w2: list[dict[str, Any]]) -> None:
-    """An ``AveragedModel`` forward on one rank after an update raises at once naming
+    """Mirrors torch ``test_swa_utils.py`` ``test_update_bn_cnn`` on the drop-in at W=2,
+    and the rank-0 rule. An ``AveragedModel`` forward on one rank after an update raises at
+    once naming
     ``gather_for_save()`` (before the fix it all-gathered: a hang when one rank evaluates);
     after ``gather_for_save()`` on every rank, torch's ``update_bn`` (which calls
     ``train()``, then forwards) runs on the gathered copy, and a user's ``avg_fn`` that
@@ -877,7 +823,10 @@ def test_pickling_a_sharded_ema_raises_at_once_w2(w2: list[dict[str, Any]]) -> N
 def test_swa_utils_exports_torchs_test_imports() -> None:
     """torch's ``test_swa_utils.py`` imports ``AveragedModel, get_ema_multi_avg_fn,
     get_swa_multi_avg_fn, update_bn``: the drop-in module has all four (torch's functions,
-    mapped onto the fused path)."""
+    mapped onto the fused path). Its ``test_update_bn_dnn``/``_cnn`` and
+    ``test_bn_update_eval_momentum`` call ``update_bn`` on a plain model (torch's own
+    function, re-exported); ``update_bn`` on the drop-in is
+    ``test_forward_and_update_bn_without_hidden_collective_w2``."""
     for name in ("AveragedModel", "get_ema_multi_avg_fn", "get_swa_multi_avg_fn", "update_bn"):
         assert name in our_swa.__all__, name
     assert our_swa.update_bn is torch_swa.update_bn
