@@ -1,17 +1,25 @@
-"""Cost of checkpoint checksums and of the collective-entry check, ResNet-50 fp32 on CPU/gloo.
+"""Cost of checkpoint checksums (save and load side by side) and of the collective-entry check.
 
-1. ``save_checkpoint`` with and without ``checksums`` (CRC-32 of every written chunk and a
-   per-rank sidecar file), and the CRC pass alone; ``load_checkpoint(verify=False)`` and
-   the verification pass alone (every saved chunk the load reads is read again and its
-   CRC-32 compared before DCP loads): median seconds over ``--repeat`` runs on every rank,
-   and each as a ratio to the unchecked save or load.
-2. ``DTENSOR_EMA_CHECK_COLLECTIVES``: the monitored barrier alone, and construction,
-   ``save_checkpoint``, ``export_ema`` and ``average_parameters`` with the check off and on.
+1. ``save_checkpoint`` with and without ``checksums`` (the CRC-32 of every byte range each
+   rank wrote, in the memory-mapped files after the write, and a per-rank checksum file),
+   and ``load_checkpoint`` with and without ``verify`` (the CRC-32 of the byte ranges each
+   rank loads, inside the load, before DCP deserializes them): median seconds over
+   ``--repeat`` runs on every rank, off and on alternating within each repeat, and each as
+   a ratio to the unchecked save or load. The EMA of ``--model`` (``resnet50``, ``gpt2``:
+   GPT-2 small's shape from ``benchmarks/workloads.py``, or the quick
+   ``mobilenet_v3_small``/``gpt-tiny``), fp32. Digests: CRC-32 and, with the optional
+   ``xxhash`` package, XXH3-64 (checked instead when present); ``--crc32-only`` measures
+   CRC-32 alone, as without ``xxhash``.
+2. ``DTENSOR_EMA_CHECK_COLLECTIVES`` (``--collective-check``): the monitored barrier
+   alone, and construction, ``save_checkpoint``, ``export_ema`` and ``average_parameters``
+   with the check off and on.
 
-    python benchmarks/checksums.py --world-size 2 --repeat 5
+    python benchmarks/checksums.py --world-size 2 --repeat 5 --collective-check
+    python benchmarks/checksums.py --world-size 2 --repeat 5 --model gpt2
+    python benchmarks/checksums.py --world-size 2 --repeat 5 --model gpt2 --crc32-only
 
-The checkpoint goes to ``--dir`` (default: a temporary directory, usually tmpfs or page
-cache: the numbers then price the CPU work, not the disk).
+The checkpoints go to ``--dir`` (default: a temporary directory, in the page cache right after
+the save: the numbers then price the CPU work, not the disk).
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -30,12 +38,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torchvision
 
-from dtensor_ema import ModelEMA, export_ema
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
+
+from dtensor_ema import ModelEMA, checksums, export_ema
 from dtensor_ema._collectives import CHECK_ENV, check_group_enters
 from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_ema.reader import open_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import get_spec
 
 
 def _median(fn: Callable[[], Any], repeat: int) -> float:
@@ -49,16 +61,69 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
-def _once(fn: Callable[[], Any]) -> float:
+def _once(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, all threads) of one call, after a barrier."""
     dist.barrier()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _verify_only(ema: ModelEMA, ckpt: Path, rank: int) -> None:
-    """What ``load_checkpoint(verify=True)`` adds: the checksum pass alone."""
-    open_checkpoint(ckpt).verify({"ema": ema}, is_coordinator=rank == 0)
+def _checksums(ema: ModelEMA, root: Path, repeat: int) -> dict[str, float]:
+    plain, checked = root / "plain", root / "checked"
+    save_checkpoint({"ema": ema}, checked)
+    checkpoint = open_checkpoint(checked)
+    items = checkpoint.verify_reads(checkpoint.metadata.storage_data)
+    assert items > 0, "the checkpoint has no checksums"
+    pairs: list[dict[str, Callable[[], Any]]] = [
+        {
+            "save": lambda: save_checkpoint({"ema": ema}, plain, checksums=False),
+            "save_crc": lambda: save_checkpoint({"ema": ema}, checked),
+        },
+        {
+            "load": lambda: load_checkpoint({"ema": ema}, checked, verify=False),
+            "load_verify": lambda: load_checkpoint({"ema": ema}, checked),
+        },
+    ]
+    times: dict[str, list[tuple[float, float]]] = {k: [] for pair in pairs for k in pair}
+    for i in range(repeat):
+        # Off and on alternate within each repeat, which goes first alternating too, so
+        # load drifts and after-effects of the previous call hit both alike.
+        for pair in pairs:
+            for name, fn in sorted(pair.items(), reverse=i % 2 == 1):
+                times[name].append(_once(fn))
+    out: dict[str, float] = {"items": items}
+    for name, samples in times.items():
+        out[name] = statistics.median(w for w, _ in samples)
+        out[name + "_cpu"] = statistics.median(c for _, c in samples)
+    return out
+
+
+def _collective_check(
+    model: torch.nn.Module, ema: ModelEMA, root: Path, repeat: int
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    group = dist.group.WORLD
+    os.environ[CHECK_ENV] = "600"
+    out["barrier"] = _median(lambda: check_group_enters(group, "bench"), repeat * 20)
+    del os.environ[CHECK_ENV]
+
+    def swap() -> None:
+        with ema.average_parameters():
+            pass
+
+    calls: dict[str, Callable[[], Any]] = {
+        "construct": lambda: ModelEMA(model, decay=0.9, tau=None),
+        "save": lambda: save_checkpoint({"ema": ema}, root / "checked"),
+        "export": lambda: export_ema(ema, root / "ema.pt"),
+        "swap": swap,
+    }
+    for name, fn in calls.items():
+        out[f"{name}_off"] = _median(fn, repeat)
+        os.environ[CHECK_ENV] = "600"
+        out[f"{name}_on"] = _median(fn, repeat)
+        del os.environ[CHECK_ENV]
+    return out
 
 
 def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, queue: Any) -> None:
@@ -68,53 +133,20 @@ def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, queu
         store=dist.FileStore(os.path.join(store, "store"), world_size),
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=600),
+        timeout=timedelta(seconds=1800),
     )
     try:
+        if args.crc32_only:  # as without the optional xxhash package
+            checksums.ALGORITHMS = {"crc32": checksums.ALGORITHMS["crc32"]}
         torch.manual_seed(0)
-        model = torchvision.models.resnet50()
+        model = get_spec(args.model).build()
         ema = ModelEMA(model, decay=0.9, tau=None)
         ema.update()
-        ckpt = Path(args.dir or store) / "ckpt"
-        out: dict[str, float] = {"rank": rank}
-        # Off and on alternate within each repeat, so load drifts hit both alike.
-        times: dict[str, list[float]] = {k: [] for k in ("save", "save_crc", "load", "verify")}
-        for _ in range(args.repeat):
-            times["save"].append(
-                _once(lambda: save_checkpoint({"ema": ema}, ckpt, checksums=False))
-            )
-            times["save_crc"].append(_once(lambda: save_checkpoint({"ema": ema}, ckpt)))
-            times["load"].append(_once(lambda: load_checkpoint({"ema": ema}, ckpt, verify=False)))
-            times["verify"].append(_once(lambda: _verify_only(ema, ckpt, rank)))
-        out.update({k: statistics.median(v) for k, v in times.items()})
-        local = [v.to_local() for v in ema.ema_tensors().values()]
-        out["crc"] = _median(
-            lambda: [
-                zlib.crc32(t.reshape(-1).contiguous().view(torch.uint8).numpy()) for t in local
-            ],
-            args.repeat,
-        )
-        group = dist.group.WORLD
-        os.environ[CHECK_ENV] = "600"
-        out["barrier"] = _median(lambda: check_group_enters(group, "bench"), args.repeat * 20)
-        del os.environ[CHECK_ENV]
-        export = Path(store) / "ema.pt"
-
-        def swap() -> None:
-            with ema.average_parameters():
-                pass
-
-        calls: dict[str, Callable[[], Any]] = {
-            "construct": lambda: ModelEMA(model, decay=0.9, tau=None),
-            "save": lambda: save_checkpoint({"ema": ema}, ckpt),
-            "export": lambda: export_ema(ema, export),
-            "swap": swap,
-        }
-        for name, fn in calls.items():
-            out[f"{name}_off"] = _median(fn, args.repeat)
-            os.environ[CHECK_ENV] = "600"
-            out[f"{name}_on"] = _median(fn, args.repeat)
-            del os.environ[CHECK_ENV]
+        root = Path(args.dir or store) / "ckpt"
+        out: dict[str, Any] = {"rank": rank, "bytes": ema.local_nbytes()}
+        out.update(_checksums(ema, root, args.repeat))
+        if args.collective_check:
+            out.update(_collective_check(model, ema, root, args.repeat))
         queue.put(out)
     finally:
         dist.destroy_process_group()
@@ -124,8 +156,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="where the checkpoint goes")
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--collective-check", action="store_true")
+    parser.add_argument(
+        "--crc32-only", action="store_true", help="record and check CRC-32 alone (no xxhash)"
+    )
+    parser.add_argument("--dir", default=None, help="where the checkpoints go")
     args = parser.parse_args()
+    spec = get_spec(args.model)
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as store:
@@ -135,24 +174,35 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        rows = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
+        rows = sorted((queue.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
         for p in procs:
             p.join()
+    digests = "CRC-32" if args.crc32_only or len(checksums.ALGORITHMS) == 1 else "CRC-32 + XXH3-64"
     print(
-        f"ResNet-50 fp32 EMA, W={args.world_size} gloo, median of {args.repeat}, "
-        f"torch {torch.__version__}, one thread per rank"
+        f"{spec.note} fp32 EMA, W={args.world_size} gloo, median of {args.repeat}, "
+        f"torch {torch.__version__}, one thread per rank; digests: {digests}"
     )
-    print("rank  save s  +crc s  ratio  crc pass s  ratio   load s  verify pass s  ratio")
+    print(
+        "rank  EMA MiB  |  wall s: save  +crc  ratio   load  verified  ratio  |  "
+        "CPU s: save  +crc  ratio   load  verified  ratio"
+    )
     for r in rows:
-        print(
-            f"{r['rank']:>4}  {r['save']:6.3f}  {r['save_crc']:6.3f}  "
-            f"{r['save_crc'] / r['save']:5.2f}  {r['crc']:10.3f}  {r['crc'] / r['save']:5.2f}"
-            f"   {r['load']:6.3f}  {r['verify']:13.3f}  {r['verify'] / r['load']:5.2f}"
-        )
+        line = f"{r['rank']:>4}  {r['bytes'] / 2**20:7.1f}  |"
+        for suffix, label in (("", "wall s:"), ("_cpu", " CPU s:")):
+            save, crc = r["save" + suffix], r["save_crc" + suffix]
+            load, verified = r["load" + suffix], r["load_verify" + suffix]
+            line += (
+                f"  {label} {save:5.2f} {crc:5.2f}  {crc / save:5.2f}  {load:5.2f}  "
+                f"{verified:8.2f}  {verified / load:5.2f}  |"
+            )
+        print(line.rstrip(" |"))
     print(
-        "(+crc: save_checkpoint with checksums, vs without; crc pass: CRC-32 of this rank's "
-        "shards alone; verify pass: the check load_checkpoint(verify=True) adds)"
+        f"(+crc: save_checkpoint with checksums, vs without; verified: load_checkpoint with "
+        f"verify=True, vs verify=False; {rows[0]['items']} saved items; CPU: this process's "
+        f"CPU time, all threads; load average before the run: {load_before})"
     )
+    if not args.collective_check:
+        return
     print(f"\n{CHECK_ENV}: monitored barrier alone, ms per call (rank: value)")
     print("  " + ", ".join(f"{r['rank']}: {1e3 * r['barrier']:.2f}" for r in rows))
     print("call        off s    on s   (rank 0)")

@@ -9,7 +9,7 @@
   missing: always when the backend's timeout fires, and early with
   ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` (a monitored barrier over the mesh or group
   before each such call; gloo groups only; costs one barrier per call, measured in
-  ``benchmarks/checksums.py``). Off by default: see :data:`CHECK_ENV`.
+  ``benchmarks/checksums.py --collective-check``). Off by default: see :data:`CHECK_ENV`.
 * :data:`all_gather_single`: the flat all-gather under its current name (torch 2.14
   deprecates ``all_gather_into_tensor``; older releases lack ``all_gather_single``). Every
   flat all-gather of the library goes through it.
@@ -38,12 +38,14 @@ __all__ = [
     "check_all_ranks_enter",
     "check_group_enters",
     "collective",
+    "describe",
     "entering",
     "group_of",
     "is_mesh_first",
     "mesh_agree",
     "quiet_single_process",
     "rank_of",
+    "same_error",
 ]
 
 CHECK_ENV = "DTENSOR_EMA_CHECK_COLLECTIVES"
@@ -55,8 +57,9 @@ would fail healthy jobs in which one rank is legitimately late (rank 0 evaluatin
 writing alone before a collective save), a default as long as the backend's timeout would
 add nothing but the missing ranks' names, and the check exists on gloo only. Its cost is
 small: one monitored barrier per checked call, 3-4 ms at W=2 on gloo CPU (a loaded
-2-core machine; ``python benchmarks/checksums.py``), against 0.6-2 s for a swap, export,
-checkpoint save or construction of a ResNet-50 EMA there: below the run-to-run noise."""
+2-core machine; ``python benchmarks/checksums.py --collective-check``), against 0.6-2 s for
+a swap, export, checkpoint save or construction of a ResNet-50 EMA there: below the
+run-to-run noise."""
 
 all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_single(output, input, group=...)``: the flat all-gather; torch 2.14 deprecates
@@ -121,13 +124,18 @@ def agree(group: dist.ProcessGroup | None, error: BaseException | None, what: st
         encoded = _encode(error)
         rows[shown.index(rank), : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
     dist.all_reduce(rows, group=group)
-    messages = [_decode(row) for row in rows.cpu()]
-    raise _same_error(what, failed, shown, messages) from error
+    messages = dict(zip(shown, (_decode(row) for row in rows.cpu()), strict=True))
+    raise same_error(what, failed, messages) from error
+
+
+def describe(error: BaseException) -> tuple[str, str]:
+    """``(qualified type name, message)`` of ``error``: what :func:`same_error` takes."""
+    return f"{type(error).__module__}.{type(error).__qualname__}", str(error)
 
 
 def _encode(error: BaseException) -> bytearray:
-    kind = f"{type(error).__module__}.{type(error).__qualname__}"
-    data = f"{kind}\0{error}".encode(errors="replace")
+    kind, message = describe(error)
+    data = f"{kind}\0{message}".encode(errors="replace")
     if len(data) > MESSAGE_BYTES:
         data = data[: MESSAGE_BYTES - 4] + b"..."
     return bytearray(data)
@@ -153,15 +161,15 @@ def _error_type(kind: str) -> type[Exception]:
     return found if isinstance(found, type) and issubclass(found, Exception) else RuntimeError
 
 
-def _same_error(
-    what: str, failed: list[int], shown: list[int], messages: list[tuple[str, str]]
-) -> Exception:
-    """The error every rank raises: who failed, and what each distinct message was."""
+def same_error(what: str, failed: list[int], messages: dict[int, tuple[str, str]]) -> Exception:
+    """The error every rank raises when ranks ``failed`` failed ``what``: who failed, and
+    each distinct message (``messages``: rank -> :func:`describe`, for the ranks shown),
+    of the first shown rank's type when it is a builtin or ours, else ``RuntimeError``."""
     by_message: dict[tuple[str, str], list[int]] = {}
-    for r, seen in zip(shown, messages, strict=True):
+    for r, seen in messages.items():
         by_message.setdefault(seen, []).append(r)
     where = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
-    if len(by_message) == 1 and len(shown) == len(failed):
+    if len(by_message) == 1 and len(messages) == len(failed):
         ((kind, message),) = by_message
         detail = f"{kind.rpartition('.')[2]}: {message}"
     else:
@@ -170,10 +178,10 @@ def _same_error(
             f"{kind.rpartition('.')[2]}: {message}"
             for (kind, message), ranks in by_message.items()
         )
-        if len(failed) > len(shown):
-            detail += f"; {len(failed) - len(shown)} more failing ranks not shown"
+        if len(failed) > len(messages):
+            detail += f"; {len(failed) - len(messages)} more failing ranks not shown"
     text = f"{what} failed on {where}: {detail}"
-    cls = _error_type(messages[0][0])
+    cls = _error_type(next(iter(messages.values()))[0])
     try:
         return cls(text)
     except Exception:  # a type whose constructor wants more than a message

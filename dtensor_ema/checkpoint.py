@@ -8,7 +8,7 @@ what plain DCP does not do:
 * :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
   over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
   raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
-  the CRC-32 of every byte range DCP wrote (:mod:`dtensor_ema.checksums`).
+  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checksums`).
 * :func:`load_checkpoint` checks the checkpoint against every ``ModelEMA`` it will fill (the
   data files exist and are long enough; the checksums; tensor names, shapes and dtypes; the
   counter and the options that shape the next update) **before** DCP writes into the live
@@ -84,11 +84,12 @@ def save_checkpoint(
     :func:`load_checkpoint` falls back to. Leftovers of an interrupted save are deleted by
     the next save. ``path`` and its siblings must be on a filesystem every rank sees.
 
-    With ``checksums=True`` (default) every rank then reads back the byte ranges it wrote
-    (each tensor chunk and value, as DCP wrote them; rank 0 also ``.metadata``) and records
-    their CRC-32 in ``__<rank>.checksums.json`` beside DCP's files (local, no communication;
-    cost in ``docs/checkpoints.md``), and :func:`load_checkpoint` verifies them; plain
-    ``dcp.load`` ignores these files. Then one more flag all-reduce, so rank 0 commits only
+    With ``checksums=True`` (default) every rank then digests the byte ranges it wrote (each
+    tensor chunk and value, as DCP wrote them, in the memory-mapped files; rank 0 also
+    ``.metadata``) and records them in ``__<rank>.checksums.json`` beside DCP's files: the
+    CRC-32, and XXH3-64 too when the optional ``xxhash`` package is installed (local, no
+    communication; cost in ``docs/checkpoints.md``). :func:`load_checkpoint` verifies them;
+    plain ``dcp.load`` ignores these files. Then one more flag all-reduce, so rank 0 commits only
     once every rank's checksum file is written. With
     ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not call this makes the
     others fail after that many seconds, naming it.
@@ -222,13 +223,16 @@ def load_checkpoint(
     exactly as it was. Other entries (model, optimizer) get DCP's own checks: missing keys
     and shape mismatches raise before anything is written.
 
-    With ``verify=True`` (default) and a checkpoint written by :func:`save_checkpoint`, each
-    rank first checks ``.metadata`` and every saved item its load will read from (whole and
-    as saved, so a resharding load is verified too) against the CRC-32 recorded at save
-    time, in one streaming pass over those byte ranges (8 MiB at a time: the peak extra
-    memory); a mismatch raises :class:`CheckpointError` naming the file and the tensor or
-    value, before anything is written. The pass reads raw bytes and deserializes nothing,
-    so a verified load costs little more than an unverified one (numbers in
+    With ``verify=True`` (default) and a checkpoint written by :func:`save_checkpoint`,
+    ``.metadata`` is checked against the digest recorded at save time first, and then, inside
+    each DCP load, every saved item the rank is about to read (whole and as saved, so a
+    resharding load is verified too), in one pass over those byte ranges (memory-mapped: no
+    copy, no extra memory) in DCP's planning step, whose failures DCP gathers to every rank
+    before any rank reads. XXH3-64 is checked where it was recorded and ``xxhash`` is
+    installed, else the CRC-32. A mismatch raises
+    :class:`~dtensor_ema.reader.ChecksumError` (a :class:`CheckpointError`) naming the file
+    and the tensor or value, with nothing written. The pass deserializes nothing, so a
+    verified load costs little more than an unverified one (numbers in
     ``docs/checkpoints.md``); ``verify=False`` skips it. Checkpoints without checksum files
     (plain ``dcp.save``) are not verified.
 
@@ -264,8 +268,6 @@ def _load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, ve
         checkpoint.check_files()
         for where, ema in emas.items():
             _check_ema_tensors(checkpoint, where, ema)
-        if verify:
-            checkpoint.verify(state, is_coordinator=rank_of(group) == 0)
     except (OSError, ValueError, CheckpointError) as e:
         error = e
     except Exception as e:  # anything else: still tell the other ranks
@@ -280,14 +282,14 @@ def _load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, ve
         saved: dict[str, Any] = {}
         for where, ema in emas.items():
             _set_nested(saved, where, _without_tensors(ema.state_dict()))
-        checkpoint.load(saved, group=group)
+        checkpoint.load(saved, group=group, verify=verify)
         try:
             for where, ema in emas.items():
                 _judge_saved_values(checkpoint, where, ema, _get_nested(saved, where))
         except (KeyError, ValueError) as e:
             error = e
         agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
-    checkpoint.load(state, group=group)
+    checkpoint.load(state, group=group, verify=verify)
 
 
 def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:

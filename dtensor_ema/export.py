@@ -117,8 +117,8 @@ def convert_checkpoint(
 
     Reads as :func:`~dtensor_ema.load_checkpoint` does (:mod:`dtensor_ema.reader`): no code
     from the checkpoint runs (restricted ``.metadata``, ``weights_only`` values), and with
-    ``verify=True`` (default) the bytes it reads are checked against the checksums
-    :func:`~dtensor_ema.save_checkpoint` recorded, in one streaming pass before loading.
+    ``verify=True`` (default) ``.metadata`` and the bytes it reads are checked against the
+    checksums :func:`~dtensor_ema.save_checkpoint` recorded, before they are deserialized.
 
     Returns:
         The ``fqn -> tensor`` dict that was written.
@@ -154,8 +154,8 @@ def convert_checkpoint(
         )
     state = {key: {_EMA_TENSORS: tensors, **extras}}
     if verify:
-        checkpoint.verify(state, is_coordinator=True)
-    checkpoint.load(state, group=None)
+        checkpoint.verify_metadata()
+    checkpoint.load(state, group=None, verify=verify)
     tensors = state[key][_EMA_TENSORS]
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}

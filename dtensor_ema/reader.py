@@ -17,9 +17,11 @@ Lightning drop-in's and callback's loads of sharded checkpoints.
   already. DCP's default planner unpickles values unrestricted.
 * :meth:`Checkpoint.check_files`: every data file the metadata names exists and is long
   enough.
-* :meth:`Checkpoint.verify`: the CRC-32 recorded by :func:`~dtensor_ema.save_checkpoint`
-  (:mod:`dtensor_ema.checksums`) of ``.metadata`` and of every saved item this rank's load
-  reads, checked in one streaming pass over those byte ranges before DCP reads them.
+* :meth:`Checkpoint.verify_metadata`, :meth:`Checkpoint.verify_reads`: the CRC-32 recorded
+  by :func:`~dtensor_ema.save_checkpoint` (:mod:`dtensor_ema.checksums`) of ``.metadata``
+  and of every saved item a load reads, checked inside :meth:`Checkpoint.load` on each
+  rank's read plan, in one pass over those byte ranges (memory-mapped), before any rank
+  reads them.
 * :meth:`Checkpoint.entries_under`, :meth:`Checkpoint.top_level_keys`: what the checkpoint
   holds under a key, from the metadata alone.
 
@@ -33,9 +35,8 @@ import json
 import pickle
 import re
 import warnings
-import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +45,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from dtensor_ema._collectives import quiet_single_process
+from dtensor_ema._collectives import MESSAGE_RANKS, describe, quiet_single_process, same_error
 from dtensor_ema.checksums import (
     FORMAT,
     METADATA_FILE,
     SIDECAR_GLOB,
     VERSION,
-    crc32_of_range,
+    available,
+    digests,
+    digests_of_ranges,
     item_key,
     sidecar_name,
 )
@@ -157,15 +160,20 @@ def _unpickle_metadata(data: bytes, file: Path) -> Metadata:
     return metadata
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Checkpoint:
     """One DCP checkpoint directory whose ``.metadata`` was read safely
     (:func:`open_checkpoint`)."""
 
     path: Path
     metadata: Metadata
-    metadata_crc: int
-    """CRC-32 of the ``.metadata`` bytes that were read (compared by :meth:`verify`)."""
+    metadata_digests: dict[str, int]
+    """Digests of the ``.metadata`` bytes that were read, by algorithm
+    (:meth:`verify_metadata`)."""
+    has_checksums: bool
+    """Whether the directory has checksum files (``__<rank>.checksums.json``)."""
+    _recorded: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Checksum files read so far, by name."""
 
     # -------------------------------------------------------------------- metadata
     def entries_under(self, where: tuple[str, ...]) -> dict[str, Any]:
@@ -221,98 +229,64 @@ class Checkpoint:
 
     # -------------------------------------------------------------------- checksums
     def verify_metadata(self) -> bool:
-        """Compare the CRC-32 of the ``.metadata`` bytes that were read with the one
+        """Compare the digest of the ``.metadata`` bytes that were read with the one
         :func:`~dtensor_ema.save_checkpoint` recorded (in rank 0's checksum file). Local.
 
         Returns:
             Whether it was checked (``False``: the checkpoint has no checksum files).
 
         Raises:
-            ChecksumError: it differs (a corrupted or replaced ``.metadata``), or the
-                checkpoint has checksum files but not rank 0's.
+            ChecksumError: it differs (a corrupted or replaced ``.metadata``), the
+                checkpoint has checksum files but not rank 0's, or none of the recorded
+                algorithms is available here.
         """
-        if not _has_sidecars(self.path):
+        if not self.has_checksums:
             return False
         where = f"checkpoint {self.path}"
-        rank0 = self.path / sidecar_name(0)
-        recorded = _read_sidecar(rank0, where).get("metadata") if rank0.exists() else None
-        if recorded is None:
+        recorded = self._sidecar(0).get("metadata")
+        if not isinstance(recorded, dict):
             raise ChecksumError(
                 f"{where}: no checksum was recorded for {METADATA_FILE} (rank 0's checksum "
                 "file is missing)"
             )
-        if int(recorded) != self.metadata_crc:
+        algorithm = _algorithm(recorded, where, METADATA_FILE)
+        got = self.metadata_digests[algorithm]
+        if got != int(recorded[algorithm]):
             raise ChecksumError(
-                f"{where}: {METADATA_FILE} has crc32 {self.metadata_crc:#010x}, but "
-                f"{int(recorded):#010x} was recorded when it was saved: the file is corrupted "
-                "or was replaced"
+                f"{where}: {METADATA_FILE} has {algorithm} {got:#x}, but "
+                f"{int(recorded[algorithm]):#x} was recorded when it was saved: the file is "
+                "corrupted or was replaced"
             )
         return True
 
-    def verify(self, state: Mapping[str, Any], *, is_coordinator: bool) -> int:
-        """Check ``.metadata`` (:meth:`verify_metadata`) and the bytes this rank's load of
-        ``state`` will read against the CRC-32 recorded when they were saved. Local.
+    def verify_reads(self, indices: Iterable[MetadataIndex]) -> int:
+        """Check the saved items at ``indices`` (those a load reads) and ``.metadata``
+        against the digests recorded when they were saved. Local.
 
-        ``state`` is what ``dcp.load`` gets (``Stateful`` values are asked for their state
-        dict). One streaming pass over the byte ranges of the saved items the load reads
-        (each whole, as saved, so a resharding load is verified too), in file order, 8 MiB
-        at a time (peak extra memory); no deserialization. Reads only the checksum files of
-        the ranks that wrote those data files. A checkpoint without checksum files (plain
-        ``dcp.save``, ``save_checkpoint(checksums=False)``) is not checked.
+        One pass over the items' byte ranges, one data file at a time, memory-mapped (no
+        copy, no extra memory); nothing is deserialized. Uses XXH3-64 where it was recorded
+        and ``xxhash`` is installed, else CRC-32. Reads only the checksum files of the
+        ranks that wrote those data files. :meth:`load` calls it with each rank's read
+        plan, so exactly the bytes the load reads are checked, whole and as saved (a
+        resharding load too), before DCP reads any of them. A checkpoint without checksum
+        files is not checked.
 
         Returns:
             The number of saved items checked.
 
         Raises:
-            ChecksumError: ``.metadata`` or an item differs from the recorded CRC-32, cannot
-                be read, has no recorded checksum (a checksum file is missing), or a
-                checksum file is unreadable; names the file and the item.
+            ChecksumError: ``.metadata`` or an item differs from the recorded digest,
+                cannot be read, has no recorded checksum (a checksum file is missing), or a
+                checksum file is unreadable; names the file and the tensor or value.
         """
         if not self.verify_metadata():
             return 0
         where = f"checkpoint {self.path}"
-        ranges = self._ranges(state, is_coordinator, where)
-        by_file: dict[str, list[tuple[int, int, int, str]]] = {}
-        for file, offset, length, crc, what in ranges:
-            by_file.setdefault(file, []).append((offset, length, crc, what))
-        for file, chunks in sorted(by_file.items()):
-            try:
-                with open(self.path / file, "rb") as f:
-                    for offset, length, crc, what in sorted(chunks):
-                        got = crc32_of_range(f, offset, length)
-                        if got != crc:
-                            raise ChecksumError(
-                                f"{where}, data file {file}: {what} has crc32 {got:#010x}, "
-                                f"but {crc:#010x} was recorded when it was saved: the file is "
-                                "corrupted"
-                            )
-            except (OSError, EOFError) as e:
-                raise ChecksumError(
-                    f"{where}, data file {file} cannot be read, the file is corrupted: {e!r}"
-                ) from e
-        return len(ranges)
-
-    def _ranges(
-        self, state: Mapping[str, Any], is_coordinator: bool, where: str
-    ) -> list[tuple[str, int, int, int, str]]:
-        """``(file, offset, length, crc, description)`` of every saved item that loading
-        ``state`` on this rank reads from, checked against the metadata."""
-        staged = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        planner = DefaultLoadPlanner(allow_partial_load=True)
-        planner.set_up_planner(staged, self.metadata, is_coordinator)
-        try:
-            plan = planner.create_local_plan()
-        except ValueError:
-            # ``state`` does not fit the checkpoint (a size mismatch): the load itself
-            # refuses it, before reading anything, with DCP's own error.
-            return []
         storage = self.metadata.storage_data or {}
-        wanted = {item_key(read.storage_index): read.storage_index for read in plan.items}
+        wanted = {item_key(index): index for index in indices}
         places = {key: storage.get(index) for key, index in wanted.items()}
-        items = _recorded_items(
-            self.path, {getattr(i, "relative_path", "") for i in places.values()}, where
-        )
-        out = []
+        items = self._recorded_items({getattr(i, "relative_path", "") for i in places.values()})
+        by_file: dict[str, list[tuple[int, int, str, int, str]]] = {}
         for key, index in wanted.items():
             offsets = () if index.offset is None else tuple(int(o) for o in index.offset)
             what = f"{index.fqn!r} (chunk at offsets {offsets})"
@@ -321,20 +295,71 @@ class Checkpoint:
                 raise ChecksumError(
                     f"{where}: no checksum was recorded for {what}; a checksum file is missing"
                 )
-            file, offset, length, crc = entry
+            saved = (entry["file"], entry["offset"], entry["length"])
             info = places[key]
             place = tuple(getattr(info, a, None) for a in ("relative_path", "offset", "length"))
-            if place != (file, offset, length):
+            if place != saved:
                 raise ChecksumError(
                     f"{where}: {METADATA_FILE} places {what} at {place} but it was saved to "
-                    f"{(file, offset, length)}: the checkpoint's files do not belong together"
+                    f"{saved}: the checkpoint's files do not belong together"
                 )
-            out.append((file, int(offset), int(length), int(crc), what))
-        return out
+            algorithm = _algorithm(entry, where, what)
+            by_file.setdefault(saved[0], []).append(
+                (int(saved[1]), int(saved[2]), algorithm, int(entry[algorithm]), what)
+            )
+        for file, chunks in sorted(by_file.items()):
+            chunks.sort()
+            algorithms = sorted({c[2] for c in chunks})
+            try:
+                digests = digests_of_ranges(
+                    self.path / file, [(c[0], c[1]) for c in chunks], algorithms
+                )
+            except (OSError, EOFError) as e:
+                raise ChecksumError(
+                    f"{where}, data file {file} cannot be read, the file is corrupted: {e!r}"
+                ) from e
+            for (_, _, algorithm, expected, what), got in zip(chunks, digests, strict=True):
+                if got[algorithm] != expected:
+                    raise ChecksumError(
+                        f"{where}, data file {file}: {what} has {algorithm} "
+                        f"{got[algorithm]:#x}, but {expected:#x} was recorded when it was "
+                        "saved: the file is corrupted"
+                    )
+        return len(wanted)
+
+    def _sidecar(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s checksum file (``{}`` when it is missing), read once."""
+        name = sidecar_name(rank)
+        if name not in self._recorded:
+            file = self.path / name
+            self._recorded[name] = _read_sidecar(file, self.path) if file.exists() else {}
+        return self._recorded[name]
+
+    def _recorded_items(self, files: set[str]) -> dict[str, dict[str, Any]]:
+        """The recorded items of the ranks that wrote ``files`` (DCP names a rank's data
+        files ``__<rank>_<n>.distcp``); every rank's when a name does not follow that."""
+        matches = [_WRITER.match(f) for f in files]
+        if all(matches):
+            ranks = sorted({int(m.group(1)) for m in matches if m is not None})
+        else:
+            ranks = sorted(
+                int(m.group(1))
+                for f in self.path.glob(SIDECAR_GLOB)
+                if (m := _SIDECAR.match(f.name)) is not None
+            )
+        items: dict[str, dict[str, Any]] = {}
+        for rank in ranks:
+            items.update(self._sidecar(rank).get("items", {}))
+        return items
 
     # -------------------------------------------------------------------- load
     def load(
-        self, state: dict[str, Any], *, group: dist.ProcessGroup | None, partial: bool = False
+        self,
+        state: dict[str, Any],
+        *,
+        group: dist.ProcessGroup | None,
+        partial: bool = False,
+        verify: bool = True,
     ) -> None:
         """``dcp.load(state)`` from this checkpoint, in place, running no code from it.
 
@@ -343,20 +368,38 @@ class Checkpoint:
         are read with ``torch.load(..., weights_only=True)``. ``partial=True`` allows
         ``state`` to name only some of the checkpoint's entries.
 
+        With ``verify=True`` and checksum files, each rank checks the items of its read plan
+        (:meth:`verify_reads`) in DCP's planning step, whose failures DCP gathers to every
+        rank before any rank reads: a mismatch anywhere leaves every rank's ``state``
+        untouched, with no extra communication.
+
         Raises:
+            ChecksumError: ``verify=True`` and a checksum differs on some rank (every rank
+                raises the same message).
             CheckpointError: DCP failed (missing keys, shape mismatches, an unreadable or
                 disallowed value); chains DCP's exception.
         """
+        reader = _Reader(self, verify and self.has_checksums)
         try:
             with quiet_single_process():
                 dcp.load(
                     state,
-                    storage_reader=_Reader(self),
+                    storage_reader=reader,
                     planner=SafeLoadPlanner(allow_partial_load=partial),
                     process_group=group,
                     no_dist=group is None,
                 )
         except CheckpointException as e:  # a BaseException: make it an ordinary error
+            failures = {r: exc for r, (exc, _) in sorted(e.failures.items())}
+            if any(isinstance(exc, ChecksumError) for exc in failures.values()):
+                # DCP gathered every rank's planning failures to every rank: raise the same
+                # message everywhere, as agree() would.
+                shown = dict(list(failures.items())[:MESSAGE_RANKS])
+                raise same_error(
+                    f"verifying the checksums of {self.path}",
+                    list(failures),
+                    {r: describe(exc) for r, exc in shown.items()},
+                ) from e
             raise CheckpointError(f"loading {self.path} failed: {e}") from e
 
 
@@ -386,7 +429,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             "save did not finish, or this is not a checkpoint directory)"
         )
     data = file.read_bytes()
-    return Checkpoint(path, _unpickle_metadata(data, file), zlib.crc32(data))
+    metadata = _unpickle_metadata(data, file)
+    has_checksums = next(iter(path.glob(SIDECAR_GLOB)), None) is not None
+    return Checkpoint(path, metadata, digests(data), has_checksums)
 
 
 def existing_checkpoint(path: Path) -> Path:
@@ -430,46 +475,50 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 class _Reader(FileSystemReader):
     """``FileSystemReader`` that hands DCP the metadata :func:`open_checkpoint` read safely
-    instead of unpickling ``.metadata`` itself (with ``pickle.load``)."""
+    instead of unpickling ``.metadata`` itself (with ``pickle.load``), and, with ``verify``,
+    checks the checksums of the items this rank will read while DCP plans the load."""
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, checkpoint: Checkpoint, verify: bool) -> None:
         super().__init__(checkpoint.path)
-        self._metadata = checkpoint.metadata
+        self._checkpoint = checkpoint
+        self._verify = verify
+        self._verified: set[str] = set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = self._metadata
+        metadata = self._checkpoint.metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # DCP's planning step: every rank runs it before any rank reads, and DCP gathers
+        # its failures to every rank. Our planner's global plan changes nothing, so these
+        # are exactly the items read_data will read.
+        if self._verify:
+            indices = [item.storage_index for item in plan.items]
+            self._checkpoint.verify_reads(indices)
+            self._verified = {item_key(index) for index in indices}
+        return super().prepare_local_plan(plan)
 
-def _has_sidecars(directory: Path) -> bool:
-    return next(iter(directory.glob(SIDECAR_GLOB)), None) is not None
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._verify:
+            unverified = {item_key(item.storage_index) for item in plan.items} - self._verified
+            if unverified:  # a planner that changes plans globally: not ours
+                raise CheckpointError(
+                    f"the read plan changed after its checksums were verified: {unverified}"
+                )
+        return super().read_data(plan, planner)
 
 
 _WRITER = re.compile(r"^__(\d+)_")
+_SIDECAR = re.compile(r"^__(\d+)\.checksums\.json$")
 
 
-def _recorded_items(directory: Path, files: set[str], where: str) -> dict[str, list[Any]]:
-    """The recorded items of the ranks that wrote ``files`` (DCP names a rank's data files
-    ``__<rank>_<n>.distcp``); every rank's when a name does not follow that pattern."""
-    matches = [_WRITER.match(f) for f in files]
-    if all(matches):
-        ranks = sorted({int(m.group(1)) for m in matches if m is not None})
-        sidecars = [directory / sidecar_name(r) for r in ranks]
-    else:
-        sidecars = sorted(directory.glob(SIDECAR_GLOB))
-    items: dict[str, list[Any]] = {}
-    for file in sidecars:
-        if file.exists():  # a missing one shows as items without a checksum
-            items.update(_read_sidecar(file, where).get("items", {}))
-    return items
-
-
-def _read_sidecar(file: Path, where: str) -> dict[str, Any]:
+def _read_sidecar(file: Path, directory: Path) -> dict[str, Any]:
     """One rank's checksum file, checked to be of this format and version."""
+    where = f"checkpoint {directory}"
     try:
         payload = json.loads(file.read_text())
     except (OSError, ValueError) as e:
@@ -483,8 +532,21 @@ def _read_sidecar(file: Path, where: str) -> dict[str, Any]:
             "verify=False"
         )
     items = payload.get("items")
+    fields = ("file", "offset", "length")
     if not isinstance(items, dict) or not all(
-        isinstance(e, list) and len(e) == 4 for e in items.values()
+        isinstance(e, dict) and all(f in e for f in fields) for e in items.values()
     ):
         raise ChecksumError(f"{where}: checksum file {file.name} is malformed")
     return payload
+
+
+def _algorithm(recorded: Mapping[str, Any], where: str, what: str) -> str:
+    """The fastest digest algorithm both recorded for ``what`` and available here."""
+    algorithm = available(recorded)
+    if algorithm is None:
+        raise ChecksumError(
+            f"{where}: the digests recorded for {what} "
+            f"({sorted(set(recorded) - {'file', 'offset', 'length'})}) cannot be computed "
+            "here: install the package that computes them (xxhash), or load with verify=False"
+        )
+    return algorithm

@@ -60,3 +60,24 @@ def craft(clean: Path, crafted: Path, marker: Path, kind: str) -> Path:
             if f.name != "manifest.json":
                 f.unlink()
     return crafted
+
+
+def checkpoints_under(root: Path) -> list[Path]:
+    """Every DCP checkpoint directory under ``root`` (those with a ``.metadata``)."""
+    return sorted(p.parent for p in root.rglob(".metadata"))
+
+
+def refused_globals(directory: Path) -> set[tuple[str, str]]:
+    """The globals of ``directory``'s ``.metadata`` that the restricted reader would refuse
+    (none for every checkpoint we write); also opens it with that reader."""
+    import torch
+
+    from dtensor_ema.reader import METADATA_GLOBALS, open_checkpoint
+
+    open_checkpoint(directory)
+    dtypes = {n for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    return {
+        (module, name)
+        for module, name in metadata_globals(directory / ".metadata")
+        if (module, name) not in METADATA_GLOBALS and not (module == "torch" and name in dtypes)
+    }

@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from crafted import checkpoints_under, refused_globals
 from dist_harness import run_ranks
 from models import ReferenceEMA, make_model, mismatches
 from torch import nn
@@ -554,6 +555,16 @@ def test_reshard_into_one_process_without_process_group(
     assert got["updates"] == K
     assert got["ema_at_load"] == [] and got["model_at_load"] == []
     assert got["ema_resumed"] == [] and got["vs_never_stopped"] == []
+
+
+def test_every_layout_is_read_with_the_restricted_unpickler(saved: Any) -> None:
+    """The DDP and FSDP2 checkpoints saved at W=4, the async saves and the one saved without
+    a process group hold only the globals the restricted reader allows (issue 27)."""
+    tmp, _ = saved
+    directories = checkpoints_under(tmp)
+    names = {d.name for d in directories}
+    assert names >= {*CHECKPOINTS, "async-default", "async-staged"}, names
+    assert {str(d): refused_globals(d) for d in directories} == {str(d): set() for d in directories}
 
 
 def test_async_save_snapshots_the_ema(saved: Any) -> None:

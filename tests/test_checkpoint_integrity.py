@@ -12,6 +12,7 @@ crafted ``.metadata`` runs no code on any rank.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from models import mismatches
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from dtensor_ema import ModelEMA, export_ema
+from dtensor_ema import ModelEMA, checksums, export_ema
 from dtensor_ema._collectives import MESSAGE_BYTES, agree
 from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -168,7 +169,7 @@ def test_corruption_is_detected_when_resharding_to_two_ranks(saved: Any, loaded_
     assert errors[0] == errors[1] and errors[0] is not None, errors
     kind, message = errors[0]
     assert kind == "ChecksumError", errors
-    assert message.startswith("checking the checkpoint at ") and "failed on rank 0: " in message
+    assert message.startswith("verifying the checksums of ") and "failed on rank 0: " in message
     assert file in message and CORRUPTED in message and "corrupted" in message, message
     crafted = [r["crafted_error"] for r in loaded]
     assert (
@@ -223,15 +224,35 @@ def _flip_byte(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_single_process_checksums_and_older_checkpoints(tmp_path: Path) -> None:
+ALGORITHM_SETS = {
+    "crc32": ["crc32"],  # without the optional xxhash package
+    "crc32+xxh3_64": ["crc32", "xxh3_64"],
+}
+
+
+@pytest.mark.parametrize("algorithms", list(ALGORITHM_SETS))
+def test_single_process_checksums_and_older_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithms: str
+) -> None:
+    """Flips in tensor data, in a value and in ``.metadata`` are refused, with CRC-32 alone
+    (no ``xxhash``) and with XXH3-64 too; each reader checks the fastest digest it has."""
+    names = ALGORITHM_SETS[algorithms]
+    if "xxh3_64" in names:
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(checksums, "ALGORITHMS", {n: checksums.ALGORITHMS[n] for n in names})
     ema = _trained(_model())
     save_checkpoint({"ema": ema}, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.json")) == ["__0.checksums.json"]
-    for copy in ("value", "metadata", "torn-metadata"):
+    sidecar = json.loads((tmp_path / "ckpt" / "__0.checksums.json").read_text())
+    assert sidecar["algorithms"] == names and sorted(sidecar["metadata"]) == sorted(names)
+    for copy in ("clean", "value", "metadata", "torn-metadata"):
         shutil.copytree(tmp_path / "ckpt", tmp_path / copy)
     _flip_inside(tmp_path / "ckpt", CORRUPTED, _local(ema)[CORRUPTED])
     fresh = ModelEMA(_model(), decay=0.5, tau=None)
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp.*0\.weight.*corrupted"):
+    used = names[-1]  # the fastest recorded one
+    with pytest.raises(
+        CheckpointError, match=rf"__0_0\.distcp.*0\.weight.* has {used} .*corrupted"
+    ):
         load_checkpoint({"ema": fresh}, tmp_path / "ckpt")
     # A flipped byte in a non-tensor value (the saved options) ...
     metadata = FileSystemReader(str(tmp_path / "value")).read_metadata()
@@ -243,12 +264,19 @@ def test_single_process_checksums_and_older_checkpoints(tmp_path: Path) -> None:
     # ... and in .metadata itself (a tensor's name: still a valid pickle, a wrong checkpoint)
     raw = (tmp_path / "metadata" / ".metadata").read_bytes()
     _flip_byte(tmp_path / "metadata" / ".metadata", raw.index(b"ema.ema.2.weight") + 8)
-    with pytest.raises(CheckpointError, match=r"\.metadata has crc32 .* corrupted or was replaced"):
+    with pytest.raises(CheckpointError, match=rf"\.metadata has {used} .* corrupted or was"):
         load_checkpoint({"ema": fresh}, tmp_path / "metadata")
     (tmp_path / "torn-metadata" / ".metadata").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(CheckpointError, match=r"\.metadata is not a readable DCP \.metadata"):
         load_checkpoint({"ema": fresh}, tmp_path / "torn-metadata")
     assert fresh.updates == 0
+    if len(names) > 1:
+        # A reader without xxhash checks the CRC-32 recorded beside it.
+        monkeypatch.setattr(checksums, "ALGORITHMS", {"crc32": checksums.ALGORITHMS["crc32"]})
+        with pytest.raises(CheckpointError, match=r"0\.weight.* has crc32 .*corrupted"):
+            load_checkpoint({"ema": fresh}, tmp_path / "ckpt")
+        load_checkpoint({"ema": fresh}, tmp_path / "clean")
+        assert fresh.updates == 1 and mismatches(_local(fresh), _local(ema)) == []
     # A checkpoint without checksum files (plain dcp.save) loads unverified, as before.
     dcp.save({"ema": ema}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     load_checkpoint({"ema": fresh}, tmp_path / "plain")

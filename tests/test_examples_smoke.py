@@ -31,15 +31,27 @@ TIMEOUT_S = 240
 BACKEND_LINE = f"2 x {DEVICE_TYPE} ({'nccl' if DEVICE_TYPE == 'cuda' else 'gloo'})"
 
 
-def _run(args: list[str], cwd: Path, *, nproc: int | None = 2, expect_ok: bool = True) -> str:
+def _run(
+    args: list[str],
+    cwd: Path,
+    *,
+    nproc: int | None = 2,
+    expect_ok: bool = True,
+    env_extra: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> str:
     """Run an example (under torchrun with ``nproc`` ranks, or plain python for ``None``);
     return its combined output, failing the test with the output's tail if the exit code
-    is not what ``expect_ok`` says."""
+    is not what ``expect_ok`` says. ``env_extra``: more environment variables; a
+    ``PYTHONPATH`` there goes after this checkout's. ``timeout``: seconds per launch."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    extra = dict(env_extra or {})
+    paths = [str(ROOT), extra.pop("PYTHONPATH", None), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    env.update(extra)
     env.setdefault("OMP_NUM_THREADS", "1")
     for attempt in range(2):
         proc = subprocess.Popen(
@@ -52,11 +64,11 @@ def _run(args: list[str], cwd: Path, *, nproc: int | None = 2, expect_ok: bool =
             start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
         )
         try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
+            out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-            pytest.fail(f"{args[0]} ran past {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
+            pytest.fail(f"{args[0]} ran past {timeout} s; output tail:\n{out[-4000:]}")
         if not (expect_ok and attempt == 0 and aborted_at_exit(proc.returncode, out)):
             break
     if (proc.returncode == 0) != expect_ok:
@@ -80,7 +92,6 @@ SCRIPTS = [
     "resume_reshard.py",
     pytest.param("lightning_ema.py", marks=_needs("lightning")),
     pytest.param("hf_trainer_ema.py", marks=_needs("transformers")),
-    pytest.param("torchtitan_llama.py", marks=_needs("torchtitan")),
 ]
 
 
@@ -283,26 +294,62 @@ def test_hf_trainer_ema_two_ranks(tmp_path: Path) -> None:
 
 
 @_needs("torchtitan")
-def test_torchtitan_llama_fsdp_tp_four_ranks_resumes_at_two_then_one(tmp_path: Path) -> None:
-    """torchtitan's debugmodel (1 layer) on its own FSDP2+TP 2x2 (the script spawns its 4
-    ranks), resumed under torchrun at W=2 FSDP2, then in one process without a group."""
-    script = _script("torchtitan_llama.py")
-    common = [f"--out={tmp_path / 'tt'}", "--layers=1", "--steps=2", "--seq-len=8"]
-    out = _run([script, "--phase=train", "--world-size=4", *common], tmp_path, nproc=None)
-    assert "4 x cpu (gloo), FSDP2 2 x TP 2 by torchtitan's parallelize_llama" in out, out
-    assert re.findall(r"^step (\d) \| loss [\d.]+$", out, re.MULTILINE) == ["1", "2"], out
-    share = re.search(r"EMA decay_0_9: (\d+) of (\d+) elements on rank 0", out)
-    assert share and 0.2 <= int(share[1]) / int(share[2]) <= 0.3, out  # 1/4 of the EMA
-    assert re.search(r"eval loss \| raw [\d.]+ \| EMA [\d.]+ \| raw weights restored: True", out)
-    assert (tmp_path / "tt" / "train" / "ckpt" / ".metadata").is_file()
+def test_torchtitan_entry_point_four_ranks_resumes_at_two_then_one(tmp_path: Path) -> None:
+    """``examples/torchtitan_llama.py`` (torchtitan's entry point with ``--module
+    dtensor_ema.integrations.torchtitan``) on CPU ranks, run through ``python -m
+    titan_models`` (the suite's CPU switches, SDPA as a torchtitan override): the llama3
+    debugmodel on FSDP2 + TP 2x2 at W=4 with the validator and a checkpoint at step 2,
+    resumed at W=2 (FSDP2) for step 3, then in one process for step 4."""
+    import torch.distributed.checkpoint as dcp
+    from titan_models import trainer_assets
 
-    out = _run([script, "--phase=resume", *common], tmp_path, nproc=2)  # under torchrun
-    assert "2 x cpu (gloo), FSDP2 over 2" in out, out
-    assert "EMA after loading train (step 2): bit-identical: True" in out, out
-    assert re.findall(r"^step (\d) \| loss", out, re.MULTILINE) == ["3", "4"], out
+    tokenizer, data = trainer_assets(tmp_path / "assets")
+    out_dir = tmp_path / "out"
+    flags = [
+        "--override.imports", "titan_models.sdpa_on_cpu",
+        f"--hf_assets_path={tokenizer}",
+        f"--dataloader.dataset_path={data}",
+        f"--validator.dataloader.dataset_path={data}",
+        "--validator.dataloader.dataset=c4_test",
+        "--validator.enable", "--validator.freq=2", "--validator.steps=1",
+        f"--dump_folder={out_dir}",
+        "--training.seq_len=16", "--training.local_batch_size=2",
+        "--training.mixed_precision_param=float32", "--training.disable_cuda_graphs",
+        "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
+        "--checkpoint.enable", "--checkpoint.interval=2",
+        "--checkpoint.exclude_from_loading", "dataloader",  # torchtitan reshards no dataloader
+        "--ema.decays", "0.9",
+    ]  # fmt: skip
+    env = {
+        "PYTHONPATH": str(ROOT / "tests"),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf-home"),
+    }
+    launch = ["-m", "titan_models", _script("torchtitan_llama.py")]
+    w4 = ["--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2"]
+    out = _run(
+        [*launch, *flags, *w4, "--training.steps=2"], tmp_path, nproc=4, env_extra=env, timeout=600
+    )
+    share = re.findall(r"EMA \['decay_0_9'\]: (\d+) elements on this rank \(1 model part", out)
+    assert len(share) == 4, out[-3000:]
+    ema_losses = re.findall(r"validate step (\d+): EMA loss decay_0_9 +([\d.]+)", out)
+    assert [s for s, _ in ema_losses][:1] == ["1"] and ("2", ema_losses[-1][1]) in ema_losses
+    checkpoint = out_dir / "checkpoint"
+    keys = dcp.FileSystemReader(str(checkpoint / "step-2")).read_metadata().state_dict_metadata
+    assert any(k.startswith("ema.decay_0_9.ema.layers.0.") for k in keys), sorted(keys)[:20]
 
-    out = _run([script, "--phase=load", *common], tmp_path, nproc=None)
-    assert "1 process, no process group" in out, out
-    assert "EMA after loading resume (step 4): bit-identical: True" in out, out
-    losses = re.search(r"EMA eval loss here ([\d.]+) \| at W=2 ([\d.]+)", out)
-    assert losses and abs(float(losses[1]) - float(losses[2])) < 1e-3, out
+    out = _run(
+        [*launch, *flags, "--training.steps=3"], tmp_path, nproc=2, env_extra=env, timeout=600
+    )
+    assert "Training starts at step 3" in out, out[-3000:]
+    assert len(re.findall(r"EMA \['decay_0_9'\]: \d+ elements on this rank", out)) == 2
+    assert (checkpoint / "step-3" / ".metadata").is_file()
+
+    out = _run(
+        [*launch, *flags, "--training.steps=4"], tmp_path, nproc=1, env_extra=env, timeout=600
+    )
+    assert "Training starts at step 4" in out, out[-3000:]
+    total = re.findall(r"EMA \['decay_0_9'\]: (\d+) elements on this rank", out)
+    assert len(total) == 1 and int(total[0]) == sum(int(n) for n in share), (total, share)
+    assert re.search(r"validate step 4: EMA loss decay_0_9", out), out[-3000:]

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from crafted import checkpoints_under, refused_globals
 from dist_harness import run_ranks
 from models import make_model
 from torch import nn
@@ -258,3 +259,14 @@ def test_distributed_synthesis_equals_single_process(runs: dict[str, Any]) -> No
     dcp.load(state, checkpoint_id=runs["w3"][0]["synth_path"], no_dist=True)
     model.load_state_dict(state)
     _assert_equal(model.state_dict(), single, "model loaded from the W=3 output")
+
+
+def test_snapshots_of_every_layout_are_read_with_the_restricted_unpickler(
+    runs: dict[str, Any],
+) -> None:
+    """DDP (async), HSDP and FSDP2 snapshots, the PostHocEMA checkpoint and the distributed
+    synthesis output hold only the globals the restricted reader allows (issue 27)."""
+    directories = checkpoints_under(runs["root"])
+    parents = {d.parent.name for d in directories}
+    assert parents >= {"snaps_w2", "snaps_hsdp", "snaps_fsdp"}, parents
+    assert {str(d): refused_globals(d) for d in directories} == {str(d): set() for d in directories}

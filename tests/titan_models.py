@@ -10,12 +10,26 @@ torchtitan targets CUDA; the CPU switches, in one place:
 * ``set_force_sum_reduction_for_comms(True)`` on every FSDP2 module after
   torchtitan's ``parallelize_llama``/``parallelize_deepseekv3``: gloo has no ``PREMUL_SUM``.
 
+torchtitan's own ``Trainer`` needs more (:func:`use_cpu_trainer`, :func:`trainer_assets`,
+:func:`cpu_trainer_config`, :func:`build_cpu_trainer`): ``device_type`` set in the modules
+that copied it (then its ``init_distributed`` starts gloo, not NCCL), ``device_module``
+(``torch.cuda`` at import) pointed at ``torch.cpu`` (``set_device``, barriers), a memory
+monitor without CUDA's statistics, the FSDP2 sum reduction applied inside torchtitan's own
+FSDP setup, SDPA as a torchtitan ``--override.imports`` override, CUDA graphs off, fp32
+parameters, and the tokenizer and ``c4_test`` dataset that the wheel does not ship (written
+here: a word-level tokenizer and a few lines of generated text). ``python -m titan_models
+SCRIPT ARGS`` (under ``torchrun``) runs a script with these switches on.
+
 Every function imports torchtitan lazily, so this module imports without it (rank bodies
 reach it through the test modules, which the spawned ranks import by name).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import random
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,3 +189,210 @@ def build_titan(trainer: Any, dims: Any | None = None, full_ac: bool = False) ->
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
+
+
+# ------------------------------------------------------------------ torchtitan's Trainer
+class _CpuMemoryMonitor:
+    """torchtitan's ``DeviceMemoryMonitor`` without CUDA's memory statistics: zeros."""
+
+    device_name = "cpu"
+    device_capacity_gib = 1.0
+
+    def get_peak_stats(self) -> Any:
+        from torchtitan.components.metrics import DeviceMemStats
+
+        return DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        pass
+
+
+class _CpuDeviceModule:
+    """``torch.cpu`` as torchtitan's ``device_module``, with ``current_device() == 0``
+    (``torch.cpu`` says ``"cpu"``, which ``dist.barrier(device_ids=...)`` refuses)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+
+def use_cpu_trainer() -> None:
+    """:func:`use_cpu`, plus what torchtitan's ``Trainer`` reaches: ``device_type`` in
+    ``torchtitan.distributed.utils`` (so its ``init_distributed`` starts gloo) and
+    ``torchtitan.components.metrics``; ``device_module`` = ``torch.cpu``
+    (:class:`_CpuDeviceModule`) wherever a module copied ``torch.cuda`` at import; a memory
+    monitor that reads no CUDA statistics; every FSDP2 module torchtitan builds set to sum
+    its gradients (:func:`_sum_on_gloo`); and the override :func:`sdpa_on_cpu` registered
+    for ``--override.imports titan_models.sdpa_on_cpu``. Process-wide, idempotent; call it
+    in every rank before the build."""
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.fsdp as titan_fsdp
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.common.token_dispatcher as dispatcher
+    import torchtitan.tools.profiler as profiler
+    import torchtitan.tools.utils as tt_utils
+    from torchtitan.config import override
+    from torchtitan.models.common.attention import FlexAttention
+
+    use_cpu()
+    dist_utils.device_type = metrics.device_type = "cpu"
+    for module in (tt_utils, dist_utils, metrics, dispatcher, profiler):
+        module.device_module = _CpuDeviceModule()  # type: ignore[attr-defined]
+    metrics.build_device_memory_monitor = _CpuMemoryMonitor  # type: ignore[assignment]
+    if not getattr(titan_fsdp.disable_fsdp_gradient_division, "sums_on_gloo", False):
+        titan_fsdp.disable_fsdp_gradient_division = _sum_on_gloo(
+            titan_fsdp.disable_fsdp_gradient_division
+        )
+    with contextlib.suppress(ValueError):  # registered already
+        override(target=FlexAttention.Config, description="CPU: SDPA")(sdpa_on_cpu)
+
+
+def _sum_on_gloo(disable_division: Any) -> Any:
+    """torchtitan's ``disable_fsdp_gradient_division`` (called on every model its
+    ``apply_fsdp_to_decoder`` shards), then ``set_force_sum_reduction_for_comms(True)`` on
+    every FSDP2 module: gloo has no ``PREMUL_SUM``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def wrapped(model: nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    wrapped.sums_on_gloo = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def sdpa_on_cpu(config: Any) -> Any:
+    """A torchtitan ``@override`` of every ``FlexAttention.Config`` (registered by
+    :func:`use_cpu_trainer`): SDPA, since FlexAttention has no CPU backward. Activate it on
+    torchtitan's command line with ``--override.imports titan_models.sdpa_on_cpu``."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    del config
+    return ScaledDotProductAttention.Config()
+
+
+WORDS = 300
+"""Words of :func:`trainer_assets`' vocabulary (ids 3..302; 0-2 are unk, bos, eos)."""
+
+
+def trainer_assets(root: Path, documents: int = 64, seed: int = 0) -> tuple[str, str]:
+    """``(tokenizer folder, dataset folder)`` under ``root`` for torchtitan's
+    ``hf_assets_path`` and its ``c4_test`` dataset's ``dataset_path``: a word-level
+    ``tokenizer.json`` (``<unk>``, ``<bos>``, ``<eos>``, ``w0``..``w299``) with a
+    ``tokenizer_config.json`` naming its BOS/EOS tokens, and ``documents`` lines of
+    ``{"text": ...}`` JSON of 20-60 random words (fixed ``seed``). Idempotent."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer_dir, data_dir = root / "tokenizer", root / "c4_test"
+    if (data_dir / "data.json").is_file():
+        return str(tokenizer_dir), str(data_dir)
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    words = [f"w{i}" for i in range(WORDS)]
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2} | {w: i + 3 for i, w in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    rng = random.Random(seed)
+    lines = [
+        json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(20, 60)))})
+        for _ in range(documents)
+    ]
+    (data_dir / "data.json").write_text("\n".join(lines) + "\n")
+    return str(tokenizer_dir), str(data_dir)
+
+
+def cpu_trainer_config(
+    config: Any,
+    root: Path,
+    *,
+    layers: int = 2,
+    steps: int = 4,
+    replicate: int = 1,
+    shard: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    seq_len: int = 16,
+    batch: int = 2,
+    validate_every: int | None = None,
+    checkpoint_every: int | None = None,
+) -> Any:
+    """A torchtitan trainer ``config`` (any ``Trainer.Config``, e.g. from a
+    ``config_registry``) set up for CPU ranks, in place and returned: the model cut to
+    ``layers`` blocks with SDPA, the assets of :func:`trainer_assets` under ``root`` (train
+    and validation on the same ``c4_test`` data), ``steps`` steps of ``batch`` x ``seq_len``
+    tokens per data-parallel rank, fp32 parameters, CUDA graphs off, the given parallel
+    degrees (MoE models on torchtitan's ``partial_dtensor`` backend: see
+    :func:`deepseek_v3_trainer`), outputs under ``root/outputs``, metrics every step; the
+    validator (one batch per rank) every ``validate_every`` steps, and checkpoints every
+    ``checkpoint_every`` steps, when given."""
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.common.moe import MoE
+
+    tokenizer, data = trainer_assets(root)
+    model = config.model_spec.model
+    _cpu_blocks(model, layers)
+    config.hf_assets_path = tokenizer
+    config.dump_folder = str(root / "outputs")
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=data)
+    config.training.steps = steps
+    config.training.seq_len = seq_len
+    config.training.local_batch_size = batch
+    config.training.global_batch_size = -1
+    config.training.mixed_precision_param = "float32"
+    config.training.disable_cuda_graphs = True
+    config.lr_scheduler.warmup_steps = 1
+    config.metrics.log_freq = 1
+    p = config.parallelism
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = replicate, shard
+    p.tensor_parallel_degree, p.pipeline_parallel_degree = tp, pp
+    p.expert_parallel_degree = ep
+    if pp > 1:
+        p.pipeline_parallel_schedule = "1F1B"
+        p.pipeline_parallel_microbatch_size = 1
+    if any(model.traverse(MoE.Config)):
+        p.spmd_backend = "partial_dtensor"  # gloo refuses spmd_types' list all_to_all
+    config.validator.enable = validate_every is not None
+    config.validator.freq = validate_every or 10
+    config.validator.steps = 1
+    config.validator.dataloader = HuggingFaceTextDataLoader.Config(
+        dataset="c4_test", dataset_path=data, infinite=False
+    )
+    config.checkpoint.enable = checkpoint_every is not None
+    config.checkpoint.interval = checkpoint_every or 500
+    return config
+
+
+def build_cpu_trainer(config: Any) -> Any:
+    """``config.build()`` on CPU ranks: :func:`use_cpu_trainer` first; a gloo group must
+    exist (torchtitan's ``init_distributed`` then keeps it); ``RANK``/``LOCAL_RANK``/
+    ``WORLD_SIZE`` set from it as ``torchrun`` would. Collective: every rank builds."""
+    import os
+
+    import torch.distributed as dist
+
+    use_cpu_trainer()
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world)
+    return config.build()
+
+
+if __name__ == "__main__":
+    # ``torchrun ... -m titan_models SCRIPT ARGS``: SCRIPT on CPU ranks with the switches above
+    # (the example smoke test runs torchtitan's entry point this way).
+    import runpy
+    import sys
+
+    import titan_models
+
+    titan_models.use_cpu_trainer()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
