@@ -26,10 +26,13 @@ from dtensor_ema.compiled_lerp import (
     compile_unavailable_reason,
     warn_unavailable,
 )
+from dtensor_ema.options import AveragingFunction
 from dtensor_ema.plan import EmaPlan
 
 __all__ = [
+    "FOREACH_DEVICE_TYPES",
     "KERNELS",
+    "CountedStep",
     "UpdateGroup",
     "lerp_groups_",
     "resolve_kernel",
@@ -42,6 +45,36 @@ KERNELS = ("eager", "compiled", "auto")
 COMPILED_BY_DEFAULT: frozenset[str] = frozenset()
 """Device types on which ``kernel="auto"`` picks the compiled kernel: those where it was
 measured faster than eager (``benchmarks/kernels.py``; CPU: not faster, see its README)."""
+
+
+def _foreach_device_types() -> tuple[str, ...]:
+    """The device types on which torch's ``AveragedModel`` takes its foreach (lerp) path
+    when no averaging function is given. torch keeps the list in a private helper; wrapped
+    here, with the list it returned in torch 2.6-2.14 as the fallback."""
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return tuple(_get_foreach_kernels_supported_devices())
+    except Exception:  # moved or renamed in a later torch
+        return ("cuda", "xpu", "mtia", torch._C._get_privateuse1_backend_name())
+
+
+FOREACH_DEVICE_TYPES: tuple[str, ...] = _foreach_device_types()
+"""Device types where the ``"swa"`` formula lerps (torch's foreach rule); it divides on
+the others (CPU)."""
+
+
+class CountedStep(float):
+    """A step's decay (a float: every updater reads it as one) that also carries ``count``,
+    the averaging step ``updates - update_after_step``, for the formulas that need it
+    (``"divide"``, ``"swa"``) and averaging functions (their ``num_averaged``)."""
+
+    count: int
+
+    def __new__(cls, decay: float, count: int) -> CountedStep:
+        step = super().__new__(cls, decay)
+        step.count = count
+        return step
 
 
 def resolve_kernel(kernel: str, device: torch.device, ema_dtype: torch.dtype) -> str:
@@ -73,7 +106,10 @@ class UpdateGroup:
     kernel: str = "eager"
     """``"eager"`` or ``"compiled"`` (resolved: see :func:`resolve_kernel`)."""
     formula: str = "lerp"
-    """How an averaging step combines EMA and source: see :data:`FORMULAS`."""
+    """How an averaging step combines EMA and source: see :data:`FORMULAS` (``"swa"`` is
+    resolved per device by :func:`update_groups`; ``"function"``: :attr:`function`)."""
+    function: AveragingFunction | None = None
+    """The averaging function that replaces the formula (``formula == "function"``)."""
     _cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = field(default_factory=dict)
     """Per (kind, partner groups, sources list): staged upcast plans, compiled kernels and
     weight tensors, built on first use so later updates only launch kernels."""
@@ -93,12 +129,22 @@ class UpdateGroup:
         compute ``ema - (ema - source)`` then, as diffusers does).
 
         ``sources``: what to read instead of the source locals (a staged host copy); same
-        shapes, any float dtype.
+        shapes, any float dtype. ``"divide"`` and averaging functions read the step count
+        from a :class:`CountedStep`.
         """
         if not self.averaged or (decay == 0.0 and not self.formula.startswith("subtract")):
             torch._foreach_copy_(
                 self.ema_locals, self.source_locals if sources is None else sources
             )
+        elif self.function is not None or self.formula == "divide":
+            count = getattr(decay, "count", None)
+            assert count is not None, f"formula {self.formula!r} needs a CountedStep"
+            num = torch.tensor(count, dtype=torch.int64, device=self.ema_locals[0].device)
+            sources = self.sources_in_ema_dtype(sources)
+            if self.function is not None:
+                self.function.apply_(self.ema_locals, sources, num)
+            else:
+                divide_(self.ema_locals, sources, num)
         elif self.formula != "lerp":
             combine_(self.ema_locals, self.sources_in_ema_dtype(sources), decay, self.formula)
         else:
@@ -152,7 +198,7 @@ class UpdateGroup:
         return value
 
 
-FORMULAS = ("lerp", "weighted_sum", "subtract", "subtract_alpha")
+FORMULAS = ("lerp", "weighted_sum", "subtract", "subtract_alpha", "divide", "swa")
 """Averaging formulas, all ``d * ema + (1 - d) * source`` in exact arithmetic, rounded as
 the library each one reproduces rounds them (they differ in the last float bit):
 
@@ -165,9 +211,26 @@ the library each one reproduces rounds them (they differ in the last float bit):
 * ``"subtract_alpha"``: the same through ``_foreach_sub_(ema, ema - source, alpha=1 - d)``,
   which rounds the product and difference together (diffusers ``foreach=True``).
 
+* ``"divide"``: ``ema + (source - ema) / n`` with ``n`` the averaging step as an int64
+  tensor, so ``1 - d = 1 / n`` (torch ``get_swa_avg_fn``, and ``AveragedModel`` without a
+  function on CPU; use it with :class:`~dtensor_ema.decay.RunningMeanDecay`);
+* ``"swa"``: torch ``AveragedModel``'s rule without a function, per device: ``"lerp"`` on
+  device types with foreach kernels (:data:`FOREACH_DEVICE_TYPES`: CUDA), ``"divide"``
+  elsewhere (CPU).
+
 The ``subtract`` formulas are applied at ``d = 0`` too (``ema - (ema - source)``), as
 diffusers does, instead of a copy.
 """
+
+
+def divide_(emas: list[torch.Tensor], sources: list[torch.Tensor], n: torch.Tensor) -> None:
+    """``ema + (source - ema) / n`` in place, ``n`` a 0-dim int64 tensor on the EMAs'
+    device: the bits of torch's ``get_swa_avg_fn`` (a true division, also on CUDA, where a
+    Python scalar divisor would become a reciprocal multiply). Peak extra memory: one
+    temporary of the size of ``sources``."""
+    diff = torch._foreach_sub(sources, emas)
+    torch._foreach_div_(diff, n)
+    torch._foreach_add_(emas, diff)
 
 
 def combine_(
@@ -301,11 +364,18 @@ def _staged_batches(
     return batches
 
 
-def update_groups(plan: EmaPlan, kernel: str = "eager", formula: str = "lerp") -> list[UpdateGroup]:
+def update_groups(
+    plan: EmaPlan,
+    kernel: str = "eager",
+    formula: str = "lerp",
+    function: AveragingFunction | None = None,
+) -> list[UpdateGroup]:
     """One group per (averaged, device, EMA dtype, source dtype); empty shards dropped.
 
     ``kernel``: ``"eager"``, ``"compiled"`` or ``"auto"``, resolved per group by
-    :func:`resolve_kernel` (always eager for a non-lerp ``formula``).
+    :func:`resolve_kernel` (always eager for a non-lerp ``formula``). ``formula="swa"`` is
+    resolved per group's device (see :data:`FORMULAS`); ``function`` replaces the formula
+    (the groups' ``formula`` is then ``"function"``).
     """
     groups: dict[tuple[Any, ...], UpdateGroup] = {}
     for e in plan:
@@ -313,10 +383,18 @@ def update_groups(plan: EmaPlan, kernel: str = "eager", formula: str = "lerp") -
             continue
         key = (e.averaged, e.ema_local.device, e.ema_local.dtype, e.source_local.dtype)
         if key not in groups:
+            chosen_formula = formula
+            if function is not None:
+                chosen_formula = "function"
+            elif formula == "swa":
+                device_type = e.ema_local.device.type
+                chosen_formula = "lerp" if device_type in FOREACH_DEVICE_TYPES else "divide"
             chosen = resolve_kernel(
-                kernel if formula == "lerp" else "eager", e.ema_local.device, e.ema_local.dtype
+                kernel if chosen_formula == "lerp" else "eager",
+                e.ema_local.device,
+                e.ema_local.dtype,
             )
-            groups[key] = UpdateGroup([], [], e.averaged, chosen, formula)
+            groups[key] = UpdateGroup([], [], e.averaged, chosen, chosen_formula, function)
         groups[key].ema_locals.append(e.ema_local)
         groups[key].source_locals.append(e.source_local)
     return list(groups.values())

@@ -31,6 +31,7 @@ local checkpoint state (:mod:`dtensor_ema.state`) and the EMA module
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterable, Iterator
@@ -46,11 +47,25 @@ from dtensor_ema.counter import UpdateCounter, check_count
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module
 from dtensor_ema.full_state import gather_state, load_full_state, rank0_flag
-from dtensor_ema.fused_update import update_groups
+from dtensor_ema.fused_update import CountedStep, UpdateGroup, update_groups
 from dtensor_ema.layout import resolve_world_mesh
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES
-from dtensor_ema.options import UNSET, EmaOptions, ExcludeSpec, TrackSpec, resolve_schedule
-from dtensor_ema.plan import EmaPlan, build_plan, model_tensors, reshard_fsdp, unwrap_model
+from dtensor_ema.options import (
+    UNSET,
+    EmaOptions,
+    ExcludeSpec,
+    Formula,
+    TrackSpec,
+    resolve_schedule,
+)
+from dtensor_ema.plan import (
+    EmaPlan,
+    build_plan,
+    ema_local_from_full,
+    model_tensors,
+    reshard_fsdp,
+    unwrap_model,
+)
 from dtensor_ema.state import load_local_state, local_state
 from dtensor_ema.swap import swapped_in
 from dtensor_ema.updater import CapturableUpdater, Updater, make_updater
@@ -79,8 +94,10 @@ class ModelEMA:
         decay: asymptotic decay in ``[0, 1]`` of the default yolov5 ramp (``0.9999``).
         tau: ramp time constant in steps (``>= 0``, default ``2000``); ``None``/``0``: constant.
         updates: initial value of the update counter (``>= 0``).
-        schedule: instead of ``decay``/``tau``: a :mod:`dtensor_ema.decay` schedule or a
-            callable ``step -> decay``.
+        schedule: instead of ``decay``/``tau``: a :mod:`dtensor_ema.decay` schedule, a
+            callable ``step -> decay``, or an :class:`~dtensor_ema.options.AveragingFunction`
+            (torch's ``avg_fn``/``multi_avg_fn``, applied to this rank's pieces; it must be
+            elementwise, which construction checks).
         half_life: instead of ``decay``/``tau``: constant ``0.5 ** (update_every / half_life)``.
         update_every: average on every ``update_every``-th call only, with the decay raised
             to this power (the EMA's memory in steps does not change).
@@ -122,7 +139,8 @@ class ModelEMA:
             that is exact, see :func:`dtensor_ema.cuda_graph.decide`; the decision is in
             :attr:`cuda_graph`), ``False`` (never) or ``True`` (required).
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
-            (default), ``"weighted_sum"``, ``"subtract"`` or ``"subtract_alpha"``
+            (default), ``"weighted_sum"``, ``"subtract"``, ``"subtract_alpha"``, or torch
+            SWA's ``"divide"``/``"swa"`` (with ``RunningMeanDecay``)
             (:data:`dtensor_ema.fused_update.FORMULAS`; eager kernel, one temporary of this
             rank's shard size per update).
 
@@ -168,7 +186,7 @@ class ModelEMA:
         replicate_buffers: bool = False,
         verify_replicas: bool = True,
         cuda_graph: bool | None = None,
-        formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp",
+        formula: Formula = "lerp",
     ) -> None:
         self.options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
@@ -207,6 +225,7 @@ class ModelEMA:
                 watch_trainable=track == "trainable",
             )
         self.replicate_buffers = replicate_buffers
+        self._bucket_view = parameters_as_bucket_view
         self._copied = self.options.copied_fqns(
             {e.fqn: e.source for e in self._plan},
             {e.fqn for e in self._plan if e.is_parameter},
@@ -214,7 +233,8 @@ class ModelEMA:
         )
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
-        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
+        self._groups = self._build_groups()
+        fn = self.options.function
         # Decided (and refused, for cuda_graph=True) before any thread or stream exists.
         self._graph_decision = _graphs.resolve(
             cuda_graph,
@@ -222,7 +242,7 @@ class ModelEMA:
             offload=offload,
             schedule=self.options.schedule,
             ema_dtypes={e.ema_local.dtype for e in self._plan},
-            formula=self.options.formula,
+            formula=self.options.formula if fn is None else fn.kind,
         )
         self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
         self._swapped = False
@@ -396,7 +416,10 @@ class ModelEMA:
             if decay is None:
                 self._counter.record(updates, None)
             else:
-                self._updater.submit(decay, lambda: self._counter.record(updates, decay))
+                step = decay
+                if decay and self.options.counted:  # not a copy: the formula reads the count
+                    step = CountedStep(decay, updates - self.options.update_after_step)
+                self._updater.submit(step, lambda: self._counter.record(updates, decay))
 
     def _update_graphed(self) -> None:
         """The device-side update, captured on the first call and replayed afterwards
@@ -714,6 +737,77 @@ class ModelEMA:
         self._counter.restore(updates)
         self._invalidate_graph()
 
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """``pickle``/``torch.save(ema)``/``copy.deepcopy`` support: the model, the options,
+        the counter and the full EMA values; the plan, update groups, updater and EMA module
+        are rebuilt on load. Local. Only without a process group or on a one-rank mesh (the
+        EMA is whole on this rank), for a model without DTensor parameters.
+
+        Loading a pickled ``ModelEMA`` needs ``torch.load(path, weights_only=False)`` (it
+        is a whole object, as for any pickled module). A copy tracks its own model: the
+        copy of ``ema.model`` made with it (``copy.deepcopy(ema)`` copies the model, as
+        ``copy.deepcopy`` of any object holding it does). Peak extra memory: one copy of the
+        EMA while saving (deepcopy: plus the copy itself).
+
+        Raises:
+            RuntimeError: the EMA is sharded over several ranks, or tracks DTensors (the
+                message says what to save instead).
+        """
+        world = self.mesh.size() if self.mesh is not None else 1
+        dtensors = [e.fqn for e in self._plan if e.is_dtensor_source]
+        if world > 1 or dtensors:
+            what = (
+                f"sharded over {world} ranks (each holds 1/{world} of it)"
+                if world > 1
+                else f"tracking DTensor parameters ({dtensors[:3]})"
+            )
+            raise RuntimeError(
+                f"cannot pickle, torch.save or deepcopy a ModelEMA {what}: it would hold one "
+                "rank's piece. Save its state instead: dtensor_ema.save_checkpoint(path, ema) "
+                "(DCP, every rank writes its own shards; reshards on load), or the full EMA "
+                "with ema.get_ema_state_dict() (collective) and torch.save on one rank; the "
+                "drop-ins' state_dict() after gather_for_save() on every rank"
+            )
+        self.flush()
+        return {
+            "model": self.model,
+            "options": self.options,
+            "updates": self._counter.current(),
+            "ema": {e.fqn: e.ema_local.detach().clone() for e in self._plan},
+            "replicate_buffers": self.replicate_buffers,
+            "parameters_as_bucket_view": self._bucket_view,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from :meth:`__getstate__`: construct over ``state["model"]`` in this
+        process (its process group decides the layout, as for a new ``ModelEMA``), then
+        load the EMA values and the counter. Collective where construction is."""
+        options: EmaOptions = state["options"]
+        kwargs = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        ModelEMA.__init__(
+            self,
+            state["model"],
+            updates=state["updates"],
+            replicate_buffers=state["replicate_buffers"],
+            parameters_as_bucket_view=state["parameters_as_bucket_view"],
+            verify_replicas=False,  # the saved values are loaded next
+            **kwargs,
+        )
+        # The saved tracked set wins over what track= picks now (add_tensors/drop_tensors
+        # before the save); this EMA is whole on this rank, so the changes are local.
+        tracked = {e.fqn for e in self._plan}
+        missing = [k for k in state["ema"] if k not in tracked]
+        extra = [k for k in tracked if k not in state["ema"]]
+        if missing:
+            self._change_tracked(missing, add=True)
+        if extra:
+            self._change_tracked(extra, add=False)
+        with torch.no_grad():
+            for entry in self._plan:
+                entry.ema_local.copy_(ema_local_from_full(entry, state["ema"][entry.fqn]))
+        self._counter.restore(state["updates"])
+
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
         untracked = f", untracked={len(self._plan.untracked)}" if self._plan.untracked else ""
@@ -757,11 +851,15 @@ class ModelEMA:
         if self._plan.sync():
             self._rebind_groups()
 
+    def _build_groups(self) -> list[UpdateGroup]:
+        options = self.options
+        return update_groups(self._plan, options.kernel, options.formula, options.function)
+
     def _rebind_groups(self) -> None:
         """Rebuild the update groups from the plan; a captured graph read the old
         addresses, so it is dropped (the next ``update()`` captures again)."""
         self.flush()
-        self._groups = update_groups(self._plan, self.options.kernel, self.options.formula)
+        self._groups = self._build_groups()
         self._updater.rebind(self._groups)
         self._invalidate_graph()
 

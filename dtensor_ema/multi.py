@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.fused_update import lerp_groups_
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.options import ExcludeSpec, TrackSpec
+from dtensor_ema.options import AveragingFunction, ExcludeSpec, TrackSpec
 from dtensor_ema.state import validate_state
 
 __all__ = ["MultiModelEMA"]
@@ -75,6 +75,11 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
                 raise ValueError(
                     f"EMA {name!r}: {unsupported} not supported by MultiModelEMA; use one "
                     "ModelEMA per decay for capturable or offloaded updates or another formula"
+                )
+            if isinstance(options.get("schedule"), AveragingFunction):
+                raise ValueError(
+                    f"EMA {name!r}: an AveragingFunction schedule is not supported by "
+                    "MultiModelEMA (it lerps every EMA in one pass); use one ModelEMA"
                 )
             shared = [k for k in options if k in _SHARED]
             if shared:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -13,8 +14,10 @@ from dtensor_ema.decay import CallableDecay, DecaySchedule, HalfLifeDecay, RampD
 __all__ = [
     "DEFAULT_DECAY",
     "DEFAULT_TAU",
+    "FORMULA_NAMES",
     "TRACKING_CONFIG_KEYS",
     "UNSET",
+    "AveragingFunction",
     "EmaOptions",
     "TrackSpec",
     "resolve_schedule",
@@ -34,6 +37,14 @@ TRACKING_CONFIG_KEYS = ("track", "untracked")
 metadata, compared tensor by tensor (:func:`dtensor_ema.state.validate_state`) instead of as
 options. Present only when some floating-point tensor is untracked."""
 
+Formula = Literal["lerp", "weighted_sum", "subtract", "subtract_alpha", "divide", "swa"]
+
+FORMULA_NAMES = ("lerp", "weighted_sum", "subtract", "subtract_alpha", "divide", "swa")
+"""The ``formula`` option's values (see :data:`dtensor_ema.fused_update.FORMULAS`)."""
+
+_COUNTED_FORMULAS = ("divide", "swa")
+"""Formulas that read the averaging step (``n``), not only the decay."""
+
 
 class _Unset:
     """Marks an argument the caller did not pass (``tau=None`` has a meaning of its own)."""
@@ -43,6 +54,111 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingFunction:
+    """A torch/Lightning averaging function in the schedule's place.
+
+    ``ModelEMA(model, schedule=AveragingFunction(avg_fn))`` calls ``avg_fn(averaged,
+    current, num_averaged) -> Tensor`` on every averaging update instead of lerping with a
+    decay (``multi=True``: ``multi_avg_fn(averaged_list, current_list, num_averaged)``, which
+    updates ``averaged_list`` in place), as torch's ``AveragedModel`` does. The calls that
+    ``update_after_step`` covers copy the model; ``num_averaged`` is a 0-dim ``int64``
+    tensor on the EMA's device holding the averaging step (1 at the first averaging update:
+    the copy the EMA started from counts as one model).
+
+    The contract, in one sentence: **the function must be elementwise** (each output element
+    depends only on the same element of its inputs and on ``num_averaged``), because each
+    rank applies it to its own rows of every tensor, one list per (device, dtype) group.
+    Construction checks it by applying the function once to a small float32 CPU probe,
+    whole and split by rows, and raises ``ValueError`` naming the function if the results
+    differ. EMA, SWA and weighted sums of the two arguments all qualify; a norm, a mean
+    over the tensor, or anything that reads a tensor's shape does not.
+
+    The eager path runs it (one Python call per update and group, one per tensor for
+    ``avg_fn``); torch's own factories (``get_ema_*``/``get_swa_*``) are mapped onto the
+    fused formulas by the drop-ins instead. ``get_decay()``/``last_decay`` are ``nan``:
+    the function, not a decay, sets each step. Picklable when the function is.
+    """
+
+    fn: Callable[..., Any]
+    """``avg_fn`` or ``multi_avg_fn`` in torch's convention."""
+    multi: bool = False
+    """``True``: ``fn`` is a ``multi_avg_fn`` (lists, in place)."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"{self.kind} must be callable, got {self.fn!r}")
+        if not isinstance(self.multi, bool):
+            raise TypeError(f"multi must be a bool, got {self.multi!r}")
+        self.check_elementwise()
+
+    @property
+    def kind(self) -> str:
+        """``"multi_avg_fn"`` or ``"avg_fn"``."""
+        return "multi_avg_fn" if self.multi else "avg_fn"
+
+    @property
+    def name(self) -> str:
+        """``module.qualname`` of the function (or of its class, for a callable object)."""
+        fn = self.fn
+        qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        module = getattr(fn, "__module__", None) or type(fn).__module__
+        return f"{module}.{qualname}"
+
+    def apply_(
+        self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor
+    ) -> None:
+        """One averaging step on lists of local tensors (same device and dtype), in place."""
+        if self.multi:
+            self.fn(averaged, current, num_averaged)
+            return
+        for a, c in zip(averaged, current, strict=True):
+            a.copy_(self.fn(a, c, num_averaged))
+
+    def check_elementwise(self) -> None:
+        """Apply the function to a (7, 3) probe whole and split by rows (3, 1, 3 rows, as
+        ranks hold them); raise ``ValueError`` naming it unless both give the same bits.
+        Peak extra memory: a few probe-sized tensors."""
+        g = torch.Generator().manual_seed(0)
+        averaged = torch.randn(7, 3, generator=g)
+        current = torch.randn(7, 3, generator=g)
+        cuts = ((0, 3), (3, 4), (4, 7))
+        try:
+            whole = [averaged.clone()]
+            self.apply_(whole, [current.clone()], torch.tensor(3))
+            pieces = [averaged[a:b].clone() for a, b in cuts]
+            self.apply_(pieces, [current[a:b].clone() for a, b in cuts], torch.tensor(3))
+            split = torch.cat(pieces)
+        except Exception as e:
+            raise ValueError(
+                f"{self.kind}={self.name} failed on a (7, 3) float32 probe split by rows "
+                f"({type(e).__name__}: {e}); the sharded EMA applies it to each rank's rows "
+                "of every tensor, so it must be elementwise"
+            ) from e
+        same = whole[0].shape == split.shape and bool(
+            ((whole[0] == split) | (whole[0].isnan() & split.isnan())).all()
+        )
+        if not same:
+            raise ValueError(
+                f"{self.kind}={self.name} is not elementwise: applied to a (7, 3) float32 "
+                "probe whole and split by rows it gives different results. The sharded EMA "
+                "applies it to each rank's rows of every tensor, so each output element "
+                "must depend only on the same element of its inputs (and num_averaged)"
+            )
+
+    def __call__(self, step: int) -> float:
+        return math.nan  # no decay: the function sets each step
+
+    def decay_for(self, step: int, update_every: int) -> float:
+        return math.nan
+
+    def decay_tensor_for(self, step: torch.Tensor, update_every: int) -> torch.Tensor:
+        raise NotImplementedError(f"{self.kind} has no device-side decay (capturable=True)")
+
+    def config(self) -> dict[str, Any]:
+        return {"schedule": self.kind, "name": self.name}
 
 
 def resolve_schedule(
@@ -70,7 +186,7 @@ def resolve_schedule(
                 f"schedule must be a schedule instance or a function, got the class "
                 f"{schedule.__name__}; instantiate it, e.g. {schedule.__name__}(decay=0.9999)"
             )
-        if isinstance(schedule, DecaySchedule):
+        if isinstance(schedule, (DecaySchedule, AveragingFunction)):
             return schedule
         return CallableDecay(schedule)
     if half_life is not None:
@@ -91,7 +207,8 @@ class EmaOptions:
     """Everything besides the model and mesh that decides what ``update()`` does."""
 
     schedule: DecaySchedule
-    """Per-step decay as a function of the averaging step (see :mod:`dtensor_ema.decay`)."""
+    """Per-step decay as a function of the averaging step (see :mod:`dtensor_ema.decay`), or
+    an :class:`AveragingFunction` that replaces the decay."""
     update_every: int = 1
     """Average on every ``update_every``-th ``update()`` call only (``>= 1``)."""
     update_after_step: int = 0
@@ -124,7 +241,7 @@ class EmaOptions:
     safe and exact, see :func:`dtensor_ema.cuda_graph.decide`), ``False`` (never) or
     ``True`` (required: ``ModelEMA`` raises naming the reason where it is unsafe). Not part
     of the checkpoint config."""
-    formula: Literal["lerp", "weighted_sum", "subtract", "subtract_alpha"] = "lerp"
+    formula: Formula = "lerp"
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
     rounding (eager kernel only)."""
@@ -149,11 +266,24 @@ class EmaOptions:
             raise ValueError(
                 f"cuda_graph must be None (auto), True or False, got {self.cuda_graph!r}"
             )
-        if self.formula not in ("lerp", "weighted_sum", "subtract", "subtract_alpha"):
-            raise ValueError(
-                "formula must be 'lerp', 'weighted_sum', 'subtract' or 'subtract_alpha', got "
-                f"{self.formula!r}"
-            )
+        if self.formula not in FORMULA_NAMES:
+            raise ValueError(f"formula must be one of {FORMULA_NAMES}, got {self.formula!r}")
+        if self.function is not None:
+            clash = [
+                f"{name}={value!r}"
+                for name, value, default in (
+                    ("update_every", self.update_every, 1),
+                    ("formula", self.formula, "lerp"),
+                    ("capturable", self.capturable, False),
+                )
+                if value != default
+            ] + (["kernel='compiled'"] if self.kernel == "compiled" else [])
+            if clash:
+                raise ValueError(
+                    f"{self.function.kind}={self.function.name} cannot be combined with "
+                    f"{', '.join(clash)}: the function sets each averaging step itself, on "
+                    "the eager path"
+                )
         if self.formula != "lerp" and (self.capturable or self.kernel == "compiled"):
             raise ValueError(
                 f"formula={self.formula!r} has an eager kernel only: it cannot be combined "
@@ -177,6 +307,17 @@ class EmaOptions:
                 f"track must be 'all', 'trainable' or a predicate (fqn, tensor) -> bool, got "
                 f"{self.track!r}"
             )
+
+    @property
+    def function(self) -> AveragingFunction | None:
+        """The averaging function in the schedule's place, if any."""
+        return self.schedule if isinstance(self.schedule, AveragingFunction) else None
+
+    @property
+    def counted(self) -> bool:
+        """Whether an averaging step needs the step count (``num_averaged``), not only the
+        decay: averaging functions and the ``"divide"``/``"swa"`` formulas."""
+        return self.function is not None or self.formula in _COUNTED_FORMULAS
 
     def tracks(self, fqn: str, tensor: torch.Tensor, is_parameter: bool) -> bool:
         """Whether the EMA holds the floating-point tensor ``fqn`` (see :data:`TrackSpec`).

@@ -9,10 +9,15 @@ in the process (a loss module inside the training step) cost one weak-set lookup
 registration and never trigger a walk. The hooks are removed when the last watch is
 garbage-collected. FSDP2 swaps sharded/unsharded parameters through ``module._parameters``
 directly, which does not fire these hooks.
+
+A watch holds its model weakly, so ``copy.deepcopy`` and ``pickle`` treat it specially: a
+copy watches the copy of the model (the one made through the same ``memo``, or the one
+pickled with it), never the original.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -66,8 +71,24 @@ class ModuleWatch:
         _watches.add(self)
         weakref.finalize(self, _uninstall_if_unused)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleWatch:
+        root = self._root()
+        copied = ModuleWatch(copy.deepcopy(root, memo) if root is not None else nn.Module())
+        copied.epoch = self.epoch
+        return copied
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rewatch, (self._root(), self.epoch))
+
     def rewatch(self) -> None:
         """Watch the root's current module tree (after a structural change)."""
         root = self._root()
         if root is not None:
             self._modules = weakref.WeakSet(root.modules())
+
+
+def _rewatch(root: nn.Module | None, epoch: int) -> ModuleWatch:
+    """Unpickle a :class:`ModuleWatch`: watch the unpickled root."""
+    watch = ModuleWatch(root if root is not None else nn.Module())
+    watch.epoch = epoch
+    return watch

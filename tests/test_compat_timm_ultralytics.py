@@ -303,7 +303,9 @@ def _ultralytics_part(
 def _swa_update_bn(rank: int, distributed: bool) -> dict[str, Any]:
     """torch's SWA habit on a BatchNorm model under DDP: ``update_bn(loader, swa_model)``
     recomputes the average's own statistics (each rank from its own batches), then the
-    forward in eval mode; the drop-in against torch's ``AveragedModel``, bit for bit."""
+    forward in eval mode; the drop-in against torch's ``AveragedModel``, bit for bit. The
+    drop-in needs ``gather_for_save()`` on every rank first: a forward after an update never
+    gathers behind the caller's back (``train()``, which ``update_bn`` calls, keeps it)."""
     from torch.optim import swa_utils
 
     from dtensor_ema.compat.swa_utils import AveragedModel
@@ -321,6 +323,7 @@ def _swa_update_bn(rank: int, distributed: bool) -> dict[str, Any]:
     g = torch.Generator().manual_seed(50 + rank)
     loader = [torch.randn(4, 3, 9, 9, generator=g) for _ in range(2)]
     swa_utils.update_bn(loader, theirs)
+    ours.gather_for_save()  # every rank
     swa_utils.update_bn(loader, ours)
     ours.eval()
     theirs.eval()

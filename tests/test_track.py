@@ -472,3 +472,28 @@ def test_hf_trainer_callback_keeps_and_saves_the_adapter_ema(tmp_path: Path) -> 
     loaded = peft.PeftModel.from_pretrained(_base("gpt2"), str(tmp_path / "ema")).eval()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, swapped)
+
+
+def test_copies_keep_the_tracked_set() -> None:
+    """``copy.deepcopy``/``pickle`` of a trainable-only EMA rebuild the same tracked set,
+    also after ``add_tensors``, with the same values."""
+    import copy
+    import io
+
+    model = _edge()
+    ema = ModelEMA(model, decay=DECAY, tau=None, track="trainable")
+    _step_(model, 0)
+    ema.update()
+    ema.add_tensors(["frozen"])  # frozen stays requires_grad=False: add_tensors decided it
+    _step_(model, 1)
+    ema.update()
+    copied = copy.deepcopy(ema)
+    assert list(copied.ema_tensors()) == list(ema.ema_tensors())
+    assert copied.untracked == ["float_buf"] and copied.updates == 2
+    assert mismatches(copied.ema_tensors(), ema.ema_tensors()) == []
+    buffer = io.BytesIO()
+    torch.save(ema, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert mismatches(loaded.ema_tensors(), ema.ema_tensors()) == []
+    loaded.update()  # its model's trainable set is the one it was saved with: no refusal

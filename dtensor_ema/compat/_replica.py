@@ -14,10 +14,10 @@ it), puts the full EMA where the habits read it. Where it goes depends on the la
   update), and whose parameters (and sharded float buffers) hold **no storage** (``meta``)
   until :meth:`~EmaReplica.materialize` all-gathers the full EMA into them on every rank.
   They stay until :meth:`~EmaReplica.changed` (the facades call it on ``update``, ``set``
-  and ``load``, and on ``train()``). Evaluation then runs at replica speed: no
-  communication per batch. Peak extra memory while materialized: one full copy of the
-  parameters per rank, on the model's device, plus one gather bucket
-  (``DEFAULT_BUCKET_BYTES``) during the gather.
+  and ``load``; ``train()`` keeps them, so ``update_bn``'s forwards in train mode run on
+  them). Evaluation then runs at replica speed: no communication per batch. Peak extra
+  memory while materialized: one full copy of the parameters per rank, on the model's
+  device, plus one gather bucket (``DEFAULT_BUCKET_BYTES``) during the gather.
 * **sharded** (FSDP2/TP models, whose ranks may not fit a full copy; or a plain model with
   the facade's ``evaluation="sharded"``): the module is the engine's
   :attr:`~dtensor_ema.ModelEMA.module` (FSDP2 over the EMA mesh: each forward all-gathers
@@ -31,16 +31,23 @@ built); its parameters are the EMA's own there.
 
 The rules, the same in every facade:
 
-1. A save that rank 0 makes alone (the facade's ``state_dict()``, ``save_pretrained()``,
-   ``module.state_dict()`` of a replica, or of the sharded module of a plain model) yields
-   full tensors when unsharded or after a ``materialize()`` that every rank reached since
-   the last change; otherwise it raises a ``RuntimeError`` naming the one-line fix
-   (``<owner>.gather_for_save()`` on every rank). It never returns one rank's piece.
+1. No hidden collective: a call that needs other ranks' pieces and that a library's
+   habit makes on one rank alone (the facade's ``state_dict()``, ``save_pretrained()``,
+   diffusers' ``copy_to``, ``module.state_dict()`` of a replica, or of the sharded module
+   of a plain model, and the replica's forward) reads the full tensors when unsharded or
+   after a ``materialize()`` that every rank reached since the last change; otherwise it
+   raises a ``RuntimeError`` at once naming the one-line fix (``<owner>.gather_for_save()``
+   on every rank). It never waits for other ranks and never returns one rank's piece.
+   ``materialize()`` itself (``gather_for_save()``, ``eval()``) is the one collective.
 2. Loading full tensors on every rank (the facade's ``load_state_dict`` or the replica's
    ``module.load_state_dict``) restores each rank's piece of the engine. Local.
 
 The module's hooks are module-level objects so that the module (or a ``deepcopy`` of it)
-still pickles.
+still pickles. An :class:`EmaReplica` pickles as its engine and options and rebuilds its
+module around the unpickled engine (whose EMA tensors the module must share);
+:func:`facade_getstate`/:func:`facade_setstate` do the same for the facades that register
+that module as a child. The engine refuses to pickle at W > 1 (see
+:meth:`dtensor_ema.ModelEMA.__getstate__`).
 """
 
 from __future__ import annotations
@@ -54,7 +61,13 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["EmaReplica", "fix_message", "keeps_buffers_whole"]
+__all__ = [
+    "EmaReplica",
+    "facade_getstate",
+    "facade_setstate",
+    "fix_message",
+    "keeps_buffers_whole",
+]
 
 
 def keeps_buffers_whole(model: nn.Module, evaluation: str = "replica") -> bool:
@@ -91,6 +104,7 @@ class EmaReplica:
     def __init__(self, engine: ModelEMA, fix: str, *, sharded: bool = False) -> None:
         self.engine = engine
         self.fix = fix
+        self._sharded_option = sharded
         model = engine.model
         self.live = engine.mesh is None or engine.mesh.size() == 1
         # DTensor models (FSDP2, TP) use the engine's module at every W, W=1 included:
@@ -152,6 +166,15 @@ class EmaReplica:
         module.register_load_state_dict_pre_hook(_LoadIntoEngine(self.engine))
         return module
 
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """The engine and options only: the module is rebuilt around the unpickled (or
+        copied) engine, whose EMA tensors it must share. The engine refuses at W > 1."""
+        return {"engine": self.engine, "fix": self.fix, "sharded": self._sharded_option}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        EmaReplica.__init__(self, state["engine"], state["fix"], sharded=state["sharded"])
+
     # ------------------------------------------------------------------ evaluation
     @property
     def module(self) -> nn.Module:
@@ -203,8 +226,10 @@ class EmaReplica:
             self.materialize()
 
     def forward_module(self) -> nn.Module:
-        """:meth:`prepare_eval`, then the module to run."""
-        self.prepare_eval()
+        """The module to run, with no hidden collective: the replica (gathered by the last
+        :meth:`materialize`, i.e. ``eval()``/``gather_for_save()``, that every rank reached
+        since the last change, or live; its forward raises naming the fix otherwise), or
+        the sharded module (collective per forward by nature, as an FSDP2 model's own)."""
         return self.module
 
     def release(self) -> None:
@@ -249,6 +274,23 @@ class EmaReplica:
             f"{what} on a sharded EMA (each of the {world} ranks holds 1/{world} of every "
             f"tensor) would save one rank's piece. Fix: {self.fix}"
         )
+
+
+def facade_getstate(facade: nn.Module, key: str) -> dict[str, Any]:
+    """``__getstate__`` of an ``nn.Module`` facade that registers its replica's module as
+    the child ``key``: everything but that module (rebuilt by the replica on load)."""
+    state = facade.__dict__.copy()
+    state["_modules"] = {k: v for k, v in state["_modules"].items() if k != key}
+    return state
+
+
+def facade_setstate(facade: nn.Module, state: dict[str, Any], key: str, *, always: bool) -> None:
+    """``__setstate__`` matching :func:`facade_getstate`: re-register the rebuilt module as
+    ``key`` (``always``: also the sharded one, as timm's ``ModelEmaV3.module``)."""
+    nn.Module.__setstate__(facade, state)
+    replica: EmaReplica = facade.__dict__["_replica"]
+    if always or not replica.sharded:
+        facade._modules[key] = replica.module
 
 
 def _full_local(tensor: torch.Tensor) -> torch.Tensor:

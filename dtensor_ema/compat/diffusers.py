@@ -17,12 +17,21 @@ reads the sharded parameters even after a forward without backward. Deliberate
 differences: ``to()``/``pin_memory()`` cannot move the shards (use ``ModelEMA(offload=True)``);
 ``load_state_dict`` refuses other hyper-parameters than the constructor's.
 
-The rank-0 save (``state_dict()``, ``save_pretrained()``, ``copy_to`` a fresh model) uses
-the mechanism every drop-in shares (:mod:`dtensor_ema.compat._replica`): with more than
-one rank it works after ``ema.gather_for_save()`` on every rank (one collective; plain/DDP
-parameters: every rank then holds one full copy of the EMA, what diffusers keeps always,
-until the next ``step``; DTensor parameters: rank 0 alone holds one full CPU copy), and
-raises naming that fix otherwise.
+diffusers' scripts call ``store``, ``copy_to`` (also on the tracked parameters, for
+validation and at the end of training), ``state_dict()`` and ``save_pretrained()`` on the
+main process alone. None of them is a collective here, so none can wait for ranks that
+never come (:mod:`dtensor_ema.compat._replica`): with more than one rank they read the full
+EMA gathered by ``ema.gather_for_save()`` on every rank since the last ``step`` (one
+collective; plain/DDP parameters: every rank then holds one full copy of the EMA, what
+diffusers keeps always, until the next ``step``; DTensor parameters: rank 0 alone holds one
+full CPU copy, and ``copy_to`` of the tracked parameters writes each rank's own pieces), and
+raise at once naming that fix otherwise. The scripts' fix is one line,
+``ema_unet.gather_for_save()`` on every rank before the main-process block.
+
+``copy.deepcopy(ema)`` is an independent EMA that steps from the same parameters (as a copy
+of diffusers' ``EMAModel``, which holds no model); ``pickle``/``torch.save`` carry the
+parameters along (load with ``torch.load(path, weights_only=False)``). Both raise at
+W > 1, naming what to save instead.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import DiffusersDecay, WarmupDecay
-from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.plan import reshard_fsdp
 
@@ -46,12 +54,28 @@ __all__ = ["EMAModel"]
 _HYPER = ("decay", "min_decay", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _same_layout(ema: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether this rank's EMA piece is the parameter's whole local piece."""
+    return (
+        isinstance(ema, DTensor)
+        and isinstance(param, DTensor)
+        and ema.device_mesh == param.device_mesh
+        and tuple(ema.placements) == tuple(param.placements)
+    )
+
+
 class EMAModel:
     """diffusers' ``EMAModel`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
-    ``step`` is local; ``copy_to`` the tracked parameters is collective over the EMA's
-    mesh (every rank); ``store``/``restore`` are local.
+    ``gather_for_save()`` is collective over the EMA's mesh (every rank); everything else
+    is local: ``step``, ``store``/``restore``, and ``copy_to``/``state_dict``/
+    ``save_pretrained``, which work on the main process alone after a ``gather_for_save()``
+    that every rank reached since the last ``step`` (see the module docstring).
     """
 
     def __init__(
@@ -100,6 +124,20 @@ class EMAModel:
         self.temp_stored_params: list[torch.Tensor] | None = None
         self._private = False  # from_pretrained: parameters nobody else can change
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> EMAModel:
+        """A copy with its own EMA that steps from the same parameters, as a copy of
+        diffusers' ``EMAModel`` (which holds no model) does. Local; refused at W > 1 by the
+        engine (naming what to save instead). ``pickle``/``torch.save`` instead carry the
+        parameters along: the unpickled ``EMAModel`` tracks its own copies of them
+        (``state_dict``, ``shadow_params``, ``copy_to`` work; ``step`` takes those)."""
+        for param in self._params:
+            memo[id(param)] = param
+        copied = EMAModel.__new__(EMAModel)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
+
     @property
     def engine(self) -> ModelEMA:
         """The :class:`~dtensor_ema.ModelEMA` doing the work."""
@@ -134,23 +172,54 @@ class EMAModel:
         self._replica.changed()
 
     def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        """Tracked parameters: **collective** (every rank), each rank writes its pieces.
-        Other parameters (a fresh model): full tensors by order (see ``gather_for_save``)."""
+        """Write the EMA into ``parameters`` (the tracked ones, or a fresh model's, by order).
+
+        Local, never a hidden collective, so diffusers' habit of calling it on the main
+        process alone works: plain/DDP parameters take the full EMA gathered by the last
+        ``gather_for_save()`` that every rank reached since the last ``step`` (or the live
+        EMA, unsharded); without one it raises a ``RuntimeError`` naming that fix. The
+        tracked DTensor (FSDP2/TP) parameters take this rank's own EMA pieces, when the EMA
+        splits them no further (HSDP's replicate dim and TP-replicated weights need the
+        other replicas' rows: raises, naming the collective alternative).
+        """
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
-        if len(params) == len(self._params) and all(
+        tracked = len(params) == len(self._params) and all(
             a is b for a, b in zip(params, self._params, strict=True)
-        ):
-            copy_ema_into_model(self._engine, self._params)
+        )
+        if tracked and self._replica.sharded:
+            self._copy_local_pieces()
             return
-        full = self._replica.full_state("EMAModel.copy_to(other parameters)")
+        what = "the tracked parameters" if tracked else "other parameters"
+        full = self._replica.full_state(f"EMAModel.copy_to({what})")
         with torch.no_grad():
             for i, param in enumerate(params):
                 param.data.copy_(full[str(i)].to(param.device))
 
+    def _copy_local_pieces(self) -> None:
+        """DTensor parameters: each rank writes its own pieces, where the EMA holds them
+        whole (the parameter's mesh and placements; everything on one rank). Local."""
+        ema = self._engine.ema_tensors()
+        split = [k for k, t in ema.items() if not _same_layout(t, self._params[int(k)])]
+        if split and not self._replica.live:
+            raise RuntimeError(
+                f"EMAModel.copy_to(the tracked parameters): the EMA splits parameters {split[:3]} "
+                "further across their replicas (HSDP's replicate dim, TP-replicated weights), "
+                "so writing them needs the other replicas' rows, a collective a main-process "
+                "block cannot run. On every rank, use `with ema_model.engine."
+                "average_parameters(): ...` to evaluate, or save with DCP "
+                "(dtensor_ema.save_checkpoint)"
+            )
+        with torch.no_grad():
+            for k, t in ema.items():
+                _local(self._params[int(k)]).copy_(_local(t))
+
     def store(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Keep a CPU copy of ``parameters`` (diffusers' habit: before ``copy_to`` for a
+        validation pass). Local."""
         self.temp_stored_params = [p.detach().cpu().clone() for p in parameters]
 
     def restore(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Write the stored copy back into ``parameters``. Local."""
         if self.temp_stored_params is None:
             raise RuntimeError(
                 "This ExponentialMovingAverage has no `store()`ed weights to `restore()`"

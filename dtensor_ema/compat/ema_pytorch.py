@@ -11,18 +11,22 @@ with a schedule that does not raise the decay to ``N``. Bit for bit equal to ema
 0.8.3 (``tests/test_compat.py``).
 
 Evaluation (``ema(x)``, ``ema.eval()``, ``forward_eval``) runs on ``ema_model``, a replica
-gathered once per validation pass: ``ema.eval()`` or the first ``ema(x)`` after an update
-all-gathers the full parameters (**collective**: every rank validates) and keeps them until
-the next ``update()``, ``copy_params_from_model_to_ema()``, ``train()`` or load; each rank
-holds ``1/W`` of the parameters in between (peak while gathered: one full copy per rank,
-what ema-pytorch keeps always). Calling ``ema.ema_model(x)`` directly while the parameters
-are freed raises, naming the fix. Float buffers are kept whole on every rank
-(``replicate_buffers=True``), each rank averaging its own model's, as ema-pytorch's
-replica does. ``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2
-module instead (one unit gathered per forward: peak about the largest unit, 1.4-1.8x the
-replica's time per batch on ResNet-50); FSDP2/TP models always do. The rank-0 save
+gathered once per validation pass: ``ema.eval()`` or ``ema.gather_for_save()`` all-gathers
+the full parameters (**collective**: every rank calls it) and keeps them until the next
+``update()``, ``copy_params_from_model_to_ema()`` or load (``train()`` keeps them); each
+rank holds ``1/W`` of the parameters in between (peak while gathered: one full copy per
+rank, what ema-pytorch keeps always). ``ema(x)`` or ``ema.ema_model(x)`` after an update,
+before that gather, raises at once naming the fix: no hidden collective. Float buffers are
+kept whole on every rank (``replicate_buffers=True``), each rank averaging its own model's,
+as ema-pytorch's replica does. ``evaluation="sharded"`` (keyword) evaluates through the
+engine's FSDP2 module instead (one unit gathered per forward: peak about the largest unit,
+1.4-1.8x the replica's time per batch on ResNet-50); FSDP2/TP models always do. The rank-0 save
 ``torch.save(ema.state_dict())`` works after ``ema.gather_for_save()`` (or ``ema.eval()``)
 on every rank and refuses naming that fix otherwise (see :mod:`dtensor_ema.compat._replica`).
+
+``pickle``/``torch.save(ema)``/``copy.deepcopy`` work without a process group (load with
+``torch.load(path, weights_only=False)``; a copy averages its own copy of the model) and
+raise at W > 1, naming what to save instead.
 
 Deliberate differences: integer buffers (``num_batches_tracked``) follow the model
 (ema-pytorch leaves them at their construction value); ``ema_model``, ``ignore_names``,
@@ -39,7 +43,13 @@ import torch
 from torch import nn
 
 from dtensor_ema.compat._ema_pytorch_posthoc import PostHocEMA
-from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
+from dtensor_ema.compat._replica import (
+    EmaReplica,
+    facade_getstate,
+    facade_setstate,
+    fix_message,
+    keeps_buffers_whole,
+)
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
@@ -60,9 +70,9 @@ class EMA(nn.Module):
     """ema-pytorch's ``EMA`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
-    ``update()`` is local; ``eval()``, ``gather_for_save()`` and the first call after an
-    update are collective over the EMA's mesh (see the module docstring). ``evaluation``
-    and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
+    ``update()``, ``train()`` and ``ema(x)`` (replica) are local; ``eval()`` and
+    ``gather_for_save()`` are collective over the EMA's mesh (see the module docstring).
+    ``evaluation`` and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
     """
 
     def __init__(
@@ -147,6 +157,14 @@ class EMA(nn.Module):
         ``evaluation="sharded"`` the engine's sharded module (collective forward)."""
         return self._replica.module
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
+        replica's module is rebuilt on load around the unpickled engine."""
+        return facade_getstate(self, "ema_model")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        facade_setstate(self, state, "ema_model", always=False)
+
     @property
     def engine(self) -> ModelEMA:
         """The :class:`~dtensor_ema.ModelEMA` doing the work."""
@@ -191,17 +209,18 @@ class EMA(nn.Module):
         return self.ema_model.eval()
 
     def train(self, mode: bool = True) -> EMA:
-        """``train()`` frees the gathered replica (local); ``train(False)`` is ``eval()``."""
-        if mode:
-            self._replica.release()
-        else:
+        """``train(False)`` is ``eval()``; ``train()`` is local and keeps the gathered
+        replica until the next update (a forward in train mode, e.g. ``update_bn``, runs
+        on it)."""
+        if not mode:
             self._replica.prepare_eval()
         if self._replica.sharded:
             self._replica.module.train(mode)
         return super().train(mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``ema_model(*args)``; gathers first after an update (**collective**; replica)."""
+        """``ema_model(*args)``. Local (replica): after an update, on the copy gathered by
+        ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix."""
         return self._replica.forward_module()(*args, **kwargs)
 
     def forward_eval(self, *args: Any, **kwargs: Any) -> Any:

@@ -25,10 +25,21 @@ same DCP checkpoint, since the strategy writes only ``state_dict`` with DCP; ``m
 there: its ``setup`` calls ``configure_model`` itself and deep-copies the sharded module,
 which FSDP2 refuses (``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6).
 
-Differences: the average is built at ``on_fit_start`` (after the strategy has set the
-module up) rather than in ``setup``; integer buffers follow the model; float buffers that
-differ across DDP ranks (BatchNorm without ``SyncBatchNorm``) are averaged row-wise from
-each rank's own statistics (Lightning's checkpoint holds rank 0's).
+The average is built in ``setup``, as Lightning builds it (``configure_model`` first),
+where the module already sits on the training device (CPU runs); otherwise at
+``on_fit_start``, once the strategy has moved it (GPU) or sharded it
+(``ModelParallelStrategy``, ``FSDPStrategy``): our average tracks the module's own tensors,
+which must not move after it is built. Validation and the end of training go through
+Lightning's hooks ``_swap_models`` (twice per validation epoch) and
+``_copy_average_to_current``, so subclasses that override ``should_update`` or those
+hooks get Lightning's calls. Any averaging function Lightning accepts works
+(:mod:`dtensor_ema.compat.swa_utils`: torch's factories fused, other elementwise
+functions, such as the picklable function objects Lightning recommends for
+``ddp_spawn``, on each rank's pieces).
+
+Differences: integer buffers follow the model; float buffers that differ across DDP ranks
+(BatchNorm without ``SyncBatchNorm``) are averaged row-wise from each rank's own
+statistics (Lightning's checkpoint holds rank 0's).
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
@@ -86,15 +99,50 @@ class WeightAveraging(Callback):
         return step_idx is not None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Lightning's: for ``fit``, build the average here (calling ``configure_model``
+        first, with Lightning's warning) when the strategy allows: the module already sits
+        on the training device and no sharding strategy will replace its parameters. Else
+        (GPU: the strategy moves the module after ``setup``; ``ModelParallelStrategy``/
+        ``FSDPStrategy``: it shards it) the average is built at ``on_fit_start``.
+        Collective where the build is (every rank runs ``setup``)."""
         self._fitting = stage == "fit"
+        if not self._fitting or self._average_model is not None:
+            return
+        if isinstance(trainer.strategy, _SHARDING) or not _on_training_device(
+            trainer, pl_module, self._device
+        ):
+            return
+        if is_overridden("configure_model", pl_module):
+            rank_zero_warn(
+                "You're using the WeightAveraging callback with a model that overrides the "
+                "configure_model callback. WeightAveraging doesn't support sharding model "
+                "layers, so you may run out of memory."
+            )
+            pl_module.configure_model()
+        # Before DDP broadcasts rank 0's weights: the ranks may differ, and the first
+        # update copies the model anyway (on_fit_start re-reads it if nothing ran yet).
+        self._build(pl_module, verify_replicas=False)
+
+    def _build(self, pl_module: pl.LightningModule, **engine: Any) -> AveragedModel:
+        self._average_model = AveragedModel(
+            pl_module,
+            device=self._device,
+            use_buffers=self._use_buffers,
+            **self._kwargs,
+            **engine,
+        )
+        return self._average_model
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._average_model is None:
-            self._average_model = AveragedModel(
-                pl_module, device=self._device, use_buffers=self._use_buffers, **self._kwargs
-            )
+        average = self._average_model
+        if average is None:
+            average = self._build(pl_module)
+        elif average.engine.updates == 0 and self._pending is None:
+            # Built in setup and nothing averaged or loaded yet: start from the weights the
+            # strategy left (DDP broadcast rank 0's), as every later update reads them.
+            average.reset_to(pl_module)
         if self._pending is not None:
-            self._average_model.load_state_dict(self._pending)
+            average.load_state_dict(self._pending)
             self._pending = None
         if self._pending_sharded is not None:
             path, n_averaged = self._pending_sharded
@@ -124,14 +172,33 @@ class WeightAveraging(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._average_model is not None
-        copy_ema_into_model(self._average_model.engine, pl_module)
+        self._copy_average_to_current(pl_module)
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._average_model is not None:
-            self._swap.enter(self._average_model.engine)
+            self._swap_models(pl_module)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._swap.exit()
+        if self._average_model is not None:
+            self._swap_models(pl_module)
+
+    def _swap_models(self, pl_module: pl.LightningModule) -> None:
+        """Lightning's hook, called at the start and at the end of every validation epoch:
+        the first call swaps the average into ``pl_module``, the second swaps the raw
+        weights back. Collective over the EMA's mesh on the way in (each rank rebuilds
+        only its own local piece, :meth:`~dtensor_ema.ModelEMA.average_parameters`);
+        peak extra memory: ``1/W`` of the parameters as the backup, plus one bucket."""
+        assert self._average_model is not None
+        if self._swap.active:
+            self._swap.exit()
+        else:
+            self._swap.enter(self._average_model.engine)
+
+    def _copy_average_to_current(self, pl_module: pl.LightningModule) -> None:
+        """Lightning's hook at the end of training: the average stays in ``pl_module``.
+        Collective over the EMA's mesh, as the swap."""
+        assert self._average_model is not None
+        copy_ema_into_model(self._average_model.engine, pl_module)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -244,6 +311,22 @@ class WeightAveraging(Callback):
             {"ema": average, "updates": n_averaged, "config": ema_state["config"]}
         )
         pl_module.load_state_dict(raw)
+
+
+_SHARDING = (ModelParallelStrategy, FSDPStrategy)
+"""Strategies that replace the module's parameters after ``setup`` (the average is built at
+``on_fit_start``, over the sharded parameters)."""
+
+
+def _on_training_device(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device | int | None
+) -> bool:
+    """Whether the module already sits where it will train (and where ``device`` asks the
+    average to live): the engine tracks the module's own tensors, which must not move."""
+    root = trainer.strategy.root_device
+    here = pl_module.device
+    wanted = root if device is None else torch.device(device)
+    return here == root and here == wanted
 
 
 def _is_sharded_marker(value: Any) -> bool:

@@ -2,36 +2,51 @@
 ``from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_multi_avg_fn``.
 
 Same constructor, ``update_parameters(model)``, ``n_averaged``, ``use_buffers``,
-``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`:
+``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`; the names
+torch's tests import (``get_ema_multi_avg_fn``, ``get_ema_avg_fn``, ``get_swa_multi_avg_fn``,
+``get_swa_avg_fn``, ``update_bn``) are here too. The first ``update_parameters`` copies the
+model (``n_averaged == 0``), the next ones average, with any averaging function
+(:func:`averaging_of`):
 
-* the first ``update_parameters`` copies the model (``n_averaged == 0``), the next ones
-  average: ``update_after_step=1`` (SWA: its schedule copies at step 1);
-* ``multi_avg_fn=get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``, lerp (torch's kernel);
-  ``avg_fn=get_ema_avg_fn(d)``: the same decay with ``formula="weighted_sum"``
-  (``d * ema + (1 - d) * model``, as torch rounds it); no function: SWA's running mean,
-  :class:`~dtensor_ema.decay.RunningMeanDecay`. Both torch's functions and this module's are
-  recognized; any other averaging function cannot be mapped and raises ``ValueError``;
+* torch's factories keep the fused path: ``get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``,
+  lerp (torch's kernel); ``get_ema_avg_fn(d)``: ``formula="weighted_sum"`` (``d * ema +
+  (1 - d) * model``, as torch rounds it); ``get_swa_multi_avg_fn()``:
+  :class:`~dtensor_ema.decay.RunningMeanDecay`, lerp; ``get_swa_avg_fn()``:
+  ``formula="divide"`` (``a + (b - a) / (n + 1)``); no function: ``formula="swa"``,
+  torch's device rule (foreach lerp on CUDA, the division on CPU);
+* any other callable, ``avg_fn(averaged, current, num_averaged)`` or
+  ``multi_avg_fn(averaged_list, current_list, num_averaged)`` as torch defines them
+  (a user's ``decay * p_avg + (1 - decay) * p``, Lightning's picklable function objects),
+  runs on the eager path, applied to each rank's local pieces with torch's
+  ``num_averaged``: :class:`~dtensor_ema.options.AveragingFunction`. The contract: the
+  function must be elementwise; construction checks it on a probe and raises
+  ``ValueError`` naming the function otherwise.
 * ``use_buffers=False`` copies the buffers from the model on every call
   (``buffers="copy"``), ``True`` averages the float buffers.
 
-Bit for bit equal to torch's ``AveragedModel`` (``tests/test_compat.py``), except integer
-buffers (``num_batches_tracked``): they follow the model, where torch with
-``use_buffers=True`` averages them too (and truncates). ``device`` must be the model's
-device or ``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``)
-and each rank averages its own model's, as torch's replica on that rank does.
+Bit for bit equal to torch's ``AveragedModel`` for all of these
+(``tests/test_compat_upstream.py``), except integer buffers (``num_batches_tracked``): they
+follow the model, where torch with ``use_buffers=True`` pushes them through the function
+too (its ``get_swa_multi_avg_fn`` then raises). ``device`` must be the model's device or
+``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``) and each
+rank averages its own model's, as torch's replica on that rank does.
 
 Evaluation (``.module``, forward) runs on a replica gathered once per validation pass:
-``eval()``, or the first forward after an update, all-gathers the full parameters
-(**collective**: every rank validates) and keeps them until the next
-``update_parameters``, ``train()`` or load; each rank holds ``1/W`` of the parameters in
-between (peak while gathered: one full copy per rank, what torch's replica keeps always).
-``update_bn(loader, swa_model)`` recomputes the EMA's own BatchNorm statistics (each rank
-its own, as torch). ``evaluation="sharded"`` (keyword) evaluates through the engine's
-FSDP2 module instead (one unit gathered per forward: peak about the largest unit, 1.4-1.8x
-the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``); FSDP2/TP models
-always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works after
-``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix otherwise
-(see :mod:`dtensor_ema.compat._replica`).
+``eval()`` or ``gather_for_save()`` all-gathers the full parameters (**collective**: every
+rank calls it) and keeps them until the next ``update_parameters`` or load (``train()``
+keeps them: ``update_bn(loader, swa_model)`` runs on them and recomputes the average's own
+BatchNorm statistics, each rank its own, as torch). A forward after an update without that
+gather raises at once naming it: no hidden collective. Each rank holds ``1/W`` of the
+parameters in between (peak while gathered: one full copy per rank, what torch's replica
+keeps always). ``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2
+module instead (one unit gathered per forward, collective per call: peak about the largest
+unit, 1.4-1.8x the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``);
+FSDP2/TP models always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works
+after ``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix
+otherwise (see :mod:`dtensor_ema.compat._replica`). ``pickle``, ``torch.save(swa_model)``
+and ``copy.deepcopy`` work without a process group (load with ``torch.load(path,
+weights_only=False)``; a copy averages its own copy of the model) and raise at W > 1,
+naming what to save instead.
 """
 
 from __future__ import annotations
@@ -44,11 +59,33 @@ import torch
 from torch import Tensor, nn
 from torch.optim import swa_utils as _torch_swa
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
+from dtensor_ema.compat._replica import (
+    EmaReplica,
+    facade_getstate,
+    facade_setstate,
+    fix_message,
+    keeps_buffers_whole,
+)
 from dtensor_ema.decay import ConstantDecay, DecaySchedule, RunningMeanDecay
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import AveragingFunction
 
-__all__ = ["AveragedModel", "get_ema_avg_fn", "get_ema_multi_avg_fn"]
+__all__ = [
+    "AveragedModel",
+    "averaging_of",
+    "get_ema_avg_fn",
+    "get_ema_multi_avg_fn",
+    "get_swa_avg_fn",
+    "get_swa_multi_avg_fn",
+    "update_bn",
+]
+
+get_swa_multi_avg_fn = _torch_swa.get_swa_multi_avg_fn
+"""torch's function, re-exported (mapped onto the fused running mean, ``"lerp"``)."""
+get_swa_avg_fn = _torch_swa.get_swa_avg_fn
+"""torch's function, re-exported (mapped onto the fused running mean, ``"divide"``)."""
+update_bn = _torch_swa.update_bn
+"""torch's ``update_bn``: recomputes the BatchNorm statistics of the average's module."""
 
 
 def get_ema_multi_avg_fn(decay: float = 0.999) -> Callable[..., None]:
@@ -65,39 +102,60 @@ def get_ema_avg_fn(decay: float = 0.999) -> Callable[..., Tensor]:
     return fn
 
 
-def ema_of(fn: Callable[..., Any] | None, multi: bool) -> tuple[float, str] | None:
-    """``(decay, formula)`` of an EMA averaging function from torch's factories, ``None``
-    for none (SWA). Reads the factory's closure: torch exposes no other handle on the
-    decay; a function it cannot read is refused rather than guessed."""
-    if fn is None:
+def _torch_factory(fn: Callable[..., Any]) -> str | None:
+    """The name of the ``torch.optim.swa_utils`` factory that made ``fn``, if one did."""
+    inner = inspect.unwrap(fn)  # torch.no_grad() wraps it
+    if getattr(inner, "__module__", None) != "torch.optim.swa_utils":
         return None
+    factory = getattr(inner, "__qualname__", "").partition(".<locals>")[0]
+    return factory if factory.startswith(("get_ema_", "get_swa_")) else None
+
+
+def averaging_of(
+    avg_fn: Callable[..., Any] | None, multi_avg_fn: Callable[..., Any] | None
+) -> tuple[DecaySchedule | AveragingFunction, str, int]:
+    """``(schedule, formula, update_after_step)`` of the engine for torch's arguments.
+
+    torch's factories (and this module's re-exports) take the fused formulas, bit for bit:
+    ``get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``, ``"lerp"``; ``get_ema_avg_fn(d)``:
+    ``"weighted_sum"``; ``get_swa_multi_avg_fn()``: ``RunningMeanDecay``, ``"lerp"``;
+    ``get_swa_avg_fn()``: ``"divide"``; no function: ``"swa"`` (torch's device rule: lerp
+    on CUDA, divide on CPU). Any other callable runs on the eager path as an
+    :class:`~dtensor_ema.options.AveragingFunction` (checked to be elementwise: raises
+    ``ValueError`` naming it otherwise). The decay of torch's EMA factories is read from
+    their closure, torch's only handle on it.
+    """
+    if avg_fn is not None and multi_avg_fn is not None:
+        raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
+    multi = multi_avg_fn is not None
+    fn = multi_avg_fn if multi else avg_fn
+    if fn is None:
+        return RunningMeanDecay(), "swa", 0
     tagged = getattr(fn, "ema_decay", None)
     if tagged is not None:
-        return tuple(tagged)
-    factory = "get_ema_multi_avg_fn" if multi else "get_ema_avg_fn"
-    inner = inspect.unwrap(fn)  # torch.no_grad() wraps it
-    code = getattr(inner, "__code__", None)
-    if (
-        getattr(inner, "__module__", None) == "torch.optim.swa_utils"
-        and getattr(inner, "__qualname__", "").startswith(factory + ".")
-        and code is not None
-        and "decay" in code.co_freevars
-    ):
-        cell = inner.__closure__[code.co_freevars.index("decay")]
-        return float(cell.cell_contents), "lerp" if multi else "weighted_sum"
-    raise ValueError(
-        f"{'multi_avg_fn' if multi else 'avg_fn'}={fn!r} cannot be mapped onto the sharded EMA: "
-        "only torch.optim.swa_utils.get_ema_multi_avg_fn(decay) / get_ema_avg_fn(decay) (or "
-        "none, for SWA's running mean) are supported"
-    )
+        return ConstantDecay(decay=tagged[0]), tagged[1], 1
+    factory = _torch_factory(fn)
+    if factory == ("get_swa_multi_avg_fn" if multi else "get_swa_avg_fn"):
+        return RunningMeanDecay(), "lerp" if multi else "divide", 0
+    if factory == ("get_ema_multi_avg_fn" if multi else "get_ema_avg_fn"):
+        inner = inspect.unwrap(fn)
+        code = inner.__code__
+        if "decay" in code.co_freevars and inner.__closure__ is not None:
+            cell = inner.__closure__[code.co_freevars.index("decay")]
+            return (
+                ConstantDecay(decay=float(cell.cell_contents)),
+                ("lerp" if multi else "weighted_sum"),
+                1,
+            )
+    return AveragingFunction(fn, multi=multi), "lerp", 1
 
 
 class AveragedModel(nn.Module):
     """torch's ``AveragedModel`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
-    ``update_parameters`` is local; ``eval()``, ``gather_for_save()`` and the first forward
-    after an update are collective over the EMA's mesh (see the module docstring).
+    ``update_parameters``, ``train()`` and the replica's forward are local; ``eval()`` and
+    ``gather_for_save()`` are collective over the EMA's mesh (see the module docstring).
     ``evaluation`` and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
     """
 
@@ -113,13 +171,9 @@ class AveragedModel(nn.Module):
         **engine: Any,
     ) -> None:
         super().__init__()
-        found = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
+        schedule, formula, after = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
         if evaluation not in ("replica", "sharded"):
             raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
-        schedule: DecaySchedule = (
-            RunningMeanDecay() if found is None else ConstantDecay(decay=found[0])
-        )
-        formula: Any = "lerp" if found is None else found[1]
         first = next(iter(model.parameters()))
         if device is not None and torch.device(device) != first.device:
             raise ValueError(
@@ -131,7 +185,7 @@ class AveragedModel(nn.Module):
         self._engine = ModelEMA(
             model,
             schedule=schedule,
-            update_after_step=0 if found is None else 1,  # n_averaged == 0: copy
+            update_after_step=after,  # the first call (n_averaged == 0) copies
             buffers="average" if use_buffers else "copy",
             formula=formula,
             **engine,
@@ -150,12 +204,18 @@ class AveragedModel(nn.Module):
         avg_fn: Callable[..., Any] | None = None,
         multi_avg_fn: Callable[..., Any] | None = None,
         **engine: Any,
-    ) -> tuple[float, str] | None:
-        """``(decay, formula)`` of the averaging function, ``None`` for SWA; raises for one
-        that cannot be mapped (before any model exists: Lightning's callback checks early)."""
-        if avg_fn is not None and multi_avg_fn is not None:
-            raise AssertionError("Only one of avg_fn and multi_avg_fn should be provided")
-        return ema_of(multi_avg_fn, True) or ema_of(avg_fn, False)
+    ) -> tuple[DecaySchedule | AveragingFunction, Any, int]:
+        """:func:`averaging_of` the averaging function; raises for one that is not
+        elementwise (before any model exists: Lightning's callback checks early)."""
+        return averaging_of(avg_fn, multi_avg_fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
+        replica's module is rebuilt on load around the unpickled engine."""
+        return facade_getstate(self, "module")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        facade_setstate(self, state, "module", always=False)
 
     @property
     def engine(self) -> ModelEMA:
@@ -174,16 +234,15 @@ class AveragedModel(nn.Module):
         return torch.tensor(self._engine.updates, dtype=torch.long)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The average's forward. **Collective** after an update (the gather; replica), or
-        on every call (sharded)."""
+        """The average's forward. Local (replica): after an update, on the copy gathered by
+        ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
+        **collective** on every call with the sharded module."""
         return self._replica.forward_module()(*args, **kwargs)
 
     def train(self, mode: bool = True) -> AveragedModel:
-        """``eval()`` gathers the replica (**collective**); ``train()`` frees it (a forward
-        in train mode, e.g. ``update_bn``, gathers it again)."""
-        if mode:
-            self._replica.release()
-        else:
+        """``eval()`` gathers the replica (**collective**); ``train()`` is local and keeps
+        it until the next update (``update_bn``'s forwards in train mode run on it)."""
+        if not mode:
             self._replica.prepare_eval()
         if self._replica.sharded:
             self._replica.module.train(mode)
@@ -193,6 +252,13 @@ class AveragedModel(nn.Module):
         """One averaging step. Local: no communication. ``model`` must be the tracked one."""
         self._replica.release()
         self._engine.update(model)
+        self._replica.changed()
+
+    def reset_to(self, model: nn.Module) -> None:
+        """Copy ``model`` (the tracked one) into the average, keeping ``n_averaged``.
+        Local."""
+        self._replica.release()
+        self._engine.set(model)
         self._replica.changed()
 
     def materialize(self) -> None:

@@ -15,9 +15,11 @@ ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)
   rank holds, so ``timm.utils.distribute_bn(model_ema, world, reduce)`` gives timm's values.
 
 ``.module`` has the model's structure; its parameters are gathered once per evaluation
-(``eval()``, or the first forward after an update; **collective**: every rank validates,
-as timm's ``train.py`` does) and freed by the next ``update()``, ``set()`` or ``train()``.
-In between, each rank holds ``1/W`` of the parameters. Peak while gathered: one full copy
+(``eval()`` or ``gather_for_save()``; **collective**: every rank validates, as timm's
+``train.py`` does) and freed by the next ``update()`` or ``set()`` (``train()`` keeps
+them). A forward or ``.module.state_dict()`` after an update, before that gather, raises
+at once naming it: no hidden collective. In between, each rank holds ``1/W`` of the
+parameters. Peak while gathered: one full copy
 of the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
 (keyword) evaluates through the engine's FSDP2 module instead (one unit gathered per
 forward: peak about the largest unit, 1.4-1.8x the replica's time per batch on ResNet-50;
@@ -25,6 +27,10 @@ see ``benchmarks/compat_eval.py``). The rank-0 save
 (``unwrap_model(model_ema).state_dict()``) works after ``eval()`` or ``gather_for_save()``
 on every rank, and refuses naming that fix otherwise; see
 :mod:`dtensor_ema.compat._replica`.
+
+``pickle``/``torch.save(model_ema)``/``copy.deepcopy`` work without a process group
+(load with ``torch.load(path, weights_only=False)``; a copy averages its own copy of the
+model) and raise at W > 1, naming what to save instead.
 
 Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
 EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
@@ -47,7 +53,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dtensor_ema.compat._replica import EmaReplica, fix_message, keeps_buffers_whole
+from dtensor_ema.compat._replica import (
+    EmaReplica,
+    facade_getstate,
+    facade_setstate,
+    fix_message,
+    keeps_buffers_whole,
+)
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
 
@@ -62,8 +74,8 @@ class ModelEmaV3(nn.Module):
     Construction is **collective** over the default group when one is initialized (the
     engine's structure check: one small all-gather and one flag all-reduce; the replica
     check is off, since timm's first update copies the model): every rank must construct
-    it. ``update`` and ``set`` never communicate; ``eval()``, ``materialize()``,
-    ``gather_for_save()`` and a forward after an update all-gather the parameters once
+    it. ``update``, ``set``, ``train()`` and the replica's forward never communicate;
+    ``eval()``, ``materialize()`` and ``gather_for_save()`` all-gather the parameters once
     (collective over the default group; with ``evaluation="sharded"``, ``eval()`` gathers
     nothing, each forward is collective, and ``gather_for_save()`` gathers to rank 0).
     """
@@ -135,6 +147,14 @@ class ModelEmaV3(nn.Module):
         self.module = self._replica.module
         self._engine = engine
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
+        replica's module is rebuilt on load around the unpickled engine."""
+        return facade_getstate(self, "module")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        facade_setstate(self, state, "module", always=True)
+
     @property
     def engine(self) -> ModelEMA:
         """The sharded :class:`~dtensor_ema.ModelEMA` doing the work."""
@@ -189,16 +209,16 @@ class ModelEmaV3(nn.Module):
         self._replica.materialize()
 
     def train(self, mode: bool = True) -> ModelEmaV3:
-        """``eval()`` gathers the parameters (**collective**, replica only); ``train()``
-        frees them."""
-        if mode:
-            self._replica.release()
-        else:
+        """``eval()`` gathers the parameters (**collective**, replica only); ``train()`` is
+        local and keeps them until the next update."""
+        if not mode:
             self._replica.prepare_eval()
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The EMA module's forward; gathers first after an update (**collective**)."""
+        """The EMA module's forward. Local (replica): after an update, on the copy gathered
+        by ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
+        with ``evaluation="sharded"`` collective per call, as an FSDP2 model's forward."""
         return self._replica.forward_module()(*args, **kwargs)
 
 

@@ -20,6 +20,9 @@ while gathered: one full copy of the parameters per rank, freed by the next upda
 :mod:`dtensor_ema.compat._replica`. A single process, or a one-rank group, needs nothing:
 ``.ema`` then holds the live EMA.
 
+``pickle``/``copy.deepcopy`` of the ``ModelEMA`` object itself work without a process group
+(a copy averages its own copy of the model) and raise at W > 1, naming what to save.
+
 FSDP2/TP models (which ultralytics' own ``ModelEMA`` cannot ``deepcopy``): ``.ema`` is the
 engine's sharded module (one unit all-gathered per forward, collective), whose
 ``state_dict()`` holds DTensors: save with DCP (:func:`dtensor_ema.save_checkpoint`).
