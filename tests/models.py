@@ -194,3 +194,40 @@ def mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
             if a.dtype != e.dtype or a.shape != e.shape or not torch.equal(a.cpu(), e.cpu()):
                 bad.append(k)
     return bad
+
+
+LORA_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+"""peft LoRA target modules of the tiny transformers models below."""
+
+
+def transformers_base(family: str) -> nn.Module:
+    """A tiny transformers ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (vocabulary 96), the
+    same weights for a given family; dropout off."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config: object = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=2, vocab_size=96, n_positions=16,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, max_position_embeddings=16,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def peft_lora(family: str) -> nn.Module:
+    """``peft.get_peft_model`` LoRA (r=4, random init so the adapters matter) on
+    :func:`transformers_base`: the base frozen, the adapters trainable."""
+    import warnings
+
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=LORA_TARGETS[family], init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2's Conv1D: fan_in_fan_out set by peft
+        return peft.get_peft_model(transformers_base(family), config)

@@ -630,8 +630,10 @@ def test_refusals_are_clear() -> None:
         our_swa.AveragedModel(net, avg_fn=lambda a, b, n: a / a.norm() + b)
     with pytest.raises(ValueError, match="not elementwise"):
         our_lightning.WeightAveraging(multi_avg_fn=lambda a, b, n: [x.sub_(x.mean()) for x in a])
-    with pytest.raises(ValueError, match="ignore_names"):
-        our_ema_pytorch.EMA(net, ignore_names={"body.0.weight"})
+    with pytest.raises(ValueError, match="update_model_with_ema_every"):
+        our_ema_pytorch.EMA(net, update_model_with_ema_every=5)
+    with pytest.raises(ValueError, match="ignore_names/ignore_startswith_names or track="):
+        our_ema_pytorch.EMA(net, ignore_names={"body.0.weight"}, track="trainable")
     with pytest.raises(ValueError, match="device"):
         our_swa.AveragedModel(net, device="meta")
     from dtensor_ema import ModelEMA, MultiModelEMA

@@ -15,13 +15,12 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from models import EdgeModel, ReferenceEMA, mismatches
+from models import EdgeModel, ReferenceEMA, mismatches, peft_lora, transformers_base
 from torch import nn
 
 from dtensor_ema import ModelEMA, MultiModelEMA, export_ema, load_checkpoint, save_checkpoint
@@ -344,34 +343,11 @@ needs_peft = pytest.mark.skipif(
 
 
 def _base(family: str) -> nn.Module:
-    """A tiny transformers model, the same weights for a given family."""
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "gpt2":
-        config: Any = transformers.GPT2Config(
-            n_embd=32, n_layer=2, n_head=2, vocab_size=96, n_positions=16,
-            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96, max_position_embeddings=16,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+    return transformers_base(family)
 
 
 def _lora(family: str) -> nn.Module:
-    import peft
-
-    config = peft.LoraConfig(r=4, target_modules=TARGETS[family], init_lora_weights=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # GPT-2's Conv1D: fan_in_fan_out set by peft
-        return peft.get_peft_model(_base(family), config)
+    return peft_lora(family)
 
 
 @needs_peft

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from models import mismatches
+from models import mismatches, peft_lora, transformers_base
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -180,50 +180,11 @@ def layout_scenario(name: str, hidden: int = HIDDEN) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- peft LoRA
 def _base(family: str) -> nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "gpt2":
-        return transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(
-                n_embd=32,
-                n_layer=2,
-                n_head=2,
-                vocab_size=96,
-                n_positions=16,
-                bos_token_id=0,
-                eos_token_id=0,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-            )
-        )
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=96,
-            max_position_embeddings=16,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-    )
+    return transformers_base(family)
 
 
 def _lora(family: str) -> nn.Module:
-    import warnings
-
-    import peft
-
-    targets = ["c_attn"] if family == "gpt2" else ["q_proj", "v_proj"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # GPT-2's Conv1D: fan_in_fan_out set by peft
-        config = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
-        return peft.get_peft_model(_base(family), config)
+    return peft_lora(family)
 
 
 def peft_scenario(family: str, wrapper: str, tmp: Path) -> dict[str, Any]:
@@ -244,10 +205,15 @@ def peft_scenario(family: str, wrapper: str, tmp: Path) -> dict[str, Any]:
             fully_shard(block)
         fully_shard(model)
     ema = ModelEMA(wrapped, decay=DECAY, tau=None, track="trainable")
+    from dtensor_ema.compat.diffusers import EMAModel
+
+    # diffusers' drop-in keeps a LoRA user's parameter list with model= (for FSDP2).
+    drop_in = EMAModel([p for p in model.parameters() if p.requires_grad], model=model)
     out: dict[str, Any] = {
         "adapter_bytes": sum(t.numel() * t.element_size() for t in adapter.values()),
         "local_nbytes": ema.local_nbytes(),
         "storage_bytes": _storage_bytes(ema),
+        "diffusers_nbytes": drop_in.engine.local_nbytes(),
     }
     ref = dict(adapter)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -501,6 +467,7 @@ def test_peft_lora_holds_exactly_the_adapter_bytes_over_w(track_results: Any, ca
     for rank, result in enumerate(track_results[2]):
         out = result[f"peft_{case}"]
         assert out["local_nbytes"] == out["adapter_bytes"] / 2, (rank, out)
+        assert out["diffusers_nbytes"] == out["adapter_bytes"] / 2, (rank, out)
         assert out["storage_bytes"] == out["local_nbytes"], (rank, out)
         assert out["ema_mismatch"] == [], (rank, out)
         assert out["module_equals_swap"], (rank, out)

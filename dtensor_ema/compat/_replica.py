@@ -12,7 +12,8 @@ it), puts the full EMA where the habits read it. Where it goes depends on the la
   (``ModelEMA(replicate_buffers=True)``: live, so ``distribute_bn``/``update_bn`` act on
   the EMA itself), whose integer buffers are copies of the model's (refreshed by every
   update), and whose parameters (and sharded float buffers) hold **no storage** (``meta``)
-  until :meth:`~EmaReplica.materialize` all-gathers the full EMA into them on every rank.
+  until :meth:`~EmaReplica.materialize` all-gathers the full EMA into them on every rank;
+  tensors the engine does not track (``track=``) are the model's own, shared, never copied.
   They stay until :meth:`~EmaReplica.changed` (the facades call it on ``update``, ``set``
   and ``load``; ``train()`` keeps them, so ``update_bn``'s forwards in train mode run on
   them). Evaluation then runs at replica speed: no communication per batch. Peak extra
@@ -128,6 +129,7 @@ class EmaReplica:
 
     def _build(self, model: nn.Module) -> nn.Module:
         ema = self.engine.ema_tensors()
+        untracked = set(self.engine.untracked)
         named = dict(model.state_dict(keep_vars=True))
         memo: dict[int, Any] = {}
         names: dict[int, list[str]] = {}
@@ -137,7 +139,13 @@ class EmaReplica:
                 continue
             ours = ema.get(fqn)
             whole = ours is not None and (self.live or not isinstance(ours, DTensor))
-            if isinstance(tensor, nn.Parameter):
+            if fqn in untracked:  # not averaged (track=): the model's own, shared, no copy
+                memo[id(tensor)] = (
+                    nn.Parameter(tensor.detach(), requires_grad=False)
+                    if isinstance(tensor, nn.Parameter)
+                    else tensor
+                )
+            elif isinstance(tensor, nn.Parameter):
                 if ours is None:  # not tracked (non-float): the model's value
                     value = tensor.detach().clone()
                 elif self.live:
@@ -209,7 +217,9 @@ class EmaReplica:
         if self.materialized:
             return
         if self._module is None:
-            full = self.engine.get_ema_state_dict(only_rank0_receives=True, cpu_offload=True)
+            full = self.engine.get_ema_state_dict(
+                only_rank0_receives=True, cpu_offload=True, include_untracked=True
+            )
             self._rank0, self._rank0_version = (full or None), self.version
             return
         full = self.engine.get_ema_state_dict()
@@ -257,14 +267,15 @@ class EmaReplica:
 
     # ------------------------------------------------------------------ saves
     def full_state(self, what: str) -> dict[str, Any]:
-        """The full EMA state dict keyed like the model, for a save one rank makes. Local.
+        """The full EMA state dict keyed like the model, for a save one rank makes (whole:
+        tensors the engine does not track come from the model). Local.
 
         Raises:
             RuntimeError: sharded and not materialized on this rank since the last change
                 (the message names ``what`` and the fix).
         """
         if self.live:
-            return self.engine.get_ema_state_dict()
+            return self.engine.get_ema_state_dict(include_untracked=True)
         if self._module is not None and not _released(self._module):
             return self._module.state_dict()
         if self._module is None and self._rank0 is not None and self.materialized:

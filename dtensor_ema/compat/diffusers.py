@@ -13,7 +13,9 @@ param)``, applied at ``d = 0`` too, as diffusers does; ``foreach=True``:
 Layout: DTensor parameters (FSDP2/TP) keep their own mesh and placements; plain
 parameters are taken as replicated over the default process group (DDP) and sharded over
 it. Pass ``model=`` (the module the parameters belong to) for FSDP2 models, so the EMA
-reads the sharded parameters even after a forward without backward. Deliberate
+reads the sharded parameters even after a forward without backward; the EMA still holds
+only the parameters given (a LoRA run's adapters: their bytes, ``1/W`` per rank), not all of
+the module's. Deliberate
 differences: ``to()``/``pin_memory()`` cannot move the shards (use ``ModelEMA(offload=True)``);
 ``load_state_dict`` refuses other hyper-parameters than the constructor's.
 
@@ -95,13 +97,24 @@ class EMAModel:
         **kwargs: Any,
     ) -> None:
         if isinstance(parameters, nn.Module):  # diffusers' deprecated form turns warmup on
-            model, use_ema_warmup = parameters, True
+            model, parameters, use_ema_warmup = parameters, parameters.parameters(), True
         if model is not None:
             reshard_fsdp(model)  # the sharded parameters, even after a no-grad forward
-            parameters = model.parameters()
         decay = kwargs.pop("max_value", None) or decay
         min_decay = kwargs.pop("min_value", None) or min_decay
-        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        params = list(parameters)  # read after the reshard (a generator is lazy)
+        if model is not None:
+            # The caller's list is kept (a LoRA run passes the adapters only); each must be
+            # one of the module's current (sharded) parameters.
+            current = {id(p) for p in model.parameters()}
+            stale = [i for i, p in enumerate(params) if id(p) not in current]
+            if stale:
+                raise ValueError(
+                    f"parameters {stale[:5]} are not parameters of model= "
+                    f"{type(model).__name__} (after resharding its FSDP2 units): pass the "
+                    "module's own parameter objects, e.g. [p for p in model.parameters() if "
+                    "p.requires_grad], built after the model is sharded"
+                )
         self._params = nn.ParameterList(params)  # registers the same objects: no copy
         frozen = {str(i) for i, p in enumerate(params) if not p.requires_grad}
         self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step

@@ -28,10 +28,18 @@ on every rank and refuses naming that fix otherwise (see :mod:`dtensor_ema.compa
 ``torch.load(path, weights_only=False)``; a copy averages its own copy of the model) and
 raise at W > 1, naming what to save instead.
 
+``ignore_names``/``ignore_startswith_names`` map onto ``ModelEMA(track=...)``: ignored
+tensors are not stored at all (a LoRA run that ignores the frozen base holds the adapters'
+bytes only, ``1/W`` per rank); ``param_or_buffer_names_no_ema`` maps onto ``exclude=``
+(copied, within the tracked set; a name both ignored and listed is ignored, as in
+ema-pytorch).
+
 Deliberate differences: integer buffers (``num_batches_tracked``) follow the model
-(ema-pytorch leaves them at their construction value); ``ema_model``, ``ignore_names``,
-``ignore_startswith_names``, ``update_model_with_ema_every``, ``forward_method_names``
-and ``lazy_init_ema`` are refused (``ValueError``).
+(ema-pytorch leaves them at their construction value); ignored tensors are the model's own
+in ``ema_model`` (ema-pytorch's copy keeps their value from its last full copy, at
+construction and during ``update_after_step``: the same for frozen tensors); ``ema_model``,
+``update_model_with_ema_every``, ``forward_method_names`` and ``lazy_init_ema`` are refused
+(``ValueError``).
 """
 
 from __future__ import annotations
@@ -58,12 +66,24 @@ __all__ = ["EMA", "PostHocEMA"]
 
 _REFUSED: dict[str, Any] = {
     "ema_model": None,
-    "ignore_names": set(),
-    "ignore_startswith_names": set(),
     "update_model_with_ema_every": None,
     "forward_method_names": (),
     "lazy_init_ema": False,
 }
+
+
+class _NotIgnored:
+    """``track=`` for ema-pytorch's ``ignore_names``/``ignore_startswith_names`` (a class,
+    not a closure, so the EMA still pickles)."""
+
+    def __init__(self, names: frozenset[str], prefixes: tuple[str, ...]) -> None:
+        self.names, self.prefixes = names, prefixes
+
+    def __call__(self, fqn: str, tensor: torch.Tensor) -> bool:
+        return self.keeps(fqn)
+
+    def keeps(self, fqn: str) -> bool:
+        return fqn not in self.names and not (self.prefixes and fqn.startswith(self.prefixes))
 
 
 class EMA(nn.Module):
@@ -104,8 +124,6 @@ class EMA(nn.Module):
         super().__init__()
         given = dict(
             ema_model=ema_model,
-            ignore_names=ignore_names,
-            ignore_startswith_names=ignore_startswith_names,
             update_model_with_ema_every=update_model_with_ema_every,
             forward_method_names=forward_method_names,
             lazy_init_ema=lazy_init_ema,
@@ -114,8 +132,16 @@ class EMA(nn.Module):
         if refused:
             raise ValueError(
                 f"dtensor_ema.compat.ema_pytorch.EMA does not support {refused}: the sharded "
-                "EMA builds its module from the model and averages every float tensor"
+                "EMA builds its module from the model"
             )
+        kept = _NotIgnored(frozenset(ignore_names), tuple(ignore_startswith_names))
+        if kept.names or kept.prefixes:
+            if "track" in engine:
+                raise ValueError(
+                    "pass either ignore_names/ignore_startswith_names or track=, not both"
+                )
+            # ema-pytorch skips them in every average: here they are not stored at all.
+            engine["track"] = kept
         if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
             raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
         if evaluation not in ("replica", "sharded"):
@@ -131,7 +157,8 @@ class EMA(nn.Module):
             schedule=EmaPytorchDecay(decay=beta, gamma=inv_gamma, power=power, min_decay=min_value),
             update_every=update_every,
             update_after_step=update_every + update_after_step - 1,
-            exclude=set(param_or_buffer_names_no_ema) or None,
+            # Ignoring wins over copying, as in ema-pytorch's update loop.
+            exclude={n for n in param_or_buffer_names_no_ema if kept.keeps(n)} or None,
             **engine,
         )
         self.evaluation = evaluation

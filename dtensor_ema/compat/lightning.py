@@ -37,6 +37,11 @@ hooks get Lightning's calls. Any averaging function Lightning accepts works
 functions, such as the picklable function objects Lightning recommends for
 ``ddp_spawn``, on each rank's pieces).
 
+Other keywords go to :class:`~dtensor_ema.ModelEMA`: ``track="trainable"`` averages a LoRA
+module's adapters only (their bytes, ``1/W`` per rank; the checkpoint's ``state_dict`` stays
+the whole module, the frozen base from the module). By default the whole module is
+averaged, as Lightning does.
+
 Differences: integer buffers follow the model; float buffers that differ across DDP ranks
 (BatchNorm without ``SyncBatchNorm``) are averaged row-wise from each rank's own
 statistics (Lightning's checkpoint holds rank 0's).
