@@ -5,7 +5,10 @@ every rank on the one visible GPU, group ``cpu:gloo,cuda:gloo``: NCCL refuses tw
 device, gloo copies CUDA tensors through pinned host memory) each build the same small
 transformer (tied embeddings, 2 encoder layers) on the device, wrap it as DDP, FSDP2 (1-D,
 each block and the root) or HSDP (2 x 2, W=4 only), in fp32 and in bf16 (fp32 EMA), and
-train it a few clamped SGD steps. Per case, beside the model:
+train it a few clamped SGD steps (where a probe step of the layout fails, as when the
+backend lacks a training collective on the device, seeded in-place perturbations of each
+rank's local pieces instead: the row's ``training`` says which). Per case, beside the
+model:
 
 * EMAs on the device: ``eager`` (``cuda_graph=False``), ``graph`` (``cuda_graph=True``,
   CUDA only), ``offload`` (the CUDA default updater) and ``offload_chunked`` (the chunked
@@ -166,6 +169,41 @@ def train_step(
 
 
 @torch.no_grad()
+def perturb_step(model: nn.Module, step: int) -> None:
+    """A training step without collectives: the same seeded noise on the full weights of
+    every rank, each adding its own local piece (for a layout whose training collectives the
+    backend lacks on this device)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    g = torch.Generator().manual_seed(1000 + step)
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        noise = torch.randn(p.shape, generator=g) * 0.01
+        local = p.to_local() if isinstance(p, DTensor) else p.data
+        if isinstance(p, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(
+                p.shape, p.device_mesh, p.placements
+            )
+            noise = noise[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        local.add_(noise.to(device=local.device, dtype=local.dtype))
+
+
+def probe_training(layout: str, device: torch.device, world: int) -> str:
+    """``"sgd"`` if one training step of ``layout`` runs here, else ``"perturb"`` and why
+    (an unsupported collective raises alike on every rank, before any data moves)."""
+    try:
+        model = build(layout, torch.float32, device, world)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), 0, device)
+    except Exception as err:
+        return f"perturb ({type(err).__name__}: {str(err)[:200]})"
+    return "sgd"
+
+
+@torch.no_grad()
 def forward(model: nn.Module, device: torch.device) -> torch.Tensor:
     from models import make_batch
 
@@ -194,15 +232,23 @@ def plain_model(
 
 
 def run_case(
-    layout: str, dt: str, rank: int, world: int, device: torch.device, save_dir: Path | None
+    layout: str,
+    dt: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    save_dir: Path | None,
+    training: str = "sgd",
 ) -> dict[str, Any]:
-    """One (layout, dtype) case on this rank; see the module docstring."""
+    """One (layout, dtype) case on this rank; see the module docstring. ``training``:
+    :func:`probe_training`'s answer for the layout."""
     from dtensor_ema import ModelEMA, save_checkpoint
 
     dtype = DTYPES[dt]
     cuda = device.type == "cuda"
     start = time.perf_counter()
     row: dict[str, Any] = {"world": world, "layout": layout, "dtype": dt, "device": device.type}
+    row["training"] = training
     model = build(layout, dtype, device, world)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -246,7 +292,10 @@ def run_case(
     }
     failed: dict[str, Any] = {}  # an EMA whose update raised is not updated again
     for step in range(1, STEPS + 1):
-        train_step(model, opt, step, device)
+        if training == "sgd":
+            train_step(model, opt, step, device)
+        else:
+            perturb_step(model, step)
         for name, ema in emas.items():
             if name not in failed:
                 error = attempt(failed, name, ema.update)
@@ -398,9 +447,11 @@ def rank_body(
             f.write(json.dumps(row, default=str) + "\n")
 
     for layout in LAYOUTS[world]:
+        training = probe_training(layout, device, world)
         for dt in DTYPES:
             try:
-                keep(run_case(layout, dt, rank, world, device, save_dir if world == 4 else None))
+                saves = save_dir if world == 4 else None
+                keep(run_case(layout, dt, rank, world, device, saves, training))
             except Exception as err:
                 keep(_failed(world, layout, dt, err))
     if world == 2:

@@ -19,7 +19,7 @@ on CUDA to the chunked pipeline (:func:`verdict`).
    opt-in replay (``cuda_graph=True``) against eager and a ``lerp_`` reference over 12
    calls, re-captured after a re-allocated parameter, ``build_module`` and a load, fp32 and
    bf16 models (fp32 EMA), with the first call's cost and what ``cuda_graph=None`` decides;
-   and FSDP2 parameters (one-rank group) over training steps.
+   and FSDP2 parameters (a one-rank NCCL group) over training steps.
 2. ``offload``: GPT-2 small training-step time with no EMA, on-device EMAs (eager; graph on
    CUDA) and ``offload=True`` through both updaters (the CUDA default, and the chunked
    pipeline on CUDA); every EMA equal to the device EMA over ``--offload-steps`` (20)
@@ -543,9 +543,9 @@ def _opt_in_rows(device: torch.device) -> list[dict[str, Any]]:
 
 
 def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]:
-    """FSDP2 parameters (a one-rank ``cpu:gloo,cuda:gloo`` group): a graphed and an eager
-    EMA over training steps with evaluation forwards between them, against a ``lerp_``
-    reference of the full parameters."""
+    """FSDP2 parameters (a one-rank group, NCCL on CUDA as in the H100 run's W=1 check): a
+    graphed and an eager EMA over training steps with evaluation forwards between them,
+    against a ``lerp_`` reference of the full parameters."""
     import torch.distributed as dist
     from gpu_ranks import DTYPES, build, forward, full_cpu, ramp, train_step
 
@@ -555,7 +555,7 @@ def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]
     store_dir = out / "fsdp2_graph_store"
     store_dir.mkdir(parents=True, exist_ok=True)
     store = dist.FileStore(str(store_dir / f"store-{dt}-{os.getpid()}"), 1)
-    backend = "cpu:gloo,cuda:gloo" if device.type == "cuda" else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
     try:
         model = build("fsdp2", DTYPES[dt], device, 1)
@@ -980,7 +980,11 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
+        "commit": _commit(),
     }
+    from dtensor_ema import cuda_graph, updater
+
+    env["defaults"] = {"AUTO_REPLAY": cuda_graph.AUTO_REPLAY, "CUDA_OFFLOAD": updater.CUDA_OFFLOAD}
     if args.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
@@ -991,6 +995,16 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError:
             env["triton"] = None
     return env
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def _md_table(rows: list[dict[str, Any]]) -> str:

@@ -47,9 +47,10 @@ def test_gpu_suite_runs_on_cpu(tmp_path: Path) -> None:
         "--worlds=8,64",
         "--speed-models=llama-tiny",
         "--speed-variants=eager,titan,timm",  # the kernels section compiles already
+        "--budget-s=1100",  # not the GPU preset's 460: compiling takes minutes on a busy CPU
         f"--out={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     report = (tmp_path / "gpu_suite.md").read_text()
@@ -104,10 +105,11 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
         sys.executable,
         str(ROOT / "benchmarks" / "gpu_suite.py"),
         "--device=cpu",
-        "--sections=multirank:500",
+        "--sections=multirank:800",
+        "--budget-s=800",
         f"--out={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = proc.stdout.split("== summary\n", 1)[1].splitlines()
     assert summary[0].startswith("multirank: ok, 22 row(s), exact "), summary
@@ -123,7 +125,7 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
         for dt in ("fp32", "bf16")
     ]
     for row in cases:
-        assert "error" not in row and "tracebacks" not in row, row
+        assert "error" not in row and "tracebacks" not in row and row["training"] == "sgd", row
         assert row["update_eager"] == row["update_offload"] == "exact", row
         assert row["update_graph"] == row["update_offload_chunked"] == "skipped: no CUDA"
         assert row["swap"]["weights"] == row["swap"]["restored"] == "exact", row
