@@ -599,7 +599,7 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
 
     import gpu_ranks
-    from dist_harness import spawn_ranks
+    from dist_harness import outcomes, spawn_ranks
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -618,6 +618,7 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
         share = 0.6 if i + 1 < len(args.multirank_worlds) else 1.0
         deadline = max(10.0, (args.time_left() - args.multirank_reserve_s) * share)
         start = time.perf_counter()
+        failures: list[str] = []
         try:
             _, failures = spawn_ranks(
                 gpu_ranks.rank_body,
@@ -630,12 +631,18 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
                 env=gpu_ranks.ranks_env(),
                 backend=backend,
                 start_method="spawn" if cuda else None,
-                timeout_s=60.0,
             )
         finally:
-            # What every rank finished, also when the budget stopped the spawn.
+            # What every rank finished, and why one failed, also when the budget stopped it.
             rows += _merge_rank_rows([gpu_ranks.read_rows(run_dir, r) for r in range(world)], world)
-        errors += [f"W={world}: {f[:1500]}" for f in failures]
+            if not failures:
+                for spawned in run_dir.glob("ranks-*"):
+                    failures = [f for f in outcomes(spawned, world)[1] if "raised" in f]
+            for failure in failures:
+                lines = failure.strip().splitlines()
+                errors.append(f"W={world}: {lines[0]} ... {lines[-1]}"[:400])
+                if len(lines) > 1:  # the traceback (not counted in the summary)
+                    errors.append(failure[-1500:])
         out[f"w{world}_seconds"] = round(time.perf_counter() - start, 1)
     for layout in gpu_ranks.LAYOUTS[4]:
         for dt in gpu_ranks.DTYPES:
@@ -699,7 +706,7 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
     # Smallest W first for every model and dtype: a cut by the time budget drops large W.
     for world, name, dt in itertools.product(args.worlds, models, ("fp32", "bf16")):
         dtype = torch.float32 if dt == "fp32" else torch.bfloat16
-        if args.time_left() < (5 if args.device == "cpu" else 30):
+        if args.time_left() < (5 if args.device == "cpu" else 15):
             errors.append(f"{name} {dt} W={world}: skipped, out of time budget")
             continue
         if "timm" in wanted and (name, dt) not in replicated:
@@ -850,7 +857,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "tests": section_tests,
 }
 
-PRESET = "cuda_graph:45,offload:70,multirank:145,speed:120,tests:60"
+PRESET = "cuda_graph:45,offload:70,multirank:170,speed:110,tests:45"
 """The default sections and their pinned budgets (seconds; 440 in all, inside the default
 ``--budget-s 460``): the one command a GPU session runs, in at most 8 minutes. Most
 important first: what decides the defaults (``cuda_graph``, ``offload``), then several

@@ -147,13 +147,22 @@ def spawn_ranks(
         late = _wait(procs, run_dir, deadline_s)
     finally:
         _terminate(procs)
+    results, failures = outcomes(run_dir, world_size, [p.exitcode for p in procs])
+    return results, ([late] if late else []) + failures
+
+
+def outcomes(
+    run_dir: Path, world_size: int, exitcodes: list[int | None] | None = None
+) -> tuple[list[Any], list[str]]:
+    """``(results, failures)`` the ranks of one spawn left in ``run_dir`` (the
+    ``ranks-*`` folder :func:`spawn_ranks` makes under its ``tmp_path``): also readable
+    after a caller's alarm interrupted :func:`spawn_ranks`."""
     results, failures = [], []
-    if late:
-        failures.append(late)
     for rank in range(world_size):
-        path = run_dir / f"result{rank}.pkl"
+        path = Path(run_dir) / f"result{rank}.pkl"
         if not path.exists():
-            failures.append(f"rank {rank}: exited with code {procs[rank].exitcode} and no result")
+            code = exitcodes[rank] if exitcodes else "?"
+            failures.append(f"rank {rank}: exited with code {code} and no result")
             continue
         with path.open("rb") as f:
             ok, value = pickle.load(f)
