@@ -193,7 +193,12 @@ def section_tests(args: argparse.Namespace) -> dict[str, Any]:
         _kill_session(proc)
         raise
     (args.out / "tests_output.txt").write_text(output)
-    summary = re.findall(r"=+ (.*(?:passed|failed|error|skipped|deselected).*) =+", output)
+    # pytest's last line: "3 passed, 1 skipped in 9.1s" (-q), or the same between "=" rules.
+    summary = re.findall(
+        r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected|warnings?)\b.*?)\s*=*$",
+        output,
+        re.M,
+    )
     result.update(
         {
             "returncode": proc.returncode,
@@ -1084,6 +1089,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             state += f", {errors} row error(s)/skip(s)"
         if "summary" in body:
             state += f", pytest: {body['summary']}"
+            if body.get("timed_out"):
+                state += f", TIMED OUT after {body.get('timeout_s')} s (output kept)"
+            elif body.get("returncode"):
+                state += f", exit code {body['returncode']}"
         lines.append(f"{name}: {state} in {seconds} s")
     if "verdict" in results:
         lines += verdict_lines(results["verdict"])
