@@ -126,23 +126,29 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def lay_out(model: nn.Module, layout: str, device_type: str) -> tuple[nn.Module, DeviceMesh]:
+def lay_out(
+    model: nn.Module, layout: str, device_type: str, tag: str = ""
+) -> tuple[nn.Module, DeviceMesh]:
     """Wrap ``model`` (on meta) as a ``dist.get_world_size()``-rank job would.
 
     Returns the model and the mesh to pass to ``ModelEMA`` (DDP: the 1-D world mesh; FSDP2
-    and HSDP: the mesh the parameters live on).
+    and HSDP: the mesh the parameters live on). ``tag`` suffixes the mesh dim names: torch
+    reuses a mesh object equal by value (same ranks, dims and names) made in an earlier
+    fake world of this process, with that world's rank, so a process that plays several
+    ranks of one W in turn tags each (``benchmarks/gpu_ranks.py``).
     """
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
+    names = (f"dp{tag}",) if tag else None
     if layout == "ddp":
-        return model, init_device_mesh(device_type, (world,))
+        return model, init_device_mesh(device_type, (world,), mesh_dim_names=names)
     if layout == "fsdp2":
-        mesh = init_device_mesh(device_type, (world,))
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names)
     elif layout == "hsdp":
         shard = min(HSDP_SHARD, world)
         mesh = init_device_mesh(
-            device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard")
+            device_type, (world // shard, shard), mesh_dim_names=(f"replicate{tag}", f"shard{tag}")
         )
     else:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

@@ -6,6 +6,13 @@ tensors, while a ``copy_`` of the same bytes takes 0.04-0.11 ms (benchmarks/READ
 A CUDA graph of the capturable update (counter and decay on the device) replays all of it
 with one launch.
 
+Graph replay is **opt-in until proven on hardware**: :data:`AUTO_REPLAY` is ``False``, so
+``cuda_graph=None`` (the default) runs eagerly on CUDA too, with a reason saying replay would
+be safe, and ``cuda_graph=True`` turns replay on where it is safe. The GPU run that proves
+replay exact in the common cases (``benchmarks/gpu_suite.py``: FSDP2 parameters, bf16
+parameters with a float32 EMA, no offload) flips :data:`AUTO_REPLAY`, in the same change
+that records its numbers.
+
 When it is safe (:func:`decide`, a pure function of its inputs so CPU tests cover every
 reason):
 
@@ -36,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "AUTO_REPLAY",
     "DEVICE_DECAY_SCHEDULES",
     "CaptureFailed",
     "GraphDecision",
@@ -59,6 +67,13 @@ DEVICE_DECAY_SCHEDULES: tuple[type, ...] = _device_decay_schedules()
 (tests/test_options.py checks the capturable path against the host path)."""
 
 
+AUTO_REPLAY = False
+"""What ``cuda_graph=None`` does where replay is safe: ``False`` (eager) until a GPU run has
+proven replay exact and captured in the common cases (issue 25: the last GPU run predates
+the replay path); ``cuda_graph=True`` opts in meanwhile. :func:`resolve` reads it at each
+construction."""
+
+
 class GraphDecision(NamedTuple):
     """Whether ``update()`` replays a CUDA graph, and why (or why not)."""
 
@@ -76,8 +91,9 @@ def decide(
     schedule_on_device: bool,
     ema_dtypes: Collection[torch.dtype],
     formula: str = "lerp",
+    auto_replay: bool = False,
 ) -> GraphDecision:
-    """Whether the update can replay a captured CUDA graph with the same bits as eager.
+    """Whether the update replays a captured CUDA graph (with the same bits as eager).
 
     Pure: no torch state is read, so every branch is testable without a GPU.
 
@@ -92,6 +108,8 @@ def decide(
             (:data:`DEVICE_DECAY_SCHEDULES`).
         ema_dtypes: the dtypes of the EMA tensors.
         formula: the ``formula`` option; the device-side update implements ``"lerp"`` only.
+        auto_replay: whether ``requested=None`` replays where that is safe
+            (:data:`AUTO_REPLAY`); ``False``: only ``requested=True`` does.
 
     Returns:
         ``(use, reason)``; ``reason`` is one line naming the deciding fact.
@@ -125,6 +143,12 @@ def decide(
             f"EMA dtype(s) {others}: the device decay is rounded to the EMA dtype, which "
             "equals eager's weight bit for bit for float32 EMAs only",
         )
+    if requested is None and not auto_replay:
+        return GraphDecision(
+            False,
+            "cuda_graph=None: replay would be exact here (CUDA model, float32 EMA, built-in "
+            "schedule) but is opt-in until proven on hardware; pass cuda_graph=True",
+        )
     return GraphDecision(
         True, "CUDA model, float32 EMA, built-in schedule: device counter and decay"
     )
@@ -154,6 +178,7 @@ def resolve(
         schedule_on_device=isinstance(schedule, DEVICE_DECAY_SCHEDULES),
         ema_dtypes=ema_dtypes,
         formula=formula,
+        auto_replay=AUTO_REPLAY,
     )
     if requested is True and not decision.use:
         raise ValueError(

@@ -119,11 +119,12 @@ class ModelEMA:
         ema_dtype: EMA dtype; default float32 for fp16/bf16 tensors, else the model's.
         capturable: counter and decay on the device: ``update()`` never syncs the host and
             compiles with ``torch.compile(ema.update, fullgraph=True)``.
-        offload: keep the EMA shards in host memory (CUDA: pinned, streamed through a
-            device scratch of at most 128 MiB per EMA dtype on a side stream, and the next
-            ``optimizer.step()`` waits for it on the device; CPU: a worker thread applies
-            each step behind the next training step, from a snapshot of the source shards).
-            Reads wait for it (:meth:`flush`); :meth:`close` stops it.
+        offload: keep the EMA shards in host memory; a worker thread applies each step
+            behind the next training step, from a host snapshot of the source shards
+            (CUDA: pinned, copied on a side stream that the current stream waits for; the
+            path last proven on a GPU, :data:`dtensor_ema.updater.CUDA_OFFLOAD`; the
+            chunked device pipeline is opt-in until proven there). Reads wait for it
+            (:meth:`flush`); :meth:`close` stops it.
         kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``; same bits.
         parameters_as_bucket_view: keep this rank's shards as views into one flat buffer
             per (device, dtype) in gather order, so materializing sends without packing
@@ -135,9 +136,11 @@ class ModelEMA:
         verify_replicas: check at construction that replicated parameters are identical
             across replicas (default ``True``, :mod:`dtensor_ema.replicas`); ``False`` only
             for EMAs whose first update copies the model.
-        cuda_graph: ``None`` (auto: on CUDA, replay a captured graph of the update where
-            that is exact, see :func:`dtensor_ema.cuda_graph.decide`; the decision is in
-            :attr:`cuda_graph`), ``False`` (never) or ``True`` (required).
+        cuda_graph: ``True``: on CUDA, replay a captured graph of the update (raises
+            where that is not exact, see :func:`dtensor_ema.cuda_graph.decide`); ``None``
+            (default): eager, since replay is opt-in until proven on hardware
+            (:data:`dtensor_ema.cuda_graph.AUTO_REPLAY`); ``False``: never. The decision
+            and its reason are in :attr:`cuda_graph`.
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
             (default), ``"weighted_sum"``, ``"subtract"``, ``"subtract_alpha"``, or torch
             SWA's ``"divide"``/``"swa"`` (with ``RunningMeanDecay``)

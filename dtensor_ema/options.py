@@ -237,10 +237,11 @@ class EmaOptions:
     compiling is unavailable), or ``"auto"``: compiled only on device types where it was
     measured faster (none yet: eager). Not part of the checkpoint config."""
     cuda_graph: bool | None = None
-    """Replay ``update()`` as a captured CUDA graph: ``None`` (auto: on CUDA where it is
-    safe and exact, see :func:`dtensor_ema.cuda_graph.decide`), ``False`` (never) or
-    ``True`` (required: ``ModelEMA`` raises naming the reason where it is unsafe). Not part
-    of the checkpoint config."""
+    """Replay ``update()`` as a captured CUDA graph: ``True`` (on CUDA; ``ModelEMA`` raises
+    naming the reason where it is not safe and exact, see
+    :func:`dtensor_ema.cuda_graph.decide`), ``None`` (auto: eager for now, replay is opt-in
+    until proven on hardware, :data:`dtensor_ema.cuda_graph.AUTO_REPLAY`) or ``False``
+    (never). Not part of the checkpoint config."""
     formula: Formula = "lerp"
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's

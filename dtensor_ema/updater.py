@@ -7,10 +7,12 @@ Three updaters behind one interface (``submit``, ``wait``, ``rebind``, ``close``
 * :class:`CapturableUpdater` applies a step whose decay lives on the device, with no host
   synchronization (``capturable=True``: ``torch.compile`` / CUDA graphs).
 * :class:`OffloadUpdater` snapshots the sources and applies the step to host-resident EMA
-  shards in a worker thread, behind the training step (``offload=True``, CPU models).
+  shards in a worker thread, behind the training step (``offload=True``; on CUDA while
+  :data:`CUDA_OFFLOAD` is ``"worker"``).
 * :class:`ChunkedOffloadUpdater` streams host-resident (pinned) EMA shards through a
-  bounded device scratch on a side stream and lerps them on the device (``offload=True``,
-  CUDA models): no host copy of the sources, no host sync per step.
+  bounded device scratch on a side stream and lerps them on the device (``offload=True``
+  on CUDA once :data:`CUDA_OFFLOAD` is ``"chunked"``): no host copy of the sources, no
+  host sync per step.
 
 ``submit(step, done)`` calls ``done()`` once the step has been applied, on the caller's
 thread: ``ModelEMA`` counts a step only then, so a step whose worker raised is never
@@ -36,6 +38,7 @@ import torch
 from dtensor_ema.fused_update import UpdateGroup
 
 __all__ = [
+    "CUDA_OFFLOAD",
     "OFFLOAD_CHUNK_BYTES",
     "CapturableUpdater",
     "ChunkedOffloadUpdater",
@@ -456,11 +459,20 @@ class ChunkedOffloadUpdater(Updater):
             self._hook = None
 
 
+CUDA_OFFLOAD = "worker"
+"""Which updater ``offload=True`` uses for CUDA models: the one last proven on a GPU.
+``"worker"`` (:class:`OffloadUpdater`, measured exact on an H100, +10.6 ms per GPT-2 step)
+until a GPU run proves ``"chunked"`` (:class:`ChunkedOffloadUpdater`, written since and
+never run on a GPU) exact; ``benchmarks/gpu_suite.py``'s offload section measures both.
+:func:`make_updater` reads it at each construction."""
+
+
 def make_updater(groups: list[UpdateGroup], *, capturable: bool, offload: bool) -> Updater:
     """The updater for ``ModelEMA``'s ``capturable`` / ``offload`` options."""
     if offload:
         on_cuda = any(s.device.type == "cuda" for g in groups for s in g.source_locals)
-        if on_cuda and all(g.formula == "lerp" for g in groups):
+        chunked = CUDA_OFFLOAD == "chunked" and all(g.formula == "lerp" for g in groups)
+        if on_cuda and chunked:
             return ChunkedOffloadUpdater(groups)
         return OffloadUpdater(groups)
     if capturable:

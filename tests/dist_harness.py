@@ -1,4 +1,5 @@
-"""Run a function on W gloo ranks (CPU processes) and hand the results back to pytest.
+"""Run a function on W ranks (processes; CPU gloo by default) and hand the results back to
+pytest.
 
 One spawn costs ~5-15 s (every rank imports torch), so a test module runs one *scenario
 body* per world size, which performs many checks and returns plain values; the test
@@ -6,14 +7,28 @@ functions then assert on those values in the pytest process. Ranks never assert 
 own, so no rank can leave the others hanging in a collective: a rank that raises reports
 its traceback, and the harness terminates the rest.
 
-Guarantees: spawn start method; a fresh ``FileStore`` under ``tmp_path`` (no ports, so
-parallel runs cannot collide); ``destroy_process_group`` in ``finally``; an overall
-deadline after which every rank is terminated and the test fails naming the stuck ranks.
+Guarantees: fresh processes (:data:`START_METHOD`); a fresh ``FileStore`` under
+``tmp_path`` (no ports, so parallel runs cannot collide); ``destroy_process_group`` in
+``finally``; an overall deadline after which every rank is terminated and the test fails
+naming the stuck ranks.
 
-``DTENSOR_EMA_TEST_BACKEND=nccl`` (set by ``nox -s tests_nccl``) runs one rank per GPU
-instead: rank ``r`` uses ``cuda:r``, the group is ``cpu:gloo,cuda:nccl`` (CPU tensors keep
-working), and a world size larger than the visible GPU count is skipped. Test bodies that
-want to follow the backend build their meshes and tensors on :data:`DEVICE_TYPE`.
+``DTENSOR_EMA_TEST_BACKEND`` picks the ranks' devices and group (:data:`BACKENDS`):
+
+* ``gloo`` (default): CPU ranks, a ``gloo`` group.
+* ``nccl`` (set by ``nox -s tests_nccl``): one rank per GPU, rank ``r`` on ``cuda:r``, the
+  group ``cpu:gloo,cuda:nccl`` (CPU tensors keep working); a world size larger than the
+  visible GPU count is skipped.
+* ``gloo-cuda``: any number of ranks sharing the visible GPUs, rank ``r`` on
+  ``cuda:(r % count)`` (all on one device with one GPU), the group ``cpu:gloo,cuda:gloo``:
+  gloo copies CUDA tensors through pinned host memory where it supports the collective on
+  CUDA (torch's ``ProcessGroupGloo``: all-reduce, broadcast, all-gather and the flat
+  all-gather built on it, gather, scatter; reduce-scatter as an all-reduce of a copy),
+  so several ranks' CUDA paths run on one GPU, where NCCL refuses two ranks per device.
+  Skipped without CUDA.
+
+Test bodies that want to follow the backend build their meshes and tensors on
+:data:`DEVICE_TYPE`. :func:`spawn_ranks` is the same machinery without pytest (for
+``benchmarks/gpu_suite.py``): it returns the failures instead of failing a test.
 """
 
 from __future__ import annotations
@@ -33,11 +48,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+BACKENDS = ("gloo", "nccl", "gloo-cuda")
 BACKEND = os.environ.get("DTENSOR_EMA_TEST_BACKEND", "gloo")
-if BACKEND not in ("gloo", "nccl"):
-    raise ValueError(f"DTENSOR_EMA_TEST_BACKEND must be 'gloo' or 'nccl', got {BACKEND!r}")
-DEVICE_TYPE = "cuda" if BACKEND == "nccl" else "cpu"
-"""Device type of the ranks' tensors and meshes: ``cpu`` on gloo, ``cuda`` on nccl."""
+if BACKEND not in BACKENDS:
+    raise ValueError(f"DTENSOR_EMA_TEST_BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
+DEVICE_TYPE = "cpu" if BACKEND == "gloo" else "cuda"
+"""Device type of the ranks' tensors and meshes: ``cpu`` on gloo, ``cuda`` otherwise."""
+
+GROUP_BACKEND = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl", "gloo-cuda": "cpu:gloo,cuda:gloo"}
+"""The ``init_process_group`` backend string of each :data:`BACKENDS` entry."""
 
 DEFAULT_DEADLINE_S = 300.0
 _GRACE_AFTER_FAILURE_S = 10.0
@@ -55,31 +74,95 @@ def run_ranks(
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results.
 
     ``fn`` must be a module-level function (it is pickled by reference) and return a
-    picklable value. With ``init_process_group`` each rank joins a gloo group first.
-    A failing or stuck rank fails the calling test with its rank and traceback.
+    picklable value. With ``init_process_group`` each rank joins a group of
+    :data:`BACKEND` first. A failing or stuck rank fails the calling test with its rank and
+    traceback.
     """
-    gpus = torch.cuda.device_count() if BACKEND == "nccl" else 0
-    if BACKEND == "nccl" and init_process_group and gpus < world_size:
-        pytest.skip(f"W={world_size} on nccl needs {world_size} GPUs, {gpus} visible")
+    if BACKEND != "gloo" and init_process_group:
+        gpus = torch.cuda.device_count()
+        if BACKEND == "nccl" and gpus < world_size:
+            pytest.skip(f"W={world_size} on nccl needs {world_size} GPUs, {gpus} visible")
+        if gpus == 0:
+            pytest.skip(f"no CUDA: DTENSOR_EMA_TEST_BACKEND={BACKEND} needs a GPU")
+    results, failures = spawn_ranks(
+        fn,
+        world_size,
+        tmp_path,
+        *args,
+        deadline_s=deadline_s,
+        init_process_group=init_process_group,
+        env=env,
+    )
+    if failures:
+        pytest.fail(f"{fn.__name__} at W={world_size} failed:\n" + "\n".join(failures))
+    return results
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_path: Path,
+    *args: Any,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+    backend: str | None = None,
+    start_method: str | None = None,
+    timeout_s: float = 120.0,
+) -> tuple[list[Any], list[str]]:
+    """:func:`run_ranks` without pytest: ``(results of the ranks that returned, failures)``.
+
+    ``backend`` (default :data:`BACKEND`) and ``start_method`` (default
+    :data:`START_METHOD`) override the environment's; ``timeout_s`` is the process group's
+    collective timeout. Every rank still alive when this returns or raises (a deadline, a
+    failed rank's grace period, a ``KeyboardInterrupt`` or a caller's alarm) is terminated.
+    """
+    backend = backend or BACKEND
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
-    ctx = _context()
+    ctx = _context(start_method or START_METHOD, backend)
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, rank, world_size, str(run_dir), init_process_group, env or {}, args),
+            args=(
+                fn,
+                rank,
+                world_size,
+                str(run_dir),
+                init_process_group,
+                env or {},
+                backend,
+                timeout_s,
+                args,
+            ),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
-    _wait(procs, run_dir, deadline_s)
+    try:
+        for proc in procs:
+            proc.start()
+        late = _wait(procs, run_dir, deadline_s)
+    finally:
+        _terminate(procs)
+    results, failures = outcomes(run_dir, world_size, [p.exitcode for p in procs])
+    return results, ([late] if late else []) + failures
+
+
+def outcomes(
+    run_dir: Path, world_size: int, exitcodes: list[int | None] | None = None
+) -> tuple[list[Any], list[str]]:
+    """``(results, failures)`` the ranks of one spawn left in ``run_dir`` (the
+    ``ranks-*`` folder :func:`spawn_ranks` makes under its ``tmp_path``): also readable
+    after a caller's alarm interrupted :func:`spawn_ranks`."""
     results, failures = [], []
     for rank in range(world_size):
-        path = run_dir / f"result{rank}.pkl"
+        path = Path(run_dir) / f"result{rank}.pkl"
         if not path.exists():
-            failures.append(f"rank {rank}: exited with code {procs[rank].exitcode} and no result")
+            code = exitcodes[rank] if exitcodes else "?"
+            failures.append(f"rank {rank}: exited with code {code} and no result")
             continue
         with path.open("rb") as f:
             ok, value = pickle.load(f)
@@ -87,9 +170,19 @@ def run_ranks(
             results.append(value)
         else:
             failures.append(f"rank {rank} raised:\n{value}")
-    if failures:
-        pytest.fail(f"{fn.__name__} at W={world_size} failed:\n" + "\n".join(failures))
-    return results
+    return results, failures
+
+
+def _terminate(procs: list[Any]) -> None:
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is not None:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
 
 
 START_METHOD = os.environ.get("DTENSOR_EMA_TEST_START", "forkserver")
@@ -108,26 +201,26 @@ _PRELOAD = [
     "dtensor_ema",
     "dist_harness",
 ]
-if BACKEND == "gloo":
-    # The extras' heavy imports (~1-2 s each per rank otherwise: the compat and Lightning
-    # test modules import them at module level, so every rank does). A missing one is
-    # skipped (the forkserver ignores ImportError). Not on nccl: diffusers' import counts
-    # CUDA devices, which must not happen in the process the ranks fork from.
-    _PRELOAD += ["lightning.pytorch", "diffusers.training_utils", "timm.utils"]
+_PRELOAD_GLOO = ["lightning.pytorch", "diffusers.training_utils", "timm.utils"]
+"""On gloo only, the extras' heavy imports (~1-2 s each per rank otherwise: the compat and
+Lightning test modules import them at module level, so every rank does). A missing one is
+skipped (the forkserver ignores ImportError). Not on CUDA backends: diffusers' import counts
+CUDA devices, which must not happen in the process the ranks fork from."""
 
 
-def _context() -> Any:
-    if START_METHOD not in ("forkserver", "spawn"):
+def _context(start_method: str, backend: str) -> Any:
+    if start_method not in ("forkserver", "spawn"):
         raise ValueError(
-            f"DTENSOR_EMA_TEST_START must be 'forkserver' or 'spawn', got {START_METHOD!r}"
+            f"DTENSOR_EMA_TEST_START must be 'forkserver' or 'spawn', got {start_method!r}"
         )
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_GLOO if backend == "gloo" else []))
     return ctx
 
 
-def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> None:
+def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> str | None:
+    """Wait for the ranks; a message naming the stuck ranks if the deadline passed."""
     start = time.monotonic()
     first_failure: float | None = None
     while any(p.is_alive() for p in procs):
@@ -140,17 +233,14 @@ def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> None:
         abandoned = first_failure is not None and now - first_failure > _GRACE_AFTER_FAILURE_S
         if late or abandoned:
             stuck = [p.name for p in procs if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(5)
+            _terminate(procs)
             if late:
-                pytest.fail(f"ranks {stuck} still running after the {deadline_s:.0f} s deadline")
-            return
+                return f"ranks {stuck} still running after the {deadline_s:.0f} s deadline"
+            return None
         time.sleep(0.05)
     for p in procs:
         p.join()
+    return None
 
 
 def _rank_entry(
@@ -160,6 +250,8 @@ def _rank_entry(
     run_dir: str,
     init_process_group: bool,
     env: dict[str, str],
+    backend: str,
+    timeout_s: float,
     args: tuple[Any, ...],
 ) -> None:
     os.environ.update(env)
@@ -168,14 +260,16 @@ def _rank_entry(
     try:
         if init_process_group:
             store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
-            if BACKEND == "nccl":
+            if backend == "nccl":
                 torch.cuda.set_device(rank)
+            elif backend == "gloo-cuda":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
             dist.init_process_group(
-                "cpu:gloo,cuda:nccl" if BACKEND == "nccl" else "gloo",
+                GROUP_BACKEND[backend],
                 store=store,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(seconds=120),
+                timeout=timedelta(seconds=timeout_s),
             )
         result = (True, fn(rank, world_size, *args))
     except BaseException:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from comm_mode import comm_debug_mode
 from dist_harness import run_ranks
 from models import (
     HAS_TORCHVISION,
@@ -25,7 +26,6 @@ from models import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
@@ -44,7 +44,7 @@ def count_collectives(fn: Any) -> tuple[Any, int]:
     """Run ``fn()``; return its result and the number of collectives it issued, counted
     two independent ways (DTensor's CommDebugMode sees c10d ops at the dispatcher; the
     profiler sees the backend's ``gloo:*`` calls). The larger count wins."""
-    with CommDebugMode() as comm, profile(activities=[ProfilerActivity.CPU]) as prof:
+    with comm_debug_mode() as comm, profile(activities=[ProfilerActivity.CPU]) as prof:
         result = fn()
     gloo_calls = sum(1 for e in prof.events() if e.name.startswith("gloo:"))
     return result, max(comm.get_total_counts(), gloo_calls)

@@ -38,8 +38,12 @@ SAFE = {
 @pytest.mark.parametrize(
     ("change", "use", "reason"),
     [
-        ({}, True, "CUDA model, float32 EMA"),
+        # Opt-in until proven on hardware: auto stays eager where replay would be safe.
+        ({}, False, "cuda_graph=None: replay would be exact here"),
+        ({"auto_replay": True}, True, "CUDA model, float32 EMA"),
         ({"requested": True}, True, "CUDA model"),
+        # An unsafe fact is named before the opt-in reason, auto or not.
+        ({"offload": True, "auto_replay": True}, False, "offload=True"),
         ({"requested": False}, False, "cuda_graph=False"),
         ({"device_type": "cpu"}, False, "the model is on cpu, not CUDA"),
         ({"device_type": "meta", "cuda_available": False}, False, "on meta, not CUDA"),
@@ -73,6 +77,36 @@ def test_cpu_model_auto_is_eager_and_required_raises() -> None:
         ModelEMA(model, cuda_graph="yes")  # type: ignore[arg-type]
 
 
+def test_auto_is_opt_in_until_proven_on_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AUTO_REPLAY`` is ``False`` until a GPU run proves replay exact (issue 25), and
+    ``resolve`` reads it at each call, so the flip is one assignment."""
+    assert graphs.AUTO_REPLAY is False
+    facts = {
+        "cuda_available": True,
+        "graphs_supported": True,
+        "offload": False,
+        "schedule_on_device": True,
+        "ema_dtypes": {torch.float32},
+    }
+    seen: list[bool] = []
+
+    def record(**kwargs: Any) -> graphs.GraphDecision:
+        seen.append(kwargs["auto_replay"])
+        return graphs.GraphDecision(False, "recorded")
+
+    monkeypatch.setattr(graphs, "decide", record)
+    schedule = RampDecay(decay=0.9, tau=2)
+    graphs.resolve(None, torch.device("cpu"), offload=False, schedule=schedule, ema_dtypes=[])
+    monkeypatch.setattr(graphs, "AUTO_REPLAY", True)
+    graphs.resolve(None, torch.device("cpu"), offload=False, schedule=schedule, ema_dtypes=[])
+    assert seen == [False, True]
+    monkeypatch.undo()
+    auto = graphs.decide(requested=None, device_type="cuda", **facts)
+    assert not auto.use and "opt-in until proven on hardware" in auto.reason
+    assert "cuda_graph=True" in auto.reason
+    assert graphs.decide(requested=True, device_type="cuda", **facts).use
+
+
 def test_resolve_reads_the_schedule_and_dtypes() -> None:
     cpu = torch.device("cpu")
     assert graphs.resolve(
@@ -86,7 +120,7 @@ def test_resolve_reads_the_schedule_and_dtypes() -> None:
         (RampDecay(decay=0.9, tau=2), {torch.float64}, False),
     ]:
         decision = graphs.decide(
-            requested=None,
+            requested=True,
             device_type="cuda",
             offload=False,
             schedule_on_device=isinstance(schedule, graphs.DEVICE_DECAY_SCHEDULES),
@@ -164,7 +198,7 @@ def test_graph_path_equals_eager_and_reference(
     the upcast goes through the reused scratch); the counters agree without a sync."""
     model = Net().to(dtype)
     opts = {"decay": 0.9, "tau": 3.0, "update_every": 2, "update_after_step": 1}
-    graphed = ModelEMA(model, **opts)
+    graphed = ModelEMA(model, cuda_graph=True, **opts)
     eager = ModelEMA(model, cuda_graph=False, **opts)
     assert graphed.cuda_graph.use and not eager.cuda_graph.use
     ref = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
@@ -187,7 +221,7 @@ def test_graph_path_equals_eager_and_reference(
 
 def test_recapture_after_rebind_build_module_and_load(fake_cuda: list[FakeGraph]) -> None:
     model = Net()
-    ema = ModelEMA(model, decay=0.5, tau=None)
+    ema = ModelEMA(model, decay=0.5, tau=None, cuda_graph=True)
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def step(i: int) -> None:
@@ -236,7 +270,7 @@ def test_outer_capture_runs_the_host_path_then_the_graph_catches_up(
     device counter is then behind the host one and is refreshed before the next replay."""
     model = Net()
     opts = {"decay": 0.9, "tau": 2.0}
-    graphed = ModelEMA(model, **opts)
+    graphed = ModelEMA(model, cuda_graph=True, **opts)
     eager = ModelEMA(model, cuda_graph=False, **opts)
     for i in range(1, 9):
         monkeypatch.setattr(graphs, "stream_is_capturing", lambda i=i: 3 <= i <= 5)
@@ -249,15 +283,17 @@ def test_outer_capture_runs_the_host_path_then_the_graph_catches_up(
     assert graphed.updates == 8
 
 
-def test_graph_path_refusals(fake_cuda: list[FakeGraph]) -> None:
+def test_graph_path_refusals(fake_cuda: list[FakeGraph], monkeypatch: pytest.MonkeyPatch) -> None:
     model = Net()
-    ema = ModelEMA(model, decay=0.9)
+    ema = ModelEMA(model, decay=0.9, cuda_graph=True)
     with ema.average_parameters(), pytest.raises(RuntimeError, match="swapped"):
         ema.update()
     ema.close()
     with pytest.raises(RuntimeError, match="closed"):
         ema.update()
-    # Unsafe options fall back (auto) or raise (required), naming the reason.
+    # Unsafe options fall back (auto, even once auto replays) or raise (required), naming
+    # the reason.
+    monkeypatch.setattr(graphs, "AUTO_REPLAY", True)
     bf16 = ModelEMA(model, ema_dtype=torch.bfloat16)
     assert bf16._graph is None and "torch.bfloat16" in bf16.cuda_graph.reason
     with pytest.raises(ValueError, match=r"cuda_graph=True.*schedule is not one of"):
@@ -274,9 +310,15 @@ def test_reason_logged_once(
     with caplog.at_level(logging.DEBUG, logger="dtensor_ema"):
         ModelEMA(model)
         ModelEMA(model)
+        ModelEMA(model, cuda_graph=True)
+        monkeypatch.setattr(graphs, "AUTO_REPLAY", True)  # what the flip will log
+        ModelEMA(model)
         ModelEMA(model, cuda_graph=False)
     records = [r.getMessage() for r in caplog.records if r.name == "dtensor_ema"]
     assert records == [
+        "dtensor_ema: update() runs eagerly (cuda_graph=None: replay would be exact here "
+        "(CUDA model, float32 EMA, built-in schedule) but is opt-in until proven on "
+        "hardware; pass cuda_graph=True)",
         "dtensor_ema: update() replays a CUDA graph (CUDA model, float32 EMA, built-in "
         "schedule: device counter and decay)",
         "dtensor_ema: update() runs eagerly (cuda_graph=False)",
@@ -299,6 +341,7 @@ def test_a_failed_capture_applies_the_step_once_then_stays_eager(
     required: bool,
 ) -> None:
     monkeypatch.setattr(graphs, "_CudaGraph", FailingGraph)
+    monkeypatch.setattr(graphs, "AUTO_REPLAY", True)  # auto: the fallback once it replays
     model = Net()
     opts = {"decay": 0.9, "tau": 2.0}
     graphed = ModelEMA(model, cuda_graph=True if required else None, **opts)

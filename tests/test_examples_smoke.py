@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from dist_harness import DEVICE_TYPE, aborted_at_exit
+from dist_harness import BACKEND, aborted_at_exit
 from models import HAS_TORCHVISION
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240
 # The training examples follow the suite's backend: gloo on CPU, or NCCL on 2 GPUs under
-# ``nox -s tests_nccl`` (DTENSOR_EMA_TEST_BACKEND=nccl). resume_reshard.py is CPU-only.
+# ``nox -s tests_nccl`` (DTENSOR_EMA_TEST_BACKEND=nccl); the examples choose NCCL for CUDA,
+# which refuses two ranks on one GPU, so under gloo-cuda they stay on CPU.
+# resume_reshard.py is CPU-only.
+DEVICE_TYPE = "cuda" if BACKEND == "nccl" else "cpu"
 BACKEND_LINE = f"2 x {DEVICE_TYPE} ({'nccl' if DEVICE_TYPE == 'cuda' else 'gloo'})"
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from comm_mode import comm_debug_mode
 from dist_harness import DEVICE_TYPE, run_ranks
 from models import (
     ReferenceEMA,
@@ -42,7 +43,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_ema import ModelEMA
@@ -86,7 +86,7 @@ def count_collectives(fn: Callable[[], Any], *, profiler: bool = True) -> tuple[
     zero claims; parsing its events costs ~0.3 s for a big region, so counts that only
     need a bound skip it)."""
     with contextlib.ExitStack() as stack:
-        comm = stack.enter_context(CommDebugMode())
+        comm = stack.enter_context(comm_debug_mode())
         prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU])) if profiler else None
         result = fn()
     backend_calls = 0

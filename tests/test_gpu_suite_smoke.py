@@ -1,7 +1,11 @@
 """``benchmarks/gpu_suite.py --device cpu`` runs end to end and writes a report whose
-correctness checks pass (kernels exact, offload equal) and whose timings are numbers.
-Timings themselves are not asserted. The section budgets (a section that runs out keeps
-its finished rows) and the timm fallback are checked in process."""
+correctness checks pass (kernels exact, offload equal over 20 steps, every multirank row
+exact against its CPU reference, DCP W=4 -> W=2 -> one process, per-rank shapes at fake
+W=8/64) and whose timings are numbers; the CUDA-only rows (graph replay, the chunked
+offload pipeline) are skipped with the reason "no CUDA". Timings themselves are not
+asserted. The section budgets (a section that runs out keeps its finished rows), the
+``defaults:`` verdict, the harness's ``spawn_ranks`` (a stuck rank is named and ended) and
+the timm fallback are checked in process."""
 
 from __future__ import annotations
 
@@ -39,12 +43,14 @@ def test_gpu_suite_runs_on_cpu(tmp_path: Path) -> None:
         "--device=cpu",
         "--quick",
         "--sections=kernels,cuda_graph,offload,speed:400",
+        "--offload-steps=20",
         "--worlds=8,64",
         "--speed-models=llama-tiny",
         "--speed-variants=eager,titan,timm",  # the kernels section compiles already
+        "--budget-s=1100",  # not the GPU preset's 460: compiling takes minutes on a busy CPU
         f"--out={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     report = (tmp_path / "gpu_suite.md").read_text()
@@ -59,12 +65,24 @@ def test_gpu_suite_runs_on_cpu(tmp_path: Path) -> None:
     assert summary[3].startswith("speed: ok, 4 row(s)"), summary
     assert "## summary" in report and summary[3] in report
     sections = results["sections"]
-    assert sections["cuda_graph"]["skipped"]
+    assert sections["cuda_graph"]["skipped"] == "no CUDA: graph replay needs a GPU"
     for row in sections["kernels"]["result"]["rows"]:
-        assert {row[k] for k in ("eager", "compiled", "capturable_compiled", "multi")} == {
+        assert [row[k] for k in ("eager", "compiled", "capturable_compiled", "multi")] == [
             "exact"
-        }, row
-    assert sections["offload"]["result"]["offload_differs"] == "exact"
+        ] * 4, row
+    offload = sections["offload"]["result"]
+    assert offload["offload_differs"] == "exact" and offload["exact_steps"] == 20
+    assert offload["offload_updater"] == "OffloadUpdater"
+    assert offload["not_run"] == {
+        "device_graph": "skipped: no CUDA",
+        "offload_chunked": "skipped: no CUDA",
+    }
+    assert {r["variant"] for r in offload["rows"]} == {"no_ema", "device_eager", "offload"}
+    assert offload["bytes"]["offload"]["ema_on"] == "cpu"
+    assert offload["bytes"]["offload"]["staging_host_bytes"] > 0
+    defaults = [line for line in summary if line.startswith("defaults:")]
+    assert len(defaults) == 2 and "keep opt-in" in defaults[0] and "keep 'worker'" in defaults[1]
+    assert results["verdict"]["cuda_graph_may_flip"] is False
     speed = sections["speed"]["result"]
     assert speed["errors"] == []
     assert {(r["dtype"], r["world"]) for r in speed["rows"]} == {
@@ -75,6 +93,196 @@ def test_gpu_suite_runs_on_cpu(tmp_path: Path) -> None:
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         assert row["eager_bw_vs_copy"] > 0 and row["timm_mode"] == "dtype=float32"
         assert "compiled_ms" not in row and "graph_ms" not in row  # not asked / no CUDA
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
+    """W=4 then W=2 gloo ranks (DDP, FSDP2, HSDP 2x2; fp32 and bf16 with an fp32 EMA): every
+    update, swap, materialization, ``ema.module`` forward and DCP load equals the CPU
+    reference; fake-group shapes at W=8 and 64; the graph and chunked rows say no CUDA."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_suite.py"),
+        "--device=cpu",
+        "--sections=multirank:800",
+        "--budget-s=800",
+        f"--out={tmp_path}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = proc.stdout.split("== summary\n", 1)[1].splitlines()
+    assert summary[0].startswith("multirank: ok, 22 row(s), exact "), summary
+    assert "(not:" not in summary[0], summary[0]
+    result = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["multirank"]
+    body = result["result"]
+    assert body["errors"] == [] and body["backend"] == "gloo"
+    cases = [r for r in body["rows"] if not r["layout"].startswith("load")]
+    assert [(r["world"], r["layout"], r["dtype"]) for r in cases] == [
+        (w, layout, dt)
+        for w, layouts in ((4, ("ddp", "fsdp2", "hsdp")), (2, ("ddp", "fsdp2")))
+        for layout in layouts
+        for dt in ("fp32", "bf16")
+    ]
+    for row in cases:
+        assert "error" not in row and "tracebacks" not in row and row["training"] == "sgd", row
+        assert row["update_eager"] == row["update_offload"] == "exact", row
+        assert row["update_graph"] == row["update_offload_chunked"] == "skipped: no CUDA"
+        assert row["swap"]["weights"] == row["swap"]["restored"] == "exact", row
+        assert row["swap"]["forward"]["ok"] and row["module_forward"]["ok"], row
+        assert row["materialize"] == {"ema_sd": "exact", "model_sd": "exact"}, row
+        assert row["bytes_sum_equals_total"] and row["bytes_over_total_per_W"] < 1.01, row
+        assert row.get("dcp_save", "ok") == "ok" and ("dcp_save" in row) == (row["world"] == 4)
+    loads = [r for r in body["rows"] if r["layout"].startswith("load")]
+    assert len(loads) == 12 and all(r["dcp_load"] == "exact" for r in loads), loads
+    assert sum(r["world"] == 1 for r in loads) == 6
+    fake = body["fake_world"]
+    assert {(r["world"], r["layout"], r["rank"]) for r in fake} == {
+        (w, layout, r) for w in (8, 64) for layout in ("ddp", "fsdp2", "hsdp") for r in (0, w - 1)
+    }
+    for row in fake:
+        assert row["local_shapes"] == row["local_values_after_update"] == "exact", row
+
+
+def test_verdict_flips_only_when_every_common_case_is_exact_and_captured() -> None:
+    suite = _suite()
+
+    def graph_row(path: str, dtype: str, **change: Any) -> dict[str, Any]:
+        row = {
+            "path": path,
+            "dtype": dtype,
+            "uses_graph": True,
+            "captures": 4,
+            "expected_captures": 4,
+            "differs": "exact",
+            "differs_from_reference": "exact",
+        }
+        return {**row, **change}
+
+    def results(graph_rows: list[dict[str, Any]], chunked: Any = "exact") -> dict[str, Any]:
+        multi = {"world": 4, "layout": "fsdp2", "dtype": "bf16", "update_graph": "exact"}
+        multi.update(graph_captures=1, update_offload_chunked=chunked)
+        return {
+            "sections": {
+                "cuda_graph": {"result": {"rows": graph_rows}},
+                "offload": {"result": {"offload_chunked_differs": chunked}},
+                "multirank": {"result": {"rows": [multi]}},
+            }
+        }
+
+    fsdp2 = "cuda_graph=True, FSDP2 at W=1"
+    good = [
+        graph_row("cuda_graph=True (opt-in)", "torch.float32"),
+        graph_row("cuda_graph=True (opt-in)", "torch.bfloat16"),
+        *(
+            {k: v for k, v in graph_row(fsdp2, dt, captures=1).items() if k != "expected_captures"}
+            for dt in ("fp32", "bf16")
+        ),
+    ]
+    v = suite.verdict(results(good))
+    assert v["cuda_graph_may_flip"] and v["chunked_offload_may_flip"], v
+    lines = suite.verdict_lines(v)
+    assert "FLIP ALLOWED" in lines[0] and "FLIP ALLOWED" in lines[1]
+    # One re-capture missed, a bf16 row off by a bit, FSDP2 not run, chunked not exact.
+    for rows in (
+        [good[0], {**good[1], "captures": 3}, *good[2:]],
+        [good[0], {**good[1], "differs_from_reference": ["odd"]}, *good[2:]],
+        good[:2],
+    ):
+        assert not suite.verdict(results(rows))["cuda_graph_may_flip"]
+    v = suite.verdict(results(good, chunked=["wte.weight"]))
+    assert v["cuda_graph_may_flip"] and not v["chunked_offload_may_flip"]
+    assert "keep 'worker'" in suite.verdict_lines(v)[1]
+
+
+def test_exactness_counts_nested_results_and_skips() -> None:
+    suite = _suite()
+    body = {
+        "rows": [
+            {"layout": "ddp", "update_eager": "exact", "update_graph": "skipped: no CUDA"},
+            {"layout": "fsdp2", "swap": {"weights": ["a"], "forward": {"ok": True}}},
+            {"layout": "x", "model": "llama-tiny", "materialize": {"ema_sd": "exact"}},
+        ],
+        "offload_differs": "exact",
+    }
+    good, bad = suite.exactness(body)
+    assert good == 4 and bad == ["fsdp2 swap weights: ['a']"], (good, bad)
+
+
+class _FakeGraph:
+    """Like a CUDA graph: runs the step once when captured, then replays *that* function
+    (bound to the tensors of capture time), so a missed re-capture reads stale tensors."""
+
+    def __init__(self, fn: Any, device: torch.device) -> None:
+        self.fn = fn
+        fn()
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtensor_ema import cuda_graph as graphs
+
+    real = graphs.decide
+
+    def on_cuda(**kwargs: Any) -> Any:
+        kwargs.update(device_type="cuda", cuda_available=True, graphs_supported=True)
+        return real(**kwargs)
+
+    monkeypatch.setattr(graphs, "decide", on_cuda)
+    monkeypatch.setattr(graphs, "_CudaGraph", _FakeGraph)
+
+
+def test_graph_rows_with_a_fake_cuda(fake_cuda: None, tmp_path: Path) -> None:
+    """The ``cuda_graph`` section's opt-in and FSDP2 rows, run on CPU with a stand-in graph
+    (the decision told the model is on CUDA): the row code cannot rot between GPU runs, and
+    its expectations (exact, 4 captures after the re-bind, ``build_module`` and load) hold
+    for the library's bookkeeping."""
+    suite = _suite()
+    cpu = torch.device("cpu")
+    rows = suite._opt_in_rows(cpu)
+    assert [r["dtype"] for r in rows] == ["torch.float32", "torch.bfloat16"]
+    for row in rows:
+        assert row["uses_graph"] and row["captures"] == row["expected_captures"] == 4, row
+        assert row["differs"] == row["differs_from_reference"] == "exact", row
+        assert row["eager_differs_from_reference"] == "exact", row
+        assert row["updates"] == [12, 12] and row["cuda_graph_None_differs"] == "exact"
+        assert "opt-in until proven on hardware" in row["cuda_graph_None_decides"]
+    for dt in ("fp32", "bf16"):
+        row = suite._fsdp2_graph_row(cpu, dt, tmp_path)
+        assert row["uses_graph"] and row["captures"] == 1, row
+        assert row["differs"] == row["differs_from_reference"] == "exact", row
+        assert row["updates"] == [6, 6]
+    verdict = suite.verdict(
+        {
+            "sections": {
+                "cuda_graph": {"result": {"rows": [*rows, row]}},
+                "offload": {"result": {"offload_chunked_differs": "exact"}},
+            }
+        }
+    )
+    assert verdict["cuda_graph_may_flip"], verdict
+
+
+def _sleep_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_spawn_ranks_names_and_ends_a_stuck_rank(tmp_path: Path) -> None:
+    from dist_harness import spawn_ranks
+
+    start = time.monotonic()
+    results, failures = spawn_ranks(
+        _sleep_on_rank_1, 2, tmp_path, deadline_s=8, init_process_group=False
+    )
+    assert time.monotonic() - start < 120
+    assert results == [0]
+    assert failures[0] == "ranks ['rank1'] still running after the 8 s deadline", failures
+    assert failures[1].startswith("rank 1: exited with code"), failures
 
 
 def test_a_section_out_of_time_keeps_its_rows(

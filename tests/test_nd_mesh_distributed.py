@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from comm_mode import comm_debug_mode
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -102,7 +102,7 @@ def _train(model: nn.Module, ema: ModelEMA, ref: dict[str, torch.Tensor], seed: 
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        with CommDebugMode() as comm:
+        with comm_debug_mode() as comm:
             ema.update()
         worst = max(worst, comm.get_total_counts())
         for k, v in _params(model).items():
@@ -117,7 +117,7 @@ def _check(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with CommDebugMode() as comm:
+    with comm_debug_mode() as comm:
         got = ema.get_ema_state_dict()
     out["gather_collectives"] = comm.get_total_counts()
     out["tensors"] = len(ref)

@@ -1,4 +1,5 @@
-"""The chunked offload pipeline (``offload=True`` on CUDA), its pure planning on CPU.
+"""The chunked offload pipeline (``offload=True`` on CUDA once proven on a GPU), its pure
+planning on CPU, and which updater ``offload=True`` picks.
 
 :func:`offload_chunks` and :func:`host_runs` decide every copy the CUDA pipeline makes; they
 are pure and checked here. :class:`ChunkedOffloadUpdater` runs the same pipeline inline on
@@ -9,6 +10,7 @@ the inline EMA and a reference written here, with chunks small enough to split t
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from torch import nn
 
 import dtensor_ema.model_ema as model_ema
 from dtensor_ema import ModelEMA
+from dtensor_ema import updater as updaters
 from dtensor_ema.updater import (
     ChunkedOffloadUpdater,
     OffloadUpdater,
@@ -153,3 +156,25 @@ def test_cpu_models_keep_the_worker_thread_and_chunk_size_is_checked() -> None:
     ema.close()
     with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1, got 0"):
         ChunkedOffloadUpdater([], chunk_bytes=0)
+
+
+def test_cuda_offload_uses_the_path_last_proven_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``offload=True`` on CUDA takes the snapshot + worker updater (the one the last GPU run
+    measured) until ``CUDA_OFFLOAD`` names the chunked pipeline; CPU models and non-lerp
+    formulas always take the worker (issue 25)."""
+    made: list[str] = []
+    monkeypatch.setattr(updaters, "OffloadUpdater", lambda groups: made.append("worker"))
+    monkeypatch.setattr(updaters, "ChunkedOffloadUpdater", lambda groups: made.append("chunked"))
+
+    def groups(device: str, formula: str = "lerp") -> list[Any]:
+        source = SimpleNamespace(device=torch.device(device))
+        return [SimpleNamespace(source_locals=[source], formula=formula)]
+
+    def pick(*args: Any) -> str:
+        updaters.make_updater(groups(*args), capturable=False, offload=True)
+        return made.pop()
+
+    assert updaters.CUDA_OFFLOAD == "worker"
+    assert [pick("cuda"), pick("cpu")] == ["worker", "worker"]
+    monkeypatch.setattr(updaters, "CUDA_OFFLOAD", "chunked")
+    assert [pick("cuda"), pick("cpu"), pick("cuda", "subtract")] == ["chunked", "worker", "worker"]
