@@ -23,7 +23,7 @@ read in place). This is the twin of every EMA with untracked tensors on a mesh (
 FSDP2, HSDP, TP): the FSDP2 twin of :mod:`dtensor_ema.ema_module` would have to shard them.
 
 The TP forward hooks and torchtitan's forward closures are carried over from the model
-(see :func:`~dtensor_ema.ema_module._rebind_callables`), so the twin runs the model's own
+(see :func:`~dtensor_ema.twin.rebind_callables`), so the twin runs the model's own
 TP forward. Idle memory: the EMA (1/W of the model per rank) plus the twin's float buffers;
 peak extra memory in a forward: one unit's parameters in the compute layout (the model's
 TP-local size, in the compute dtype) plus the gather's flat buffers, plus activations.
