@@ -268,11 +268,7 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             RuntimeError: the EMA is disabled.
             KeyError: no EMA is called ``name``.
         """
-        if not self.parts:
-            raise RuntimeError("the EMA is disabled (config.enable=False)")
-        key = self.names[0] if name is None else name
-        if key not in self.names:
-            raise KeyError(f"no EMA named {key!r}; the EMAs are {self.names}")
+        key = self._key(name)
         with contextlib.ExitStack() as stack:
             for emas in self.parts:
                 stack.enter_context(emas[key].average_parameters())
@@ -290,11 +286,7 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             RuntimeError: the EMA is disabled.
             KeyError: no EMA is called ``name``.
         """
-        if not self.parts:
-            raise RuntimeError("the EMA is disabled (config.enable=False)")
-        key = self.names[0] if name is None else name
-        if key not in self.names:
-            raise KeyError(f"no EMA named {key!r}; the EMAs are {self.names}")
+        key = self._key(name)
         merged: dict[str, Any] = {}
         for emas in self.parts:
             merged.update(emas[key].get_ema_state_dict(**options))
@@ -375,6 +367,15 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
                 raise ValueError(f"EMA {name!r}: unexpected fqns {unexpected[:5]}")
         for ema, part_state in plan:
             ema.load_state_dict(part_state)
+
+    def _key(self, name: str | None) -> str:
+        """``name``, or the first EMA's, checked; raises as the public methods document."""
+        if not self.parts:
+            raise RuntimeError("the EMA is disabled (config.enable=False)")
+        key = self.names[0] if name is None else name
+        if key not in self.names:
+            raise KeyError(f"no EMA named {key!r}; the EMAs are {self.names}")
+        return key
 
     def _resume_config(self) -> str:
         c = self.config
