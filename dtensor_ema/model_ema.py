@@ -755,8 +755,16 @@ class ModelEMA:
 
         Raises:
             RuntimeError: the EMA is sharded over several ranks, or tracks DTensors (the
-                message says what to save instead).
+                message says what to save instead), or it is swapped into the model
+                (inside ``average_parameters()``: the copy's model would hold the EMA
+                weights in place of the training weights).
         """
+        if self._swapped:
+            raise RuntimeError(
+                "cannot pickle, torch.save or deepcopy a ModelEMA inside average_parameters(): "
+                "its model holds the EMA weights there, so the copy's model would start from "
+                "them instead of the training weights. Copy it after the context exits"
+            )
         world = self.mesh.size() if self.mesh is not None else 1
         dtensors = [e.fqn for e in self._plan if e.is_dtensor_source]
         if world > 1 or dtensors:

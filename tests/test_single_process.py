@@ -212,3 +212,29 @@ def test_bf16_staged_upcast_matches_reference(chunk: int, monkeypatch: pytest.Mo
         ema.update()
         ref.update(model.state_dict())
     assert mismatches(ema.ema_tensors(), {k: ref.ema[k] for k in ema.ema_tensors()}) == []
+
+
+def test_pickling_inside_average_parameters_is_refused() -> None:
+    """A copy made while the EMA is swapped in would hold the EMA weights as its model's
+    training weights, silently (its next update would average from them). Before the fix
+    ``copy.deepcopy`` and ``pickle`` succeeded and the copy's model held the EMA weights;
+    now they raise, and the original restores the training weights on exit."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    ema = ModelEMA(model, decay=0.5, tau=None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    raw = {k: v.clone() for k, v in model.state_dict().items()}
+    with ema.average_parameters():
+        with pytest.raises(RuntimeError, match="inside average_parameters"):
+            copy.deepcopy(ema)
+        with pytest.raises(RuntimeError, match="inside average_parameters"):
+            pickle.dumps(ema)
+    assert all(torch.equal(raw[k], v) for k, v in model.state_dict().items())
+    copied = copy.deepcopy(ema)  # after the context: the training weights
+    assert all(torch.equal(raw[k], v) for k, v in copied.model.state_dict().items())
