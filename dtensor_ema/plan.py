@@ -147,6 +147,10 @@ class EmaPlan:
     """With ``track="trainable"``: ``requires_grad`` of every float parameter when the
     tracked set was last decided (construction, :meth:`track_`, :meth:`untrack_`);
     ``None`` otherwise."""
+    tracked_version: int = 0
+    """How many times :meth:`track_`/:meth:`untrack_` changed the entries (their EMA
+    tensors may then be new objects, in new flat buffers): holders of entries' tensors
+    (the drop-ins' replica) compare it to re-point theirs."""
     _seen_epoch: int = 0
     _pointers: list[int] = field(default_factory=list)
     _signatures: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = field(
@@ -380,6 +384,7 @@ class EmaPlan:
         """After the tracked set changed: bucket views rebuilt, the pointers and the
         trainable snapshot taken again."""
         assert self.build is not None
+        self.tracked_version += 1
         if self.build.bucket_view:
             bucket_view_(self.entries)
         self._pointers = _pointers(self.entries)

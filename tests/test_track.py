@@ -473,3 +473,59 @@ def test_copies_keep_the_tracked_set() -> None:
     loaded = torch.load(buffer, weights_only=False)
     assert mismatches(loaded.ema_tensors(), ema.ema_tensors()) == []
     loaded.update()  # its model's trainable set is the one it was saved with: no refusal
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_drop_ins_follow_add_and_drop_tensors(bucket_view: bool) -> None:
+    """A drop-in's module (here ``AveragedModel.module``, the replica every drop-in shares)
+    follows ``engine.add_tensors``/``drop_tensors``: a newly tracked tensor holds its EMA,
+    a dropped one the model's own tensor, and with ``parameters_as_bucket_view`` the
+    rebuilt flat buffers. Before the fix the module kept the slots it was built with: the
+    added weight showed the model's raw value, the dropped one a frozen EMA, and with
+    bucket views every slot a stale copy, all silently (and in ``state_dict()``)."""
+    from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    average = AveragedModel(
+        model,
+        multi_avg_fn=get_ema_multi_avg_fn(DECAY),
+        track="trainable",
+        parameters_as_bucket_view=bucket_view,
+    )
+    engine = average.engine
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+    def agrees() -> bool:
+        whole = engine.get_ema_state_dict(include_untracked=True)
+        average.eval()
+        with torch.no_grad():
+            out = average(x)
+            with engine.average_parameters():
+                swapped = model.eval()(x)
+        return mismatches(average.module.state_dict(), whole) == [] and torch.equal(out, swapped)
+
+    for step in range(2):
+        _step_(model, step)
+        average.update_parameters(model)
+    assert agrees()
+    model[0].requires_grad_(True)
+    engine.add_tensors(["0.weight", "0.bias"])
+    assert agrees()  # no update in between: the module's own hooks follow
+    for step in range(2, 4):
+        _step_(model, step)
+        average.update_parameters(model)
+    assert agrees()
+    model[2].requires_grad_(False)
+    engine.drop_tensors(["2.weight", "2.bias"])
+    _step_(model, 4)
+    average.update_parameters(model)
+    assert agrees()
+    assert torch.equal(average.module.state_dict()["2.weight"], model[2].weight)
+    engine.drop_tensors(["0.bias"])  # dropped and added back: the same untracked set,
+    engine.add_tensors(["0.bias"])  # a new EMA tensor (from the model's current value)
+    assert agrees()
+    _step_(model, 5)
+    average.update_parameters(model)
+    assert agrees()

@@ -391,6 +391,50 @@ def add_scenario(name: str, hidden: int = HIDDEN) -> dict[str, Any]:
     return out
 
 
+def replica_scenario() -> dict[str, Any]:
+    """A drop-in (``AveragedModel``, whose replica every drop-in shares) over a DDP model
+    at W > 1 follows ``engine.add_tensors``/``drop_tensors``: after ``gather_for_save()``
+    its module holds the reference EMA of the tracked set and the model's own values of
+    the others. Before the fix the added tensor kept the model's raw value and the
+    gather after a drop raised ``KeyError``."""
+    from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model, _ = _wrap("ddp")
+    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY), track="trainable")
+    out: dict[str, Any] = {}
+
+    def gathered(ref: dict[str, torch.Tensor]) -> list[str] | str:
+        try:
+            average.gather_for_save()
+        except Exception as e:  # the bug raised KeyError: report it, do not kill the rank
+            return f"{type(e).__name__}: {e}"
+        state = average.module.state_dict()
+        expected = {k: v.detach().clone() for k, v in model.state_dict().items()} | ref
+        return mismatches(state, expected)
+
+    perturb_(model, 1)
+    average.update_parameters(model)  # the first call copies
+    ref = _tracked(model)
+    for fqn in UNFROZEN:
+        model.get_parameter(fqn).requires_grad_(True)
+    average.engine.add_tensors(UNFROZEN)
+    ref.update({k: v for k, v in _tracked(model).items() if k in UNFROZEN})
+    perturb_(model, 2)
+    average.update_parameters(model)
+    for k, v in _tracked(model).items():
+        ref[k].lerp_(v, 1 - DECAY)
+    out["after_add"] = gathered(ref)
+    model.out.requires_grad_(False)
+    average.engine.drop_tensors(["out.weight", "out.bias"])
+    del ref["out.weight"], ref["out.bias"]
+    perturb_(model, 3)
+    average.update_parameters(model)
+    for k, v in _tracked(model).items():
+        ref[k].lerp_(v, 1 - DECAY)
+    out["after_drop"] = gathered(ref)
+    return out
+
+
 def track_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     tmp_path = Path(tmp)
     results: dict[str, Any] = {"ddp": layout_scenario("ddp")}
@@ -406,6 +450,8 @@ def track_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         for family, wrapper in (("gpt2", "ddp"), ("gpt2", "fsdp"), ("llama", "fsdp")):
             results[f"peft_{family}_{wrapper}"] = peft_scenario(family, wrapper, tmp_path)
         results["save"] = save_at_w2(tmp_path)
+    if world_size == 2:
+        results["replica"] = replica_scenario()
     if world_size == 3:
         results["load"] = load_at_w3(tmp_path)
     return results
@@ -501,6 +547,12 @@ def test_add_and_drop_sharded_tensors(track_results: Any, world_size: int, name:
         out = result[f"add_{name}"]
         assert out["after_add"] == [] and out["added_numel_ok"], (rank, out)
         assert out["after_drop"], (rank, out)
+
+
+def test_drop_ins_follow_add_and_drop_tensors_w2(track_results: Any) -> None:
+    for rank, result in enumerate(track_results[2]):
+        out = result["replica"]
+        assert out["after_add"] == [] and out["after_drop"] == [], (rank, out)
 
 
 def test_dcp_reshard_of_a_tracked_subset_2_3_1(track_results: Any) -> None:

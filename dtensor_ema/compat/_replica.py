@@ -13,7 +13,9 @@ it), puts the full EMA where the habits read it. Where it goes depends on the la
   the EMA itself), whose integer buffers are copies of the model's (refreshed by every
   update), and whose parameters (and sharded float buffers) hold **no storage** (``meta``)
   until :meth:`~EmaReplica.materialize` all-gathers the full EMA into them on every rank;
-  tensors the engine does not track (``track=``) are the model's own, shared, never copied.
+  tensors the engine does not track (``track=``) are the model's own, shared, never copied;
+  a tracked-set change on the engine (``add_tensors``/``drop_tensors``) re-points the slots
+  it concerns before the module is next read (:meth:`EmaReplica.follow_tracked_set`).
   They stay until :meth:`~EmaReplica.changed` (the facades call it on ``update``, ``set``
   and ``load``; ``train()`` keeps them, so ``update_bn``'s forwards in train mode run on
   them). Evaluation then runs at replica speed: no communication per batch. Peak extra
@@ -124,23 +126,47 @@ class EmaReplica:
         self._module: nn.Module | None = None
         self._gathered: list[list[str]] = []  # names of each gathered tensor (tied: several)
         self._ints: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._tracked_version = -1  # the engine's tracked set the module was built for
         if not self.sharded:
             self._module = self._build(model)
 
     def _build(self, model: nn.Module) -> nn.Module:
+        named = dict(model.state_dict(keep_vars=True))
+        memo, self._gathered = self._slot_values(named)
+        module = copy.deepcopy(model, memo)
+        module.eval()
+        object.__setattr__(module, "_dtensor_ema_fix", self.fix)  # read by the hooks
+        self._ints = [
+            (t, named[k]) for k, t in module.state_dict().items() if not t.is_floating_point()
+        ]
+        # First: a tracked-set change made on the engine since is followed before the
+        # released check and before any forward or save reads the slots.
+        module.register_state_dict_pre_hook(_FollowTrackedSet(self))
+        module.register_forward_pre_hook(_FollowTrackedSet(self))
+        module.register_state_dict_pre_hook(_refuse_released)
+        module.register_forward_pre_hook(_refuse_released_forward)
+        module.register_load_state_dict_pre_hook(_LoadIntoEngine(self.engine))
+        return module
+
+    def _slot_values(
+        self, named: dict[str, torch.Tensor]
+    ) -> tuple[dict[int, torch.Tensor], list[list[str]]]:
+        """What the module holds for each of the model's tensors (by ``id``, tied ones
+        once), for the engine's current tracked set, and the names of the slots
+        :meth:`materialize` fills (tied: several). Local; records the tracked set."""
         ema = self.engine.ema_tensors()
         untracked = set(self.engine.untracked)
-        named = dict(model.state_dict(keep_vars=True))
-        memo: dict[int, Any] = {}
+        self._tracked_version = self.engine._plan.tracked_version
+        values: dict[int, torch.Tensor] = {}
         names: dict[int, list[str]] = {}
         for fqn, tensor in named.items():
-            if id(tensor) in memo:
+            if id(tensor) in values:
                 names.get(id(tensor), []).append(fqn)
                 continue
             ours = ema.get(fqn)
             whole = ours is not None and (self.live or not isinstance(ours, DTensor))
             if fqn in untracked:  # not averaged (track=): the model's own, shared, no copy
-                memo[id(tensor)] = (
+                values[id(tensor)] = (
                     nn.Parameter(tensor.detach(), requires_grad=False)
                     if isinstance(tensor, nn.Parameter)
                     else tensor
@@ -153,26 +179,37 @@ class EmaReplica:
                 else:
                     names[id(tensor)] = [fqn]
                     value = _meta(tensor)
-                memo[id(tensor)] = nn.Parameter(value, requires_grad=False)
+                values[id(tensor)] = nn.Parameter(value, requires_grad=False)
             elif ours is not None and tensor.is_floating_point():
                 if whole:
-                    memo[id(tensor)] = _full_local(ours)
+                    values[id(tensor)] = _full_local(ours)
                 else:
                     names[id(tensor)] = [fqn]
-                    memo[id(tensor)] = _meta(tensor)
+                    values[id(tensor)] = _meta(tensor)
             else:
-                memo[id(tensor)] = tensor.detach().clone()
-        module = copy.deepcopy(model, memo)
-        module.eval()
-        object.__setattr__(module, "_dtensor_ema_fix", self.fix)  # read by the hooks
-        self._gathered = list(names.values())
-        self._ints = [
-            (t, named[k]) for k, t in module.state_dict().items() if not t.is_floating_point()
-        ]
-        module.register_state_dict_pre_hook(_refuse_released)
-        module.register_forward_pre_hook(_refuse_released_forward)
-        module.register_load_state_dict_pre_hook(_LoadIntoEngine(self.engine))
-        return module
+                values[id(tensor)] = tensor.detach().clone()
+        return values, list(names.values())
+
+    def follow_tracked_set(self) -> None:
+        """After the engine's :meth:`~dtensor_ema.ModelEMA.add_tensors` /
+        :meth:`~dtensor_ema.ModelEMA.drop_tensors`: re-point every float slot of the module
+        by the rules of construction (newly tracked tensors take the EMA, or a storage-less
+        placeholder that the next :meth:`materialize` fills; dropped ones the model's own;
+        the engine's rebuilt flat buffers with ``parameters_as_bucket_view``), and drop any
+        gathered copy: the EMA changed. Local; no-op (one integer compare) while the
+        tracked set is the one the module was built for. Every entry point of this class,
+        and the module's forward and ``state_dict()``, call it first."""
+        if self._module is None or self.engine._plan.tracked_version == self._tracked_version:
+            return
+        named = dict(self.engine.model.state_dict(keep_vars=True))
+        values, self._gathered = self._slot_values(named)
+        for fqn, tensor in named.items():
+            if tensor.is_floating_point():
+                owner, name = _owner(self._module, fqn)
+                slots = owner._parameters if name in owner._parameters else owner._buffers
+                slots[name] = values[id(tensor)]  # type: ignore[assignment]
+        self.version += 1
+        self._rank0 = None
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -189,6 +226,7 @@ class EmaReplica:
         """The module a facade exposes: the replica, or (sharded) the engine's module,
         built on first access (see :meth:`~dtensor_ema.ModelEMA.build_module`)."""
         if self._module is not None:
+            self.follow_tracked_set()
             return self._module
         module = self.engine.module
         if self._guard_pending:  # once: the engine keeps this module
@@ -214,6 +252,7 @@ class EmaReplica:
         one bucket). Sharded: global rank 0 receives a full CPU copy (kept until
         :meth:`changed`); the other ranks hold one bucket while it runs.
         """
+        self.follow_tracked_set()
         if self.materialized:
             return
         if self._module is None:
@@ -253,6 +292,7 @@ class EmaReplica:
     def changed(self, *, ints: bool = True) -> None:
         """The EMA moved (update, set, load): free every gathered copy and (``ints``) copy
         the model's integer buffers into the replica. Local."""
+        self.follow_tracked_set()
         self.version += 1
         self._rank0 = None
         self.release()
@@ -274,6 +314,7 @@ class EmaReplica:
             RuntimeError: sharded and not materialized on this rank since the last change
                 (the message names ``what`` and the fix).
         """
+        self.follow_tracked_set()
         if self.live:
             return self.engine.get_ema_state_dict(include_untracked=True)
         if self._module is not None and not _released(self._module):
@@ -354,6 +395,25 @@ def _refuse_released_forward(module: nn.Module, args: Any) -> None:
 
 
 _DEFAULT_FIX = "call gather_for_save() on the EMA on every rank first"
+
+
+class _FollowTrackedSet:
+    """Forward and state-dict pre-hook of the replica: :meth:`EmaReplica.follow_tracked_set`
+    before the module is read. A copy or a pickle of the module loses the binding (it is no
+    longer the EMA's replica), as :class:`_LoadIntoEngine` does."""
+
+    def __init__(self, replica: EmaReplica | None) -> None:
+        self.replica = replica
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        if self.replica is not None:
+            self.replica.follow_tracked_set()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _FollowTrackedSet:
+        return _FollowTrackedSet(None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_FollowTrackedSet, (None,))
 
 
 class _FullOnRank0:
