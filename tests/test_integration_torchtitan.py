@@ -739,6 +739,18 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     weights = reference.weights()
     run["no_ema"] = {n: _differ(_trainer_ema_full(trainer, n, keys), weights) for n in trainer.ema}
     run["no_ema_to_step3"] = _differ(weights, saved["weights"][3])
+    # An HF export that fails on rank 0 (its folder's path is a file) raises on every rank
+    # with rank 0's message; before the fix the other ranks waited in a barrier that rank 0
+    # never reached (here: rank 0 went on to the next collective with them still in it).
+    blocked = base / "resume" / "blocked"
+    if rank == 0:
+        blocked.write_text("a file where the export folder's parent should be")
+    dist.barrier()
+    try:
+        trainer.export_hf(blocked / "hf")
+        run["export_refused"] = ""
+    except OSError as error:
+        run["export_refused"] = f"{type(error).__name__}: {error}"
     trainer.close()
     out["llama_resume"] = run
 
@@ -849,6 +861,9 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
         assert run["reseeded_to_step2"] == [], rank
         assert run["no_ema"] == {"decay_0_9": [], "decay_0_5": []}, rank
         assert run["no_ema_to_step3"] == [], rank
+    refused = [result["llama_resume"]["export_refused"] for result in w2]
+    assert refused[0] and refused == [refused[0]] * len(w2), refused
+    assert "Hugging Face format failed on rank 0: " in refused[0], refused[0]
     _assert_validation(w2, "llama_resume", 3)
     _assert_run(w2, "moe_fsdp", [1, 2, 3])
     _assert_validation(w2, "moe_fsdp", 3)

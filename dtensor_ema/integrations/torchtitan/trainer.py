@@ -42,6 +42,7 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.validate import Validator
 from torchtitan.trainer import Trainer
 
+from dtensor_ema._collectives import agree, group_of
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.hf import check_to_hf_keys, export_hf
 from dtensor_ema.reader import open_checkpoint
@@ -286,14 +287,17 @@ class EMATrainer(Trainer):
         ``state_dict_adapter`` (:func:`~dtensor_ema.integrations.torchtitan.export_hf`).
 
         **Collective**: every rank calls it; the weights are gathered to rank 0, on the CPU,
-        and rank 0 writes (returns the file; other ranks ``None``). Peak extra memory on
-        rank 0: one full copy of the weights in host memory, plus ``to_hf``'s copies; other
-        ranks: one bucket (EMA) or one gathered tensor (``raw``) at a time.
+        and rank 0 writes (returns the file; other ranks ``None``); then one flag
+        all-reduce, so that a failed write raises on every rank, with rank 0's message.
+        Peak extra memory on rank 0: one full copy of the weights in host memory, plus
+        ``to_hf``'s copies; other ranks: one bucket (EMA) or one gathered tensor (``raw``)
+        at a time.
 
         Raises:
             NotImplementedError: pipeline parallelism (each stage would hold part of the
                 weights), or a model spec without ``state_dict_adapter``.
-            ValueError: ``to_hf`` would drop keys.
+            ValueError: ``to_hf`` would drop keys (on every rank).
+            OSError: rank 0 could not write ``path`` (on every rank).
         """
         if self.parallel_dims.pp_enabled:
             raise NotImplementedError(
@@ -311,10 +315,14 @@ class EMATrainer(Trainer):
         else:
             state = self.ema.get_ema_state_dict(name, only_rank0_receives=True, cpu_offload=True)
         out = None
+        error: Exception | None = None
         if not dist.is_initialized() or dist.get_rank() == 0:
-            out = export_hf(state, adapter, path, dtype=dtype)
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                out = export_hf(state, adapter, path, dtype=dtype)
+            except Exception as e:  # the other ranks must not wait for rank 0 forever
+                error = e
+        del state
+        agree(group_of(None), error, f"exporting to {path} in Hugging Face format")
         return out
 
 
