@@ -445,3 +445,25 @@ def test_zoo_dcp_reshards_2_3_1(family: str, zoo_root: Path) -> None:
             got = ema.ema_tensors()
             assert _differ(got, {k: want[k] for k in got}) == [], (name, saved)
             assert ema.updates == STEPS
+
+
+@pytest.mark.parametrize(
+    "family_model", ["torchtitan/llama3_debugmodel", "torchtitan/deepseek_v3_moe"]
+)
+def test_zoo_models_build_the_same_whatever_the_allocator_held(family_model: str) -> None:
+    """A zoo model built twice under one seed is the same, finite, even after the allocator
+    held huge values: no parameter or buffer is left uninitialized (torchtitan's
+    ``config.build()`` alone leaves the grouped experts as ``torch.empty``). One process."""
+    family, name = family_model.split("/")
+    _require(family)
+    built = []
+    for poison in (float("nan"), 1e30):
+        for numel in (1 << 12, 1 << 16, 1 << 19, 1 << 21):  # freed blocks the build may reuse
+            del_me = torch.full((numel,), poison)
+            del del_me
+        torch.manual_seed(0)
+        model = ZOO[family][name].build()
+        built.append({k: t.detach().clone() for k, t in live_tensors(model).items()})
+    floats = {k: t for k, t in built[0].items() if t.is_floating_point()}
+    assert [k for k, t in floats.items() if not t.isfinite().all()] == []
+    assert [k for k in built[0] if not torch.equal(built[0][k], built[1][k])] == []

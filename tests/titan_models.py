@@ -49,15 +49,16 @@ def _cpu_blocks(config: Any, layers: int) -> None:
 def llama3_debugmodel(layers: int = 2, seed: int | None = None) -> nn.Module:
     """torchtitan's llama3 ``debugmodel`` (``model_registry("debugmodel")``: fused Q/K/V
     ``wqkv``, dim 256, vocab 2048) cut to its first ``layers`` blocks, SDPA attention, built
-    on the CPU in fp32 by ``config.build()`` (its own init). ``seed``: ``torch.manual_seed``
-    right before the build, else the caller's RNG state. One process, no communication."""
+    on the CPU in fp32 by ``config.build()`` then ``init_weights()``, as torchtitan's
+    ``Trainer`` does. ``seed``: ``torch.manual_seed`` right before the build, else the
+    caller's RNG state. One process, no communication."""
     from torchtitan.models.llama3 import model_registry
 
     config = model_registry("debugmodel", attn_backend="flex").model
     _cpu_blocks(config, layers)
     if seed is not None:
         torch.manual_seed(seed)
-    return config.build()
+    return _build_initialized(config)
 
 
 def deepseek_v3_debugmodel(layers: int = 2) -> nn.Module:
@@ -65,12 +66,25 @@ def deepseek_v3_debugmodel(layers: int = 2) -> nn.Module:
     attention, built on the CPU (caller's RNG state). At 2 blocks: block 0 dense, block 1
     MoE (8 grouped experts, ``w1_EFD``/``w2_EDF``/``w3_EFD`` of shape (8, 256, 256), run by
     ``torch._grouped_mm`` in bf16; top-3 softmax router; 2 shared experts), with the float32
-    buffers ``expert_bias_E`` (persistent) and ``tokens_per_expert_E`` (non-persistent)."""
+    buffers ``expert_bias_E`` (persistent) and ``tokens_per_expert_E`` (non-persistent).
+    Built then initialized by ``init_weights()``: ``config.build()`` alone leaves the grouped
+    experts as ``torch.empty`` (whatever the allocator held: NaN or 1e21 in a process that
+    ran other models first)."""
     from torchtitan.models.deepseek_v3 import model_registry
 
     config = model_registry("debugmodel", attn_backend="flex").model
     _cpu_blocks(config, layers)
-    return config.build()
+    return _build_initialized(config)
+
+
+def _build_initialized(config: Any) -> nn.Module:
+    """``config.build()`` then torchtitan's own ``init_weights()`` under ``no_grad``, the
+    order its ``Trainer`` uses (there after ``to_empty``): every parameter and buffer set
+    from the caller's RNG state, none left uninitialized."""
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights()
+    return model
 
 
 def use_cpu() -> None:
