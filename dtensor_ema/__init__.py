@@ -14,12 +14,14 @@ from dtensor_ema.decay import (
     DecaySchedule,
     HalfLifeDecay,
     RampDecay,
+    RunningMeanDecay,
     WarmupDecay,
 )
 from dtensor_ema.export import convert_checkpoint, export_ema
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
+from dtensor_ema.options import AveragingFunction
 from dtensor_ema.posthoc import PostHocEMA, merge_snapshots, synthesize
 
 try:
@@ -28,6 +30,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "AveragingFunction",
     "CallableDecay",
     "CheckpointError",
     "ConstantDecay",
@@ -37,6 +40,7 @@ __all__ = [
     "MultiModelEMA",
     "PostHocEMA",
     "RampDecay",
+    "RunningMeanDecay",
     "WarmupDecay",
     "__version__",
     "chunk_range",

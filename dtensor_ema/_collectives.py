@@ -2,8 +2,8 @@
 
 * :func:`agree` / :func:`mesh_agree`: every rank learns whether any rank failed a step, so
   all raise or none does (one all-reduce of a flag per rank; per mesh dim on N-D meshes).
-  :func:`agree` then gathers the failing ranks' messages in a fixed-size byte tensor (no
-  pickling), so every rank raises the same error naming which rank saw what.
+  Both then gather the failing ranks' messages in a fixed-size byte tensor (no pickling),
+  so every rank raises the same error naming which rank saw what.
 * :func:`collective` (a ``ModelEMA`` method) and :func:`entering` (any other block):
   mark a collective over a mesh or a process group. They name the call when a rank is
   missing: always when the backend's timeout fires, and early with
@@ -190,8 +190,10 @@ def same_error(what: str, failed: list[int], messages: dict[int, tuple[str, str]
 
 def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) -> None:
     """:func:`agree` over every rank of ``mesh`` (any number of dims), with no new group:
-    one all-reduce per mesh dim sums the flags over the whole mesh. Failed ranks are named
-    by their global rank. ``mesh=None``: this process alone."""
+    one all-reduce per mesh dim sums the flags over the whole mesh; when some rank failed,
+    one more all-reduce per dim sums the failing ranks' message rows, as :func:`agree`
+    does, so every rank raises the same error naming which rank (global rank) saw what.
+    ``mesh=None``: this process alone."""
     if mesh is None:
         agree(None, error, what)
         return
@@ -204,10 +206,18 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
     for group in groups:
         dist.all_reduce(flags, group=group)
     failed = [ranks[i] for i in flags.nonzero().flatten().tolist()]
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on rank(s) {failed}; their errors say why")
+    if not failed:
+        return
+    shown = failed[:MESSAGE_RANKS]
+    rows = torch.zeros(len(shown), MESSAGE_BYTES, dtype=torch.uint8, device=flags.device)
+    if error is not None and dist.get_rank() in shown:
+        encoded = _encode(error)
+        row = shown.index(dist.get_rank())
+        rows[row, : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
+    for group in groups:
+        dist.all_reduce(rows, group=group)
+    messages = dict(zip(shown, (_decode(row) for row in rows.cpu()), strict=True))
+    raise same_error(what, failed, messages) from error
 
 
 def is_mesh_first(mesh: DeviceMesh | None) -> bool:

@@ -11,7 +11,7 @@ then one ``_foreach_lerp_`` per EMA).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -40,8 +40,10 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         mesh: shared by every EMA, as for :class:`ModelEMA`.
         buffers: shared by every EMA, as for :class:`ModelEMA`.
         exclude: shared by every EMA, as for :class:`ModelEMA`.
-        track: shared by every EMA, as for :class:`ModelEMA` (change it on no member:
-            their update groups must line up).
+        track: shared by every EMA, as for :class:`ModelEMA`. Change the tracked set with
+            :meth:`add_tensors`/:meth:`drop_tensors` here, which change every member: a
+            member changed alone is refused by the next :meth:`update` (their update groups
+            must line up).
         ema_dtype: shared by every EMA, as for :class:`ModelEMA`.
         kernel: shared by every EMA, as for :class:`ModelEMA`.
 
@@ -104,6 +106,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         first = next(iter(self._emas.values()))
         self.model = first.model
         """The tracked (unwrapped) model; each EMA's own module is ``multi[name].module``."""
+        self._aligned_versions = self._tracked_versions()
 
     def __getitem__(self, name: str) -> ModelEMA:
         return self._emas[name]
@@ -114,11 +117,63 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
     def __len__(self) -> int:
         return len(self._emas)
 
+    def add_tensors(self, fqns: Iterable[str]) -> None:
+        """:meth:`ModelEMA.add_tensors` on every EMA, in order. **Collective** over the
+        mesh, as there (one flag all-reduce and one structure all-gather per mesh dim, per
+        EMA): every rank calls it with the same names. Peak extra memory: the new shards of
+        one EMA at a time, as there."""
+        names = self._names(fqns)
+        for ema in self._emas.values():
+            ema.add_tensors(names)
+        self._aligned_versions = self._tracked_versions()
+
+    def drop_tensors(self, fqns: Iterable[str]) -> None:
+        """:meth:`ModelEMA.drop_tensors` on every EMA, in order. **Collective** over the
+        mesh, as there: every rank calls it with the same names. Peak extra memory: as
+        there, one EMA at a time."""
+        names = self._names(fqns)
+        for ema in self._emas.values():
+            ema.drop_tensors(names)
+        self._aligned_versions = self._tracked_versions()
+
+    @staticmethod
+    def _names(fqns: Iterable[str]) -> list[str]:
+        if isinstance(fqns, str):
+            raise TypeError(f"fqns must be a collection of names, got the string {fqns!r}")
+        return list(fqns)
+
+    def _tracked_versions(self) -> tuple[int, ...]:
+        return tuple(ema._plan.tracked_version for ema in self._emas.values())
+
+    def _check_aligned(self) -> None:
+        """Refuse members whose tracked sets differ (one changed alone through
+        ``multi[name].add_tensors``): their update groups would pair different tensors.
+        Local; a tuple compare per update, the names compared only after a change."""
+        versions = self._tracked_versions()
+        if versions == self._aligned_versions:
+            return
+        (first_name, first), *others = self._emas.items()
+        want = [entry.fqn for entry in first._plan]
+        for name, ema in others:
+            have = [entry.fqn for entry in ema._plan]
+            if have != want:
+                only_first = [k for k in want if k not in have]
+                only_this = [k for k in have if k not in want]
+                raise ValueError(
+                    f"MultiModelEMA members track different tensors: {first_name!r} alone "
+                    f"tracks {only_first}, {name!r} alone tracks {only_this}. Change the "
+                    "tracked set with multi.add_tensors()/multi.drop_tensors(), which change "
+                    "every member; no EMA was updated"
+                )
+        self._aligned_versions = versions
+
     @torch.no_grad()
     def update(self, model: nn.Module | None = None) -> None:
         """Advance every EMA by one step. Local: **no communication**.
 
-        One model check; for each group of local tensors, one pass over the sources that
+        One model check (and, after a change of the tracked set, a check that every member
+        tracks the same tensors: ``ValueError`` naming them otherwise, nothing updated);
+        for each group of local tensors, one pass over the sources that
         lerps every averaging EMA (see the module docstring); copies and skipped EMAs are
         handled per EMA. Peak extra memory: the reused upcast scratch (at most 64 MiB) for
         bf16 sources with the eager kernel; none otherwise.
@@ -127,6 +182,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         for ema in emas:
             ema._check_model_argument(model)
             ema._sync_sources()
+        self._check_aligned()
         decays = [ema._advance() for ema in emas]
         for groups in zip(*(ema._groups for ema in emas), strict=True):
             averaging = [

@@ -26,9 +26,10 @@ from dist_harness import run_ranks
 from models import mismatches
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.device_mesh import init_device_mesh
 
 from dtensor_ema import ModelEMA, checksums, export_ema
-from dtensor_ema._collectives import MESSAGE_BYTES, agree
+from dtensor_ema._collectives import MESSAGE_BYTES, agree, mesh_agree
 from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 CORRUPTED = "0.weight"  # the tensor whose first saved chunk gets a flipped byte
@@ -133,6 +134,18 @@ def load_body(rank: int, world_size: int, tmp: str, full: dict[str, Any]) -> dic
         lambda: agree(world, ValueError("x" * 5000) if rank == 0 else None, "a long one")
     )
     out["agree_none"] = _raised(lambda: agree(world, None, "a step that worked"))
+    mesh_2d = init_device_mesh("cpu", (2, 1))  # two dims: the flags and rows reduce per dim
+    out["mesh_agree_distinct"] = _raised(
+        lambda: mesh_agree(
+            mesh_2d,
+            FileNotFoundError("no file here") if rank == 0 else ValueError("bad value there"),
+            "a mesh step",
+        )
+    )
+    out["mesh_agree_one"] = _raised(
+        lambda: mesh_agree(mesh_2d, KeyError("k") if rank == 1 else None, "one rank")
+    )
+    out["mesh_agree_none"] = _raised(lambda: mesh_agree(mesh_2d, None, "worked"))
     return out
 
 
@@ -186,9 +199,9 @@ def test_corruption_is_detected_when_resharding_to_two_ranks(saved: Any, loaded_
 
 @pytest.mark.distributed
 def test_every_rank_raises_every_failing_ranks_message(loaded_w2: Any) -> None:
-    """``agree`` gathers the failing ranks' messages (a fixed-size byte tensor, no pickling):
-    every rank raises the same text, of the first failing rank's type when that type is a
-    builtin or ours."""
+    """``agree`` (and ``mesh_agree`` on a 2-D mesh) gathers the failing ranks' messages (a
+    fixed-size byte tensor, no pickling): every rank raises the same text, of the first
+    failing rank's type when that type is a builtin or ours."""
     for r in loaded_w2[1]:
         assert r["agree_distinct"] == (
             "FileNotFoundError",
@@ -203,6 +216,13 @@ def test_every_rank_raises_every_failing_ranks_message(loaded_w2: Any) -> None:
         assert kind == "ValueError" and message.startswith("a long one failed on rank 0: Val")
         assert message.endswith("x...") and len(message) < MESSAGE_BYTES + 40
         assert r["agree_none"] is None
+        assert r["mesh_agree_distinct"] == (
+            "FileNotFoundError",
+            "a mesh step failed on ranks [0, 1]: rank 0: FileNotFoundError: no file here; "
+            "rank 1: ValueError: bad value there",
+        )
+        assert r["mesh_agree_one"] == ("KeyError", "\"one rank failed on rank 1: KeyError: 'k'\"")
+        assert r["mesh_agree_none"] is None
 
 
 @pytest.mark.distributed

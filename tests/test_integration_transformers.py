@@ -173,8 +173,13 @@ def train_and_check(
         )
         trainer.train(resume_from_checkpoint=resume)
         trainer.evaluate()  # standalone, after training
+        bad_export = None
         if export is not None:
             trainer.save_ema_model(export)
+            try:  # rank 0 alone writes, and fails: every rank must raise, none wait
+                ema_cb.save_pretrained(export.with_name("bad"), max_shard_size="not a size")
+            except ValueError as e:
+                bad_export = str(e)
     assert ref.ema is not None
     ema_full = ema_cb.ema.get_ema_state_dict()
     floats = {k: ema_full[k] for k in ref.ema}
@@ -189,6 +194,7 @@ def train_and_check(
         "ema": floats,
         "weights": full_state(model),
         "step": trainer.state.global_step,
+        "bad_export": bad_export,
     }
 
 
@@ -311,6 +317,15 @@ def test_export_loads_with_from_pretrained(runs: dict[str, Any]) -> None:
         if ema is not None:
             assert _equal({k: state[k] for k in ema}, ema)
         assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight)
+
+
+def test_a_failed_export_raises_on_every_rank(runs: dict[str, Any]) -> None:
+    """Rank 0 alone writes the folder; when it fails, every rank raises its error (the other
+    rank used to wait in a barrier for a rank that had left)."""
+    assert "not a size" in (runs["w1"]["bad_export"] or ""), runs["w1"]["bad_export"]
+    errors = [r["full"]["bad_export"] for r in runs["w2"]]
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    assert "failed on rank 0: ValueError" in errors[0] and "not a size" in errors[0], errors
 
 
 def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:

@@ -332,6 +332,44 @@ def test_multi_model_ema_shares_the_tracked_set() -> None:
         MultiModelEMA(model, {"a": {"track": "trainable"}})
 
 
+def test_multi_model_ema_changes_the_tracked_set_of_every_member() -> None:
+    """``multi.add_tensors``/``drop_tensors`` change every member, bit for bit against one
+    reference per decay; a member changed alone is refused by the next update (its update
+    groups would pair different tensors), with nothing updated."""
+    model = _edge()
+    decays = {"a": 0.5, "b": 0.9}
+    multi = MultiModelEMA(model, {n: {"decay": d, "tau": None} for n, d in decays.items()},
+                          track="trainable")  # fmt: skip
+    refs = {n: ReferenceEMA(dict(_trainable(model)), d, None) for n, d in decays.items()}
+    _step_(model, 0)
+    multi.update()
+    for ref in refs.values():
+        ref.update(dict(model.named_parameters()))
+    model.frozen.requires_grad_(True)
+    multi.add_tensors(["frozen"])
+    for ref in refs.values():
+        ref.ema["frozen"] = model.frozen.detach().clone()
+    multi["b"].add_tensors(["float_buf"])  # one member alone
+    before = {n: {k: v.clone() for k, v in multi[n].ema_tensors().items()} for n in decays}
+    with pytest.raises(ValueError, match=r"'a' alone tracks \[\], 'b' alone tracks \['float_b"):
+        multi.update()
+    assert all(mismatches(multi[n].ema_tensors(), before[n]) == [] for n in decays)
+    assert [multi[n].updates for n in decays] == [1, 1]
+    multi["a"].add_tensors(["float_buf"])  # realigned by hand
+    for ref in refs.values():
+        ref.ema["float_buf"] = model.float_buf.detach().clone()  # a buffer: it stays put
+    for step in (1, 2):
+        _step_(model, step)
+        multi.update()
+        for ref in refs.values():
+            ref.update(dict(model.named_parameters()) | dict(model.named_buffers()))
+    for n in decays:
+        assert mismatches({k: v.detach() for k, v in multi[n].ema_tensors().items()},
+                          refs[n].ema) == []  # fmt: skip
+    multi.drop_tensors(["frozen"])
+    assert all("frozen" in multi[n].untracked for n in decays)
+
+
 # ------------------------------------------------------------------------------ peft LoRA
 HAVE_PEFT = importlib.util.find_spec("peft") is not None and (
     importlib.util.find_spec("transformers") is not None

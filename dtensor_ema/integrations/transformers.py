@@ -33,12 +33,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from dtensor_ema._collectives import agree, group_of
 from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_ema.integrations._common import (
     StepGate,
@@ -140,8 +140,10 @@ class EMACallback(TrainerCallback):
         safetensors) that ``from_pretrained`` loads. **Collective**: every rank must call
         it; the EMA is gathered to rank 0 on the CPU (``get_ema_state_dict(only_rank0_receives=True,
         cpu_offload=True, include_untracked=True)``, in the model's dtypes: a whole state dict,
-        tensors the EMA does not track taken from the model), which alone writes. A peft
-        model's ``save_pretrained`` writes its adapter from it.
+        tensors the EMA does not track taken from the model), which alone writes; then one
+        all-reduce over the world group tells every rank whether the write failed, and every
+        rank raises rank 0's error if it did (no rank is left waiting). A peft model's
+        ``save_pretrained`` writes its adapter from it.
 
         Args:
             output_dir: the folder.
@@ -159,10 +161,13 @@ class EMACallback(TrainerCallback):
         state = ema.get_ema_state_dict(
             only_rank0_receives=True, cpu_offload=True, include_untracked=True
         )
+        error: Exception | None = None
         if is_rank0():
-            target.save_pretrained(output_dir, state_dict=state, **kwargs)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            try:
+                target.save_pretrained(output_dir, state_dict=state, **kwargs)
+            except Exception as e:  # every rank raises it, below
+                error = e
+        agree(group_of(None), error, f"writing the EMA as a save_pretrained folder to {output_dir}")
 
     # ------------------------------------------------------------------ events
     def on_train_begin(
