@@ -246,6 +246,18 @@ class EmaPlan:
         """Bytes of EMA storage held by this rank."""
         return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self.entries)
 
+    def trainable_changes(self) -> tuple[list[str], list[str]]:
+        """``(now trainable, frozen)``: the float parameters whose ``requires_grad`` changed
+        since the tracked set was last decided (``([], [])`` unless ``track="trainable"``).
+        Local; one ``requires_grad`` read per float parameter."""
+        if self.trainable is None:
+            return [], []
+        if all(p.requires_grad == self.trainable[k] for k, p in self._parameters):
+            return [], []
+        now = [k for k, p in self._parameters if p.requires_grad and not self.trainable[k]]
+        frozen = [k for k, p in self._parameters if not p.requires_grad and self.trainable[k]]
+        return now, frozen
+
     def check_trainable(self) -> None:
         """With ``track="trainable"``: refuse a trainable set that changed since the tracked
         set was last decided. Local; one ``requires_grad`` read per float parameter.
@@ -254,12 +266,9 @@ class EmaPlan:
             ValueError: naming the parameters that became trainable and those that were
                 frozen, and the calls that follow the change.
         """
-        if self.trainable is None:
+        now, frozen = self.trainable_changes()
+        if not (now or frozen):
             return
-        if all(p.requires_grad == self.trainable[k] for k, p in self._parameters):
-            return
-        now = [k for k, p in self._parameters if p.requires_grad and not self.trainable[k]]
-        frozen = [k for k, p in self._parameters if not p.requires_grad and self.trainable[k]]
         tracked = self.by_fqn()
         parts = []
         if now:

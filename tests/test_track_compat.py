@@ -165,3 +165,71 @@ def test_lightning_holds_the_adapters_only_when_asked(tmp_path: Path) -> None:
     fresh = LoraModule()
     fresh.load_state_dict(checkpoint["state_dict"], strict=True)  # whole: base from the model
     assert all(torch.equal(v, ours_sd[k]) for k, v in fresh.state_dict().items())
+
+
+def test_lightning_follows_backbone_finetuning(tmp_path: Path) -> None:
+    """``track="trainable"`` with Lightning's ``BackboneFinetuning`` set up after the EMA
+    callback (it freezes the backbone in its own ``setup``, then unfreezes it at epoch 1):
+    the average leaves the frozen backbone out until then, and at the end equals
+    Lightning's own callback (which averages everything) bit for bit; our callback too."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from lightning.pytorch.callbacks import EMAWeightAveraging as RealEMAWeightAveraging
+
+    from dtensor_ema.compat.lightning import EMAWeightAveraging
+    from dtensor_ema.integrations.lightning import EMACallback
+
+    class Finetuned(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+            self.head = nn.Linear(8, 2)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
+    seen: dict[str, int] = {}
+
+    class Watch(pl.Callback):  # the stored bytes during epoch 0, after the freeze
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            for cb in trainer.callbacks:  # type: ignore[attr-defined]
+                engine = getattr(getattr(cb, "_average_model", None), "engine", None)
+                engine = engine or getattr(cb, "_ema", None)
+                if engine is not None and trainer.current_epoch == 0:
+                    seen[type(cb).__name__] = engine.local_nbytes()
+
+    def fit(callback: Any) -> Finetuned:
+        module = Finetuned()
+        trainer = pl.Trainer(
+            max_epochs=2, accelerator="cpu", devices=1, logger=False,
+            callbacks=[callback, BackboneFinetuning(unfreeze_backbone_at_epoch=1), Watch()],
+            enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=str(tmp_path),
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        return module
+
+    real = fit(RealEMAWeightAveraging(decay=0.5))
+    ours = fit(EMAWeightAveraging(decay=0.5, track="trainable"))
+    head_bytes = _nbytes(Finetuned().head.parameters())
+    assert seen["EMAWeightAveraging"] == head_bytes  # the frozen backbone left out
+    real_sd, ours_sd = real.state_dict(), ours.state_dict()
+    assert [k for k in real_sd if not torch.equal(ours_sd[k], real_sd[k])] == []
+    callback = EMACallback(decay=0.5, tau=None, track="trainable", copy_to_model_on_train_end=True)
+    own = fit(callback)
+    assert seen["EMACallback"] == head_bytes
+    assert set(callback.ema.ema_tensors()) == set(real_sd)  # the backbone followed
+    # Its average starts from the weights at fit start (Lightning's copies the first
+    # step's), so only the backbone's, added at epoch 1 from the same value, match.
+    own_sd = own.state_dict()
+    backbone = [k for k in real_sd if k.startswith("backbone.")]
+    assert backbone and [k for k in backbone if not torch.equal(own_sd[k], real_sd[k])] == []
+    assert not torch.equal(own_sd["head.weight"], real_sd["head.weight"])

@@ -40,7 +40,12 @@ functions, such as the picklable function objects Lightning recommends for
 Other keywords go to :class:`~dtensor_ema.ModelEMA`: ``track="trainable"`` averages a LoRA
 module's adapters only (their bytes, ``1/W`` per rank; the checkpoint's ``state_dict`` stays
 the whole module, the frozen base from the module). By default the whole module is
-averaged, as Lightning does.
+averaged, as Lightning does. With ``track="trainable"`` the callback follows the trainable
+set, as an unfreezing callback (``BackboneFinetuning``) changes it: what a callback set up
+after this one freezes is left out before anything is averaged; a parameter unfrozen later
+is averaged from its value before the next step (``ModelEMA.add_tensors``, collective,
+logged once per change: the average Lightning's callback holds for a parameter that never
+moved while frozen, so the numbers match it); one frozen later keeps its average.
 
 Differences: integer buffers follow the model; float buffers that differ across DDP ranks
 (BatchNorm without ``SyncBatchNorm``) are averaged row-wise from each rank's own
@@ -57,12 +62,17 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import group_of
 from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_avg_fn
-from dtensor_ema.integrations._common import EvalSwap, copy_ema_into_model, is_rank0
+from dtensor_ema.integrations._common import (
+    EvalSwap,
+    copy_ema_into_model,
+    follow_trainable,
+    is_rank0,
+)
 from dtensor_ema.reader import CheckpointError, open_checkpoint
 
 __all__ = ["CURRENT_PREFIX", "EMAWeightAveraging", "WeightAveraging"]
@@ -143,9 +153,15 @@ class WeightAveraging(Callback):
         if average is None:
             average = self._build(pl_module)
         elif average.engine.updates == 0 and self._pending is None:
-            # Built in setup and nothing averaged or loaded yet: start from the weights the
-            # strategy left (DDP broadcast rank 0's), as every later update reads them.
-            average.reset_to(pl_module)
+            if any(average.engine._plan.trainable_changes()):
+                # track="trainable" and a callback set up after this one froze some (e.g.
+                # BaseFinetuning.freeze_before_training): nothing averaged yet, so choose
+                # the tensors again instead of keeping the frozen ones' bytes.
+                average = self._build(pl_module)
+            else:
+                # Built in setup and nothing averaged or loaded yet: start from the weights
+                # the strategy left (DDP broadcast rank 0's), as every later update reads.
+                average.reset_to(pl_module)
         if self._pending is not None:
             average.load_state_dict(self._pending)
             self._pending = None
@@ -153,6 +169,16 @@ class WeightAveraging(Callback):
             path, n_averaged = self._pending_sharded
             self._pending_sharded = None
             self._load_sharded(pl_module, path, n_averaged)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """With ``track="trainable"``: follow what an unfreezing callback changed at the
+        start of the epoch before this step moves it, so a parameter unfrozen there starts
+        from the value Lightning's own average holds for it (it never moved while frozen).
+        Collective only when the set changed."""
+        if self._average_model is not None:
+            follow_trainable(self._average_model.engine, rank_zero_info)
 
     def on_train_batch_end(
         self,
@@ -165,6 +191,7 @@ class WeightAveraging(Callback):
         step_idx = trainer.global_step - 1
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
             assert self._average_model is not None
+            follow_trainable(self._average_model.engine, rank_zero_info)
             self._average_model.update_parameters(pl_module)
             self._latest_update_step = trainer.global_step
 
@@ -172,6 +199,7 @@ class WeightAveraging(Callback):
         epoch = trainer.current_epoch
         if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
             assert self._average_model is not None
+            follow_trainable(self._average_model.engine, rank_zero_info)
             self._average_model.update_parameters(pl_module)
             self._latest_update_epoch = epoch
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "StepGate",
     "check_ema_options",
     "copy_ema_into_model",
+    "follow_trainable",
     "full_ema_tensors",
     "is_rank0",
 ]
@@ -172,6 +174,29 @@ def full_ema_tensors(ema: ModelEMA, *, rank0_only: bool = True) -> dict[str, tor
         if keep:
             out[fqn] = full.detach().to("cpu", copy=True)
     return out
+
+
+def follow_trainable(ema: ModelEMA, say: Callable[[str], None]) -> bool:
+    """With ``track="trainable"``, follow a trainable set that changed since the EMA chose
+    its tensors (a trainer's unfreezing callback, e.g. Lightning's ``BackboneFinetuning``):
+    parameters that became trainable start averaging from their current values
+    (``ema.add_tensors``); frozen ones keep their average (they stop moving, so it
+    converges to their value). Tells ``say`` what changed. Returns whether it changed.
+
+    **Collective** over the EMA's mesh when the set changed (``add_tensors``'s); local
+    otherwise (one ``requires_grad`` read per float parameter). Every rank sees the same
+    flips when the same callback made them. Peak extra memory: the new shards."""
+    now, frozen = ema._plan.trainable_changes()
+    if not (now or frozen):
+        return False
+    new = [k for k in now if k not in ema._plan.by_fqn()]
+    ema.add_tensors(new)
+    say(
+        f"EMA (track='trainable'): {len(now)} parameter(s) became trainable, "
+        f"{len(new)} of them now averaged from their current values"
+        + (f"; {len(frozen)} frozen, their averages kept" if frozen else "")
+    )
+    return True
 
 
 def is_rank0() -> bool:

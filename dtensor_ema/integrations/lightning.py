@@ -12,7 +12,12 @@ What it does, per trainer event (every rank runs every hook):
   strategy has set it up (DDP-wrapped, or sharded by ``configure_model`` under
   ``ModelParallelStrategy``), so each rank holds ``1/W`` of the EMA;
 * ``on_train_batch_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer
-  step (local, no communication), from ``start_step`` / ``start_epoch`` on;
+  step (local, no communication), from ``start_step`` / ``start_epoch`` on. With
+  ``track="trainable"``, ``on_train_batch_start`` (and ``on_train_batch_end``, for changes
+  made inside the step) first follows a trainable set that an unfreezing callback
+  (``BackboneFinetuning``) changed: newly trainable parameters are averaged from their
+  current values (``ModelEMA.add_tensors``: collective, and logged, only when the set
+  changed); frozen ones keep their average;
 * validation and test run with the EMA weights (``evaluate_with_ema=True``, the default,
   like Lightning's ``WeightAveraging``), through :meth:`ModelEMA.average_parameters`;
 * checkpoints carry the EMA (see :meth:`EMACallback.on_save_checkpoint`), and ``ckpt_path``
@@ -32,6 +37,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +47,7 @@ from dtensor_ema.integrations._common import (
     StepGate,
     check_ema_options,
     copy_ema_into_model,
+    follow_trainable,
     full_ema_tensors,
 )
 from dtensor_ema.model_ema import ModelEMA
@@ -192,6 +199,14 @@ class EMACallback(Callback):
         self._apply_pending()
 
     # ------------------------------------------------------------------ training
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """With ``track="trainable"``: follow what an unfreezing callback changed at the
+        start of the epoch, before this step moves it (collective only when it changed)."""
+        if self._ema is not None:
+            follow_trainable(self._ema, rank_zero_info)
+
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -208,6 +223,7 @@ class EMACallback(Callback):
         if not self.gate.should_update(step, trainer.current_epoch):
             return
         ema = self.ema
+        follow_trainable(ema, rank_zero_info)
         if not self._started:
             ema.set()  # a delayed start averages from the weights at the start, not at init
             self._started = True
