@@ -68,6 +68,7 @@ from dtensor_ema.plan import (
 )
 from dtensor_ema.state import load_local_state, local_state
 from dtensor_ema.swap import swapped_in
+from dtensor_ema.twin import guard_untracked_loads
 from dtensor_ema.updater import CapturableUpdater, Updater, make_updater
 
 __all__ = ["ModelEMA"]
@@ -559,7 +560,9 @@ class ModelEMA:
         see :func:`~dtensor_ema.ema_module.build_ema_module` and ``docs/evaluation.md``.
         Tensors the EMA does not track (``track=``) are the model's own, shared, never
         copied nor sharded in the twin (with a mesh, each unit gathers them from the
-        model's pieces around its forward, as the model's own forward would).
+        model's pieces around its forward, as the model's own forward would); so the
+        module's ``load_state_dict`` refuses a state that holds them (``ValueError``,
+        nothing written), which would write into the model.
 
         Calling the module is **collective** over the EMA mesh (every rank calls it, the
         same number of times): FSDP all-gathers one unit at a time. Peak extra memory:
@@ -602,6 +605,8 @@ class ModelEMA:
         module = build_ema_module(
             self.model, self._plan, self.mesh, units=units, compute_dtype=compute_dtype
         )
+        if self._plan.untracked:
+            guard_untracked_loads(module, self._plan)
         self._rebind_groups()  # the EMA's local shards may have moved into the module
         self._module = module
         return module

@@ -30,6 +30,7 @@ from dtensor_ema.plan import EmaPlan, PlanEntry
 __all__ = [
     "SharedSlots",
     "clone_without_fsdp",
+    "guard_untracked_loads",
     "install_forward_hooks",
     "prepare_twin",
     "rebind_callables",
@@ -114,6 +115,35 @@ class SharedSlots:
         """Re-point every slot at the model's current tensor (cheap when nothing moved)."""
         for owner, name, kind, fqn in self._slots:
             self.put(owner, name, kind, fqn)
+
+
+def guard_untracked_loads(twin: nn.Module, plan: EmaPlan) -> None:
+    """Refuse ``twin.load_state_dict`` of a state holding tensors the EMA does not track:
+    the twin's slots for them are the model's own tensors (or read from them before each
+    forward), so loading would write into the model. A pre-hook on the twin's root raises
+    before any tensor is written. Local."""
+
+    def refuse(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        names = [k[len(prefix) :] for k in state_dict if k.startswith(prefix)]
+        shared = [
+            k
+            for k in names
+            if plan.aliases.get(canonical_fqn(k), canonical_fqn(k)) in plan.untracked
+        ]
+        if shared:
+            raise ValueError(
+                f"ema.module.load_state_dict: {_few(shared)} are the model's own tensors "
+                "(untracked: track=), shared by ema.module; loading them would write into "
+                "the model. Leave them out of the state and pass strict=False, or load the "
+                "EMA with ema.load_state_dict()"
+            )
+
+    twin.register_load_state_dict_pre_hook(refuse)
+
+
+def _few(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
 
 
 def _data_ptr(tensor: torch.Tensor) -> int:

@@ -168,6 +168,19 @@ def test_swap_and_module_use_the_models_own_untracked_tensors(tmp_path: Path) ->
     expected_out = swapped(x)
     assert torch.equal(module(x), expected_out)
     assert module.frozen.data_ptr() == model.frozen.data_ptr()
+    # Loading a state into the module would write the untracked tensors into the model:
+    # refused before anything is written; the tracked part alone loads (strict=False).
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+    model_before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ema_before = {k: v.detach().clone() for k, v in ema.ema_tensors().items()}
+    with pytest.raises(ValueError, match=r"\['frozen', 'float_buf'\] are the model's own"):
+        module.load_state_dict(changed)
+    assert mismatches(model.state_dict(), model_before) == []
+    assert mismatches(ema.ema_tensors(), ema_before) == []
+    module.load_state_dict({k: changed[k] for k in ema_before}, strict=False)
+    assert mismatches(ema.ema_tensors(), {k: changed[k] for k in ema_before}) == []
+    assert mismatches(model.state_dict(), model_before) == []
 
 
 def test_trainable_set_changes_are_explicit() -> None:
