@@ -34,6 +34,7 @@ __all__ = [
     "KERNELS",
     "CountedStep",
     "UpdateGroup",
+    "apply_groups_",
     "lerp_groups_",
     "resolve_kernel",
     "update_groups",
@@ -149,6 +150,22 @@ class UpdateGroup:
             combine_(self.ema_locals, self.sources_in_ema_dtype(sources), decay, self.formula)
         else:
             lerp_groups_([self], [1.0 - decay], sources)
+
+    def computes_results(self, decay: float) -> bool:
+        """Whether :meth:`apply_` with ``decay`` runs the averaging function (whose
+        results :func:`apply_groups_` computes for every group before writing any)."""
+        return self.function is not None and self.averaged and decay != 0.0
+
+    def function_results(
+        self, decay: float, sources: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """What the averaging function would write for ``decay`` (a :class:`CountedStep`),
+        without writing the EMA (:meth:`AveragingFunction.results`)."""
+        assert self.function is not None
+        count = getattr(decay, "count", None)
+        assert count is not None, "an averaging function needs a CountedStep"
+        num = torch.tensor(count, dtype=torch.int64, device=self.ema_locals[0].device)
+        return self.function.results(self.ema_locals, self.sources_in_ema_dtype(sources), num)
 
     def copy_(self) -> None:
         """Copy the sources into the EMA (``set()``), whatever the formula."""
@@ -362,6 +379,31 @@ def _staged_batches(
         used += source.numel()
     batches.append(batch)
     return batches
+
+
+def apply_groups_(
+    groups: list[UpdateGroup],
+    decay: float,
+    sources: list[list[torch.Tensor]] | None = None,
+) -> None:
+    """:meth:`UpdateGroup.apply_` on every group; ``sources``: per group, what to read
+    instead of its source locals (staged host copies).
+
+    With an averaging function, all-or-nothing: its results for every group are computed
+    first and written only if none raised, so a function that raises leaves the EMA as it
+    was (peak extra memory then: one copy of this rank's EMA shard). The built-in formulas
+    cannot fail part way and write in place."""
+    staged: list[list[torch.Tensor] | None] = list(sources) if sources else [None] * len(groups)
+    results = {
+        i: group.function_results(decay, staged[i])
+        for i, group in enumerate(groups)
+        if group.computes_results(decay)
+    }
+    for i, group in enumerate(groups):
+        if i in results:
+            torch._foreach_copy_(group.ema_locals, results[i])
+        else:
+            group.apply_(decay, staged[i])
 
 
 def update_groups(

@@ -76,6 +76,10 @@ class AveragingFunction:
     differ. EMA, SWA and weighted sums of the two arguments all qualify; a norm, a mean
     over the tensor, or anything that reads a tensor's shape does not.
 
+    An update is all or nothing: the results for every group are computed before any is
+    written (``multi_avg_fn`` on copies), so a function that raises leaves the EMA and
+    ``updates`` as they were; peak extra memory: one copy of this rank's EMA shard.
+
     The eager path runs it (one Python call per update and group, one per tensor for
     ``avg_fn``); torch's own factories (``get_ema_*``/``get_swa_*``) are mapped onto the
     fused formulas by the drop-ins instead. ``get_decay()``/``last_decay`` are ``nan``:
@@ -110,12 +114,23 @@ class AveragingFunction:
     def apply_(
         self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor
     ) -> None:
-        """One averaging step on lists of local tensors (same device and dtype), in place."""
+        """One averaging step on lists of local tensors (same device and dtype), in place:
+        :meth:`results`, then one ``_foreach_copy_``."""
+        torch._foreach_copy_(averaged, self.results(averaged, current, num_averaged))
+
+    def results(
+        self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """The averages one step would write, computed without writing ``averaged``:
+        ``avg_fn``'s return values (torch's ``AveragedModel`` passes ``p_avg.detach()``
+        too, so a function that writes its first argument in place does write it), or
+        ``multi_avg_fn`` applied to copies (it works in place by torch's contract). Peak
+        extra memory: one tensor per input, the size of ``averaged``."""
         if self.multi:
-            self.fn(averaged, current, num_averaged)
-            return
-        for a, c in zip(averaged, current, strict=True):
-            a.copy_(self.fn(a, c, num_averaged))
+            copies = [a.clone() for a in averaged]
+            self.fn(copies, current, num_averaged)
+            return copies
+        return [self.fn(a, c, num_averaged) for a, c in zip(averaged, current, strict=True)]
 
     def check_elementwise(self) -> None:
         """Apply the function to a (7, 3) probe whole and split by rows (3, 1, 3 rows, as

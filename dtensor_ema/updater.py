@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dtensor_ema.fused_update import UpdateGroup
+from dtensor_ema.fused_update import UpdateGroup, apply_groups_
 
 __all__ = [
     "CUDA_OFFLOAD",
@@ -98,8 +98,7 @@ class InlineUpdater(Updater):
 
     def submit(self, step: float, done: Done | None = None) -> None:
         self._check_open()
-        for group in self.groups:
-            group.apply_(step)
+        apply_groups_(self.groups, step)
         if done is not None:
             done()
 
@@ -180,8 +179,7 @@ class OffloadUpdater(Updater):
         if event is not None:
             event.synchronize()
         with torch.no_grad():
-            for group, staged in zip(groups, staging, strict=True):
-                group.apply_(step, staged)
+            apply_groups_(groups, step, staging)
 
     def wait(self) -> None:
         """Block until the submitted step has been applied, then count it (``done``).

@@ -235,6 +235,45 @@ def test_running_mean_formulas_against_a_written_reference() -> None:
     assert function.last_decay != function.last_decay  # nan: no decay, the function decides
 
 
+@pytest.mark.parametrize("multi", [False, True])
+def test_a_function_that_raises_leaves_the_ema_unchanged(multi: bool) -> None:
+    """An averaging function that raises part way through an update (here on 1-D tensors:
+    after the weights of both dtype groups, before their biases) writes nothing: every
+    result is computed before any is written, and the update is not counted."""
+
+    def lerp_or_fail(a: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        if fail and a.dim() == 1:
+            raise RuntimeError("no biases today")
+        return a + (b - a) * 0.25
+
+    def multi_lerp_or_fail(a: list[torch.Tensor], b: list[torch.Tensor], n: torch.Tensor) -> None:
+        for x, y in zip(a, b, strict=True):
+            x.copy_(lerp_or_fail(x, y, n))  # in place, as torch's multi_avg_fn do
+
+    fail = False
+    model = nn.ModuleDict({"f32": nn.Linear(4, 3), "f64": nn.Linear(4, 3).double()})
+    fn = (
+        AveragingFunction(multi_lerp_or_fail, multi=True)
+        if multi
+        else AveragingFunction(lerp_or_fail)
+    )
+    ema = ModelEMA(model, schedule=fn)
+    ema.update()  # the first update copies
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = {k: v.clone() for k, v in ema.get_ema_state_dict().items()}
+    fail = True
+    with pytest.raises(RuntimeError, match="no biases today"):
+        ema.update()
+    assert same(ema.get_ema_state_dict(), before) and ema.updates == 1
+    fail = False
+    ema.update()
+    assert ema.updates == 2
+    want = {k: v + (model.state_dict()[k] - v) * 0.25 for k, v in before.items()}
+    assert same(ema.get_ema_state_dict(), want)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_swa_follows_torchs_device_rule_on_cuda() -> None:
