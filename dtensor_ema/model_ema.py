@@ -395,7 +395,9 @@ class ModelEMA:
         Call after ``optimizer.step()`` on every rank. Increments ``updates``; on averaging
         calls reads only this rank's piece of each tracked tensor and runs one fused
         ``torch._foreach_lerp_`` per (device, dtype) group (``_foreach_copy_`` for copies).
-        Peak extra memory: none for float32 sources (bf16/fp16: one reused upcast scratch).
+        Peak extra memory: none for float32 sources (bf16/fp16: one reused upcast scratch;
+        an :class:`~dtensor_ema.AveragingFunction` schedule: one copy of this rank's EMA
+        shard, its results computed before any is written).
 
         Args:
             model: optional, for timm-style ``ema.update(model)``; must be the tracked model
