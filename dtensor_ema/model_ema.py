@@ -238,21 +238,35 @@ class ModelEMA:
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._groups = self._build_groups()
-        fn = self.options.function
         # Decided (and refused, for cuda_graph=True) before any thread or stream exists.
-        self._graph_decision = _graphs.resolve(
-            cuda_graph,
+        self._graph_request = (cuda_graph, device, offload)
+        self._graph_decision = self._resolve_graph()
+        self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
+        self._swapped = False
+        self._module: nn.Module | None = None
+        self._use_graph_decision()
+
+    def _resolve_graph(self) -> _graphs.GraphDecision:
+        """The CUDA-graph decision for the current tracked set (its EMA dtypes decide).
+
+        Raises:
+            ValueError: ``cuda_graph=True`` where the decision is no.
+        """
+        requested, device, offload = self._graph_request
+        fn = self.options.function
+        return _graphs.resolve(
+            requested,
             device,
             offload=offload,
             schedule=self.options.schedule,
             ema_dtypes={e.ema_local.dtype for e in self._plan},
             formula=self.options.formula if fn is None else fn.kind,
         )
-        self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
-        self._swapped = False
-        self._module: nn.Module | None = None
-        _graphs.log_decision(self._graph_decision, device.type)
-        self._graph = _graphs.GraphedStep(device) if self._graph_decision.use else None
+
+    def _use_graph_decision(self) -> None:
+        _graphs.log_decision(self._graph_decision, self._graph_request[1].type)
+        use = self._graph_decision.use
+        self._graph = _graphs.GraphedStep(self._graph_request[1]) if use else None
 
     # ------------------------------------------------------------------ reading
     @property
@@ -337,8 +351,10 @@ class ModelEMA:
 
         Raises:
             ValueError: a name that is not an untracked float tensor of the model (each
-                named with the reason), or ranks that passed different names; nothing
-                changes then.
+                named with the reason), ranks that passed different names, or
+                ``cuda_graph=True`` and a new tensor's EMA dtype rules the graph out (as
+                at construction; auto falls back to eager, and returns to the graph when
+                the set allows it again); nothing changes then.
             RuntimeError: inside ``average_parameters()``, or after :attr:`module` was
                 built (it holds the old set: build it after the change).
         """
@@ -377,15 +393,26 @@ class ModelEMA:
             self._rebind_groups()
         names = list(fqns)
         if add:
-            for entry in self._plan.track_(names):
+            added = self._plan.track_(names)
+            try:  # the new EMA dtypes may rule out the CUDA graph (cuda_graph=True raises)
+                decision = self._resolve_graph()
+            except ValueError:
+                self._plan.untrack_([entry.fqn for entry in added])  # as before the call
+                self._rebind_groups()
+                raise
+            for entry in added:
                 if self.options.is_copied(entry.fqn, entry.source, entry.is_parameter):
                     self._copied.add(entry.fqn)
         else:
             self._plan.untrack_(names)
             self._copied -= set(names)
+            decision = self._resolve_graph()
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._rebind_groups()
+        if decision != self._graph_decision:
+            self._graph_decision = decision
+            self._use_graph_decision()
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()

@@ -371,3 +371,43 @@ def test_multi_ema_refuses_the_option_and_never_graphs(fake_cuda: list[FakeGraph
     multi = MultiModelEMA(Net(), {"a": {"decay": 0.5}})
     multi.update()
     assert multi["a"].cuda_graph.reason == "cuda_graph=False" and fake_cuda == []
+
+
+def test_the_decision_follows_add_and_drop_tensors(
+    fake_cuda: list[FakeGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tracking a float64 tensor later rules the graph out as it would at construction:
+    ``cuda_graph=True`` refuses the add (tracked set unchanged); auto falls back to eager
+    and returns to the graph once the tensor is dropped, the bits equal to eager's."""
+    monkeypatch.setattr(graphs, "AUTO_REPLAY", True)
+
+    def make() -> nn.Module:
+        model = Net()
+        model.register_buffer("wide", torch.randn(4, dtype=torch.float64))
+        return model
+
+    not_wide = lambda fqn, t: fqn != "wide"  # noqa: E731
+    model = make()
+    required = ModelEMA(model, cuda_graph=True, decay=0.9, tau=None, track=not_wide)
+    with pytest.raises(ValueError, match=r"cuda_graph=True.*torch.float64"):
+        required.add_tensors(["wide"])
+    assert "wide" in required.untracked and "wide" not in required.ema_tensors()
+    assert required.cuda_graph.use
+    auto = ModelEMA(model, decay=0.9, tau=None, track=not_wide)
+    eager = ModelEMA(model, cuda_graph=False, decay=0.9, tau=None, track=not_wide)
+    assert auto.cuda_graph.use
+    for step in range(1, 7):
+        if step == 3:
+            auto.add_tensors(["wide"])
+            eager.add_tensors(["wide"])
+            assert not auto.cuda_graph.use and "float64" in auto.cuda_graph.reason
+        if step == 5:
+            auto.drop_tensors(["wide"])
+            eager.drop_tensors(["wide"])
+            assert auto.cuda_graph.use
+        _perturb(model, step)
+        auto.update()
+        eager.update()
+        required.update()
+    assert mismatches(_ema_values(auto), _ema_values(eager)) == []
+    assert mismatches(_ema_values(required), _ema_values(eager)) == []
