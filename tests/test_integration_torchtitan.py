@@ -182,7 +182,10 @@ def test_torchtitan_ema_buffer_patterns_and_disabled() -> None:
     got = ema["decay_0_5"].ema_tensors()
     assert torch.equal(got["running_bias"], reference.emas["decay_0_5"]["running_bias"])
     assert torch.equal(got["running_bias"], torch.full((4,), 1.25))  # lerp of 1 then 2
-    assert torch.equal(got["other_stat"], model.other_stat)  # copied, never averaged
+    # Follows the model: neither stored nor averaged; whole state dicts read the model's.
+    assert "other_stat" not in got and "other_stat" in ema["decay_0_5"].untracked
+    whole = ema["decay_0_5"].get_ema_state_dict(include_untracked=True)
+    assert torch.equal(whole["other_stat"], model.other_stat)
     del buffers
 
     off = TorchtitanEMA(TorchtitanEMA.Config(enable=False), model_parts=[model])

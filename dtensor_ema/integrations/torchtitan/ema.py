@@ -17,7 +17,9 @@ The math, per EMA, is torchtitan's (read from its development branch)::
 
 EMAs start as a copy of the weights at construction. Parameters with ``requires_grad`` are
 averaged; buffers only when their canonical fqn matches one of ``buffer_patterns``
-(``fnmatch``), others follow the model (copied, so a swap leaves them unchanged). With
+(``fnmatch``). The others (frozen parameters, unmatched buffers) follow the model: the EMA
+neither stores nor updates them (``track=``), so they cost no EMA memory, a swap leaves
+them unchanged and exports read them from the model. With
 pipeline parallelism each model part (stage) gets its own EMAs over the stage's mesh.
 Use it in a training loop as torchtitan does::
 
@@ -171,12 +173,12 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
                 "use one decay, or offload_to_cpu=False"
             )
         for part in parts:
-            exclude = _not_averaged(part, config.buffer_patterns)
+            track = _Averaged(_not_averaged(part, config.buffer_patterns))
             if config.offload_to_cpu:
                 self.parts.append(
                     {
                         name: ModelEMA(
-                            part, mesh, schedule=fn, exclude=exclude, kernel="eager", offload=True
+                            part, mesh, schedule=fn, track=track, kernel="eager", offload=True
                         )
                         for name, fn in schedules.items()
                     }
@@ -187,7 +189,7 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
                         part,
                         {name: {"schedule": fn} for name, fn in schedules.items()},
                         mesh,
-                        exclude=exclude,
+                        track=track,
                         kernel="eager",
                     )
                 )
@@ -400,6 +402,20 @@ def _check_disjoint(parts: list[nn.Module]) -> None:
                     "not share tensors"
                 )
             seen[fqn] = i
+
+
+@dataclass(frozen=True)
+class _Averaged:
+    """The ``track=`` predicate: every float tensor but the ones that follow the model
+    (which the EMA then neither stores nor updates: they are read from the model)."""
+
+    follow_the_model: frozenset[str]
+
+    def __init__(self, names: set[str]) -> None:
+        object.__setattr__(self, "follow_the_model", frozenset(names))
+
+    def __call__(self, fqn: str, tensor: torch.Tensor) -> bool:
+        return fqn not in self.follow_the_model
 
 
 def _not_averaged(model: nn.Module, buffer_patterns: list[str]) -> set[str]:
