@@ -127,9 +127,11 @@ def convert_checkpoint(
     Runs in one process and needs no process group (nor the model); the checkpoint may have
     been saved at any world size, from DDP or FSDP2. Holds one full copy of the EMA in
     memory. The file has the averaged tensors only, in the EMA's dtype (or ``dtype``):
-    integer buffers and the duplicate names of tied weights are not averaged, so load it
+    integer buffers and the duplicate names of tied weights are not averaged, and an EMA
+    built with ``track=`` (a LoRA run's adapters) saved only the tensors it tracked (the
+    checkpoint's ``config`` lists the ``untracked`` ones, which it does not hold), so load it
     with ``model.load_state_dict(sd, strict=False)`` (or export from a live EMA with
-    :func:`export_ema` for a strict-loadable file). ``.safetensors`` paths are written with
+    :func:`export_ema` for a strict-loadable file, the untracked tensors from the model). ``.safetensors`` paths are written with
     safetensors (the saved counter and options go into its metadata), others with
     ``torch.save`` (``.pt``/``.pth``; other suffixes and missing parent directories are
     refused before anything is read).
