@@ -231,3 +231,21 @@ def peft_lora(family: str) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # GPT-2's Conv1D: fan_in_fan_out set by peft
         return peft.get_peft_model(transformers_base(family), config)
+
+
+def tiny_unet() -> nn.Module:
+    """A diffusers ``UNet2DModel`` of 8x8 one-channel images, two down and two up blocks
+    (GroupNorm of 4 groups), seeded: the same weights on every call and rank."""
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    return UNet2DModel(
+        sample_size=8,
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+    )

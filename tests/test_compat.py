@@ -37,6 +37,7 @@ from diffusers.training_utils import EMAModel as RealEMAModel  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging as RealEMAWA  # noqa: E402
+from models import tiny_unet  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -355,22 +356,6 @@ def _same_state(a: Any, b: Any) -> bool:
         a, b = a.detach().cpu(), b.detach().cpu()
         return a.dtype == b.dtype and bool(torch.isfinite(a.float()).all()) and torch.equal(a, b)
     return bool(a == b)
-
-
-def tiny_unet() -> Any:
-    from diffusers import UNet2DModel
-
-    torch.manual_seed(0)
-    return UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-    )
 
 
 def train_unet(model: nn.Module, emas: list[Any], steps: int, seed: int) -> None:

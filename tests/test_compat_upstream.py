@@ -42,6 +42,7 @@ from lightning_mirror import (  # noqa: E402
     TinyModule,
     fit,
 )
+from models import tiny_unet  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.optim import swa_utils as torch_swa  # noqa: E402
@@ -503,18 +504,6 @@ def test_lightning_ddp_spawn(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ diffusers
-def tiny_unet() -> UNet2DModel:
-    torch.manual_seed(0)
-    return UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-    )
 
 
 def randomize_(unet: nn.Module, seed: int) -> None:
