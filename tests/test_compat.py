@@ -637,19 +637,7 @@ def test_refusals_are_clear() -> None:
 def test_diffusers_save_pretrained_round_trip(tmp_path: Path) -> None:
     from diffusers import UNet2DModel
 
-    def unet() -> UNet2DModel:
-        torch.manual_seed(0)
-        return UNet2DModel(
-            sample_size=8,
-            in_channels=1,
-            out_channels=1,
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            norm_num_groups=4,
-            down_block_types=("DownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "UpBlock2D"),
-        )
-
+    unet = tiny_unet
     m = unet()
     kw = dict(model_cls=UNet2DModel, model_config=m.config, decay=0.9)
     real, ours = RealEMAModel(m.parameters(), **kw), our_diffusers.EMAModel(m.parameters(), **kw)
