@@ -19,7 +19,7 @@ size reshards it); and with ``--validator.enable`` logs ``validation_metrics/ema
 
 torchtitan targets GPUs: it needs its tokenizer and dataset assets (``--hf_assets_path``,
 ``--dataloader.dataset_path``) and NCCL. ``tests/test_examples_smoke.py`` runs this script on
-CPU ranks (at W=4, resumed at W=2, then in one process) with the CPU switches of the test
+CPU ranks (TP at W=2, resumed in one process) with the CPU switches of the test
 suite (``tests/titan_models.py``), none of which are in this script or the library.
 """
 
