@@ -201,9 +201,15 @@ _PRELOAD = [
     "dtensor_ema",
     "dist_harness",
 ]
-_PRELOAD_GLOO = ["lightning.pytorch", "diffusers.training_utils", "timm.utils"]
+_PRELOAD_GLOO = [
+    "lightning.pytorch",
+    "diffusers.training_utils",
+    "timm.utils",
+    "torchtitan.trainer",
+]
 """On gloo only, the extras' heavy imports (~1-2 s each per rank otherwise: the compat and
-Lightning test modules import them at module level, so every rank does). A missing one is
+Lightning test modules import them at module level, so every rank does; torchtitan's
+``Trainer`` ~3 s per rank of the torchtitan tests, which import it in the rank). A missing one is
 skipped (the forkserver ignores ImportError). Not on CUDA backends: diffusers' import counts
 CUDA devices, which must not happen in the process the ranks fork from."""
 
