@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from dist_harness import BACKEND, aborted_at_exit
+from dist_harness import BACKEND, aborted_at_exit, run_script
 from models import HAS_TORCHVISION
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -43,7 +43,8 @@ def _run(
     env_extra: dict[str, str] | None = None,
     timeout: float = TIMEOUT_S,
 ) -> str:
-    """Run an example (under torchrun with ``nproc`` ranks, or plain python for ``None``);
+    """Run an example (under torchrun with ``nproc`` ranks, or for ``None`` as plain python
+    would, forked from the preloaded rank server: ``dist_harness.run_script``);
     return its combined output, failing the test with the output's tail if the exit code
     is not what ``expect_ok`` says. ``env_extra``: more environment variables; a
     ``PYTHONPATH`` there goes after this checkout's. ``timeout``: seconds per launch."""
@@ -57,26 +58,36 @@ def _run(
     env.update(extra)
     env.setdefault("OMP_NUM_THREADS", "1")
     for attempt in range(2):
-        proc = subprocess.Popen(
-            launcher + args,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"{args[0]} ran past {timeout} s; output tail:\n{out[-4000:]}")
-        if not (expect_ok and attempt == 0 and aborted_at_exit(proc.returncode, out)):
+        if nproc is None:  # one process: forked from the preloaded rank server
+            returncode, out, _ = run_script(args, cwd, env, timeout_s=timeout, merge_output=True)
+        else:
+            returncode, out = _torchrun(launcher + args, cwd, env, timeout)
+        if not (expect_ok and attempt == 0 and aborted_at_exit(returncode, out)):
             break
-    if (proc.returncode == 0) != expect_ok:
-        pytest.fail(f"{args[0]} exited {proc.returncode}; output tail:\n{out[-4000:]}")
+    if (returncode == 0) != expect_ok:
+        pytest.fail(f"{args[0]} exited {returncode}; output tail:\n{out[-4000:]}")
     return out
+
+
+def _torchrun(
+    command: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[int, str]:
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{command[-1]} ran past {timeout} s; output tail:\n{out[-4000:]}")
+    return proc.returncode, out
 
 
 def _script(name: str) -> str:

@@ -3,7 +3,10 @@ written, on CPU.
 
 The blocks are extracted the way ``.ci/run`` extracts the test command, written to a
 scratch directory and run there: with ``torchrun`` when the block's first line says so
-(``# torchrun --standalone --nproc_per_node=N file.py``), else with ``python``. A snippet
+(``# torchrun --standalone --nproc_per_node=N file.py``), else as ``python snippet.py``
+would (a fresh ``__main__`` forked from the test ranks' preloaded server,
+``dist_harness.run_script``: the same globals, path and environment, without paying the
+imports again). A snippet
 that needs a GPU, a variable it never defines, or a process group it never creates fails
 here. A block that appears in several pages (the README's layout examples are repeated in
 ``docs/sharding.md``) runs once.
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_harness import aborted_at_exit
+from dist_harness import aborted_at_exit, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -100,14 +103,18 @@ def test_block_runs_as_written(key: str, tmp_path: Path) -> None:
         command += [f"--nproc_per_node={nproc}", name]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for attempt in range(2):
-        result = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
-        if attempt or not aborted_at_exit(result.returncode, result.stderr):
+        if launch:
+            result = subprocess.run(
+                command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            )
+            returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
+        else:  # one process: a fresh __main__ forked from the preloaded rank server
+            returncode, stdout, stderr = run_script([name], tmp_path, env, timeout_s=300)
+        if attempt or not aborted_at_exit(returncode, stderr):
             break
-    assert result.returncode == 0, (
+    assert returncode == 0, (
         f"block {key} ({' '.join(command[1:])}) failed:\n{code}\n"
-        f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+        f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}"
     )
 
 
@@ -135,3 +142,21 @@ def test_documented_import_exists(line: str) -> None:
         raise
     missing = [name for name in names if not hasattr(mod, name)]
     assert not missing, f"{line!r}: {module} has no {missing}"
+
+
+def test_a_forked_block_fails_as_python_would(tmp_path: Path) -> None:
+    """``run_script`` gives a block what ``python snippet.py`` would: a name it never
+    imported is undefined (torch is loaded in the server, not in the block's globals), the
+    test folder is not on the path, ``sys.exit`` codes and tracebacks come back."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cases = {
+        "uses_torch_unimported.py": ("x = torch.zeros(1)\n", 1, "NameError: name 'torch'"),
+        "imports_a_test_helper.py": ("import models\n", 1, "No module named 'models'"),
+        "exits.py": ("import sys\nprint('out')\nsys.exit(3)\n", 3, ""),
+        "works.py": ("import sys, torch\nprint(sys.argv[1:], torch.ones(2).sum().item())", 0, ""),
+    }
+    for name, (code, want_code, want_err) in cases.items():
+        (tmp_path / name).write_text(code)
+        returncode, stdout, stderr = run_script([name, "--flag"], tmp_path, env, timeout_s=120)
+        assert returncode == want_code and want_err in stderr, (name, returncode, stderr)
+    assert stdout == "['--flag'] 2.0\n" and stderr == ""
