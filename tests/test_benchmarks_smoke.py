@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_harness import run_script
 
 pytest.importorskip("timm", reason="benchmark extra: pip install '.[bench]'")
 pytest.importorskip("matplotlib", reason="benchmark extra: pip install '.[bench]'")
@@ -23,14 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    script = str(ROOT / "benchmarks" / "run_all.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code, stdout, stderr = run_script(
+        [script, "--quick", "--out", str(out)], out, env, timeout_s=300
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return out, stdout
 
 
 def _positive(value: Any) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,9 +21,15 @@ from typing import Any
 
 import pytest
 import torch
+from dist_harness import run_script
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    """``PYTHONPATH=.``, as the GPU session runs the suite."""
+    return dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 def _suite() -> ModuleType:
@@ -50,12 +56,12 @@ def test_gpu_suite_runs_on_cpu(tmp_path: Path) -> None:
         "--budget-s=1100",  # not the GPU preset's 460: compiling takes minutes on a busy CPU
         f"--out={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, stdout, stderr = run_script(cmd[1:], tmp_path, _env(), timeout_s=1200)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     report = (tmp_path / "gpu_suite.md").read_text()
     assert report.startswith("# dtensor_ema GPU suite")
-    summary = proc.stdout.split("== summary\n", 1)[1].splitlines()
+    summary = stdout.split("== summary\n", 1)[1].splitlines()
     assert [line.split(":")[0] for line in summary[:4]] == [
         "kernels",
         "cuda_graph",
@@ -109,9 +115,9 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
         "--budget-s=800",
         f"--out={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = proc.stdout.split("== summary\n", 1)[1].splitlines()
+    code, stdout, stderr = run_script(cmd[1:], tmp_path, _env(), timeout_s=900)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    summary = stdout.split("== summary\n", 1)[1].splitlines()
     assert summary[0].startswith("multirank: ok, 22 row(s), exact "), summary
     assert "(not:" not in summary[0], summary[0]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["multirank"]
