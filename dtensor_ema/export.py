@@ -129,10 +129,11 @@ def convert_checkpoint(
     memory. The file has the averaged tensors only, in the EMA's dtype (or ``dtype``):
     integer buffers and the duplicate names of tied weights are not averaged, and an EMA
     built with ``track=`` (a LoRA run's adapters) saved only the tensors it tracked (the
-    checkpoint's ``config`` lists the ``untracked`` ones, which it does not hold), so load it
-    with ``model.load_state_dict(sd, strict=False)`` (or export from a live EMA with
-    :func:`export_ema` for a strict-loadable file, the untracked tensors from the model). ``.safetensors`` paths are written with
-    safetensors (the saved counter and options go into its metadata), others with
+    checkpoint's ``config`` lists the ``untracked`` ones, which it does not hold), so load
+    it with ``model.load_state_dict(sd, strict=False)`` (or export from a live EMA with
+    :func:`export_ema` for a strict-loadable file, the untracked tensors from the model).
+    ``.safetensors`` paths are written with safetensors (the saved counter and options go
+    into its metadata), others with
     ``torch.save`` (``.pt``/``.pth``; other suffixes and missing parent directories are
     refused before anything is read).
 

@@ -384,7 +384,8 @@ def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err:
     own = [p for p in sys.path if p and os.path.abspath(p) != tests and p != cwd]
     sys.path[:] = [os.path.dirname(script), *python_path, *own]
     sys.argv[:] = list(argv)
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    if env.get("OMP_NUM_THREADS"):  # else torch's default, as in a new interpreter
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
