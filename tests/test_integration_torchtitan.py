@@ -10,7 +10,8 @@ torchtitan needs live in ``titan_models`` (test setup, never the library).
   final one at step 3 model-only), llama3 FSDP2 2 x TP 2 (HF export of the EMA and of the raw
   weights; the final checkpoint model-only in HF format), llama3 PP 2 x FSDP2 2 (one EMA
   per stage over the stage's mesh), deepseek_v3 (MoE, ``expert_bias_E`` averaged through
-  ``buffer_patterns``) HSDP 2x2 and FSDP2 2 x TP 2.
+  ``buffer_patterns``) HSDP 2x2, FSDP2 2 x TP 2 and FSDP2 4 with EP 2 (the experts' EMA on
+  the ``ep`` mesh).
 * W=2 (one spawn): llama3 FSDP2 resumed from the W=4 HSDP step-2 checkpoint, then a
   model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2; and
   ``TorchtitanEMA`` in a hand-written loop under DDP and FSDP2 (each rank holds half of the
@@ -671,8 +672,14 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer.close()
     out["llama_pp"] = run
 
-    # deepseek_v3 (MoE) HSDP 2x2 and FSDP2 2 x TP 2, the expert bias averaged too.
-    for layout, degrees in (("hsdp", {"replicate": 2, "shard": 2}), ("tp", {"shard": 2, "tp": 2})):
+    # deepseek_v3 (MoE) HSDP 2x2, FSDP2 2 x TP 2 and FSDP2 4 with EP 2 (the experts on
+    # torchtitan's efsdp x ep meshes, all-to-all token dispatch), the expert bias averaged.
+    moe_layouts = {
+        "hsdp": {"replicate": 2, "shard": 2},
+        "tp": {"shard": 2, "tp": 2},
+        "ep": {"shard": 4, "ep": 2},
+    }
+    for layout, degrees in moe_layouts.items():
         config = _config(base / f"moe_{layout}", "deepseek_v3", steps=2, validate_every=2,
                          **degrees)  # fmt: skip
         config.ema.decays = [0.9]
@@ -681,6 +688,14 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
         run = _train(trainer)
         run["validation"] = _check_validation(trainer)
         run.pop("reference")
+        run["expert_meshes"] = sorted(
+            {
+                str(e.device_mesh.mesh_dim_names)
+                for emas in trainer.ema.parts
+                for k, e in emas["decay_0_9"].ema_tensors().items()
+                if "experts" in k
+            }
+        )
         trainer.close()
         out[f"moe_{layout}"] = run
     dist.barrier()
@@ -838,6 +853,8 @@ def test_w4_ema_bit_exact_on_every_layout(w4: tuple[Path, list[dict[str, Any]]])
     _assert_run(results, "llama_pp", [1, 2])
     _assert_run(results, "moe_hsdp", [1, 2])
     _assert_run(results, "moe_tp", [1, 2])
+    _assert_run(results, "moe_ep", [1, 2])
+    assert all("'ep'" in r["moe_ep"]["expert_meshes"][0] for r in results), results[0]["moe_ep"]
     assert [r["llama_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert all(r["llama_pp"]["ema_mesh"] == [2] for r in results)  # the stage's 2 ranks
     assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp"]["keys"])
@@ -850,6 +867,7 @@ def test_w4_validator_logs_the_ema_loss(w4: tuple[Path, list[dict[str, Any]]]) -
     _assert_validation(results, "llama_tp", 3)
     _assert_validation(results, "moe_hsdp", 2)
     _assert_validation(results, "moe_tp", 2)
+    _assert_validation(results, "moe_ep", 2)
 
 
 @pytest.mark.distributed
