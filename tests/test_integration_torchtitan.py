@@ -187,6 +187,10 @@ def test_torchtitan_ema_buffer_patterns_and_disabled() -> None:
     assert "other_stat" not in got and "other_stat" in ema["decay_0_5"].untracked
     whole = ema["decay_0_5"].get_ema_state_dict(include_untracked=True)
     assert torch.equal(whole["other_stat"], model.other_stat)
+    # TorchtitanEMA's own dict is whole by default (what export_hf writes).
+    titan_whole = ema.get_ema_state_dict("decay_0_5")
+    assert set(titan_whole) == set(model.state_dict())
+    assert torch.equal(titan_whole["other_stat"], model.other_stat)
     del buffers
 
     off = TorchtitanEMA(TorchtitanEMA.Config(enable=False), model_parts=[model])

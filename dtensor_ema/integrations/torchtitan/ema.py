@@ -173,7 +173,7 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
                 "use one decay, or offload_to_cpu=False"
             )
         for part in parts:
-            track = _Averaged(_not_averaged(part, config.buffer_patterns))
+            track = _Averaged(frozenset(_not_averaged(part, config.buffer_patterns)))
             if config.offload_to_cpu:
                 self.parts.append(
                     {
@@ -281,14 +281,18 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         ``state_dict()`` (their post-hooks applied: torchtitan's fused ``wqkv`` comes out as
         ``wq``/``wk``/``wv``), all parts of this rank merged. **Collective** over each part's
         EMA mesh; ``options`` go to :meth:`dtensor_ema.ModelEMA.get_ema_state_dict`
-        (``only_rank0_receives``, ``cpu_offload``, ``bucket_bytes``). With pipeline
-        parallelism a rank gets its own stages' tensors only.
+        (``only_rank0_receives``, ``cpu_offload``, ``bucket_bytes``; ``include_untracked``
+        defaults to ``True`` here: the tensors that follow the model, frozen parameters and
+        buffers outside ``buffer_patterns`` such as MoE's ``expert_bias_E``, come from the
+        model, so the dict is whole, as ``export_hf`` needs). With pipeline parallelism a
+        rank gets its own stages' tensors only.
 
         Raises:
             RuntimeError: the EMA is disabled.
             KeyError: no EMA is called ``name``.
         """
         key = self._key(name)
+        options.setdefault("include_untracked", True)
         merged: dict[str, Any] = {}
         for emas in self.parts:
             merged.update(emas[key].get_ema_state_dict(**options))
@@ -410,9 +414,6 @@ class _Averaged:
     (which the EMA then neither stores nor updates: they are read from the model)."""
 
     follow_the_model: frozenset[str]
-
-    def __init__(self, names: set[str]) -> None:
-        object.__setattr__(self, "follow_the_model", frozenset(names))
 
     def __call__(self, fqn: str, tensor: torch.Tensor) -> bool:
         return fqn not in self.follow_the_model
