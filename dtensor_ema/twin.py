@@ -118,27 +118,57 @@ class SharedSlots:
 
 
 def guard_untracked_loads(twin: nn.Module, plan: EmaPlan) -> None:
-    """Refuse ``twin.load_state_dict`` of a state holding tensors the EMA does not track:
-    the twin's slots for them are the model's own tensors (or read from them before each
-    forward), so loading would write into the model. A pre-hook on the twin's root raises
-    before any tensor is written. Local."""
+    """Refuse ``load_state_dict`` on the twin (or any of its submodules) of a state that
+    would change a tensor the EMA does not track: the twin's slots for them are the model's
+    own tensors (or read from them before each forward), so loading would write into the
+    model. A value that is the model's tensor, or equal to it, passes (a state the module
+    gave loads back). A pre-hook on every module above such a slot checks the whole subtree
+    being loaded, so the module ``load_state_dict`` was called on raises before anything is
+    written. Local (DTensors compare their local pieces)."""
+    owners: dict[int, list[tuple[str, str]]] = {}  # id(module) -> [(local name, untracked)]
+    for module_fqn, module in twin.named_modules():
+        names = [*module._parameters, *module._buffers]
+        for name in names:
+            fqn = canonical_fqn(f"{module_fqn}.{name}" if module_fqn else name)
+            target = plan.aliases.get(fqn, fqn)
+            if target in plan.untracked:
+                owners.setdefault(id(module), []).append((name, target))
 
-    def refuse(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-        names = [k[len(prefix) :] for k in state_dict if k.startswith(prefix)]
-        shared = [
-            k
-            for k in names
-            if plan.aliases.get(canonical_fqn(k), canonical_fqn(k)) in plan.untracked
-        ]
+    def changed(state_dict: Mapping[str, Any], keys: list[tuple[str, str]]) -> list[str]:
+        return [k for k, target in keys if k in state_dict and _differs(state_dict[k], target)]
+
+    def _differs(value: Any, target: str) -> bool:
+        model = plan.untracked[target]
+        if value is model:
+            return False
+        local = value.to_local() if hasattr(value, "to_local") else value
+        mine = model.to_local() if hasattr(model, "to_local") else model
+        if hasattr(value, "to_local") != hasattr(model, "to_local"):
+            return True  # a full tensor for a sharded one (or the other way): not the same
+        return not (local.shape == mine.shape and torch.equal(local.to(mine.dtype), mine))
+
+    def refuse(shared: list[str]) -> None:
         if shared:
             raise ValueError(
                 f"ema.module.load_state_dict: {_few(shared)} are the model's own tensors "
-                "(untracked: track=), shared by ema.module; loading them would write into "
-                "the model. Leave them out of the state and pass strict=False, or load the "
-                "EMA with ema.load_state_dict()"
+                "(untracked: track=), shared by ema.module; loading other values would write "
+                "into the model. Leave them out of the state and pass strict=False, or load "
+                "the EMA with ema.load_state_dict()"
             )
 
-    twin.register_load_state_dict_pre_hook(refuse)
+    def check_root(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
+        keys = []
+        for module_fqn, sub in module.named_modules():
+            head = f"{prefix}{module_fqn}." if module_fqn else prefix
+            keys += [(head + name, target) for name, target in owners.get(id(sub), [])]
+        refuse(changed(state_dict, keys))
+
+    owner_fqns = [f for f, m in twin.named_modules() if id(m) in owners]
+    for module_fqn, module in twin.named_modules():  # the owners and all their ancestors
+        if any(
+            f == module_fqn or not module_fqn or f.startswith(module_fqn + ".") for f in owner_fqns
+        ):
+            module.register_load_state_dict_pre_hook(check_root)
 
 
 def _few(names: list[str], limit: int = 5) -> str:

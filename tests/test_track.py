@@ -181,6 +181,20 @@ def test_swap_and_module_use_the_models_own_untracked_tensors(tmp_path: Path) ->
     module.load_state_dict({k: changed[k] for k in ema_before}, strict=False)
     assert mismatches(ema.ema_tensors(), {k: changed[k] for k in ema_before}) == []
     assert mismatches(model.state_dict(), model_before) == []
+    module.load_state_dict(module.state_dict())  # what it gave loads back, strictly
+    rounded = dict(state, frozen=model.frozen.detach().to(torch.bfloat16))
+    if not torch.equal(rounded["frozen"].float(), model.frozen.detach()):
+        with pytest.raises(ValueError, match=r"\['frozen'\] are the model's own"):
+            module.load_state_dict(rounded)  # a rounded copy would change the model's bits
+    # A submodule's load is checked too, before it writes anything.
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    seq_ema = ModelEMA(seq, decay=DECAY, tau=None, track=lambda fqn, t: fqn != "0.weight")
+    first = seq_ema.module[0]
+    with pytest.raises(ValueError, match=r"\['weight'\] are the model's own"):
+        first.load_state_dict({"weight": torch.zeros(4, 3), "bias": torch.zeros(4)})
+    assert not torch.equal(seq[0].weight, torch.zeros(4, 3))
+    assert not torch.equal(seq_ema.ema_tensors()["0.bias"], torch.zeros(4))
 
 
 def test_trainable_set_changes_are_explicit() -> None:
