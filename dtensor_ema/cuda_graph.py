@@ -44,6 +44,7 @@ import torch
 
 __all__ = [
     "AUTO_REPLAY",
+    "CAPTURE_FAILED",
     "DEVICE_DECAY_SCHEDULES",
     "CaptureFailed",
     "GraphDecision",
@@ -72,6 +73,10 @@ AUTO_REPLAY = False
 proven replay exact and captured in the common cases (issue 25: the last GPU run predates
 the replay path); ``cuda_graph=True`` opts in meanwhile. :func:`resolve` reads it at each
 construction."""
+
+
+CAPTURE_FAILED = "capturing failed"
+"""How a decision's reason starts once a capture failed on this EMA: it stays eager."""
 
 
 class GraphDecision(NamedTuple):

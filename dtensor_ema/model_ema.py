@@ -393,11 +393,13 @@ class ModelEMA:
             self._rebind_groups()
         names = list(fqns)
         if add:
+            trainable_before = self._plan.trainable
             added = self._plan.track_(names)
             try:  # the new EMA dtypes may rule out the CUDA graph (cuda_graph=True raises)
                 decision = self._resolve_graph()
             except ValueError:
-                self._plan.untrack_([entry.fqn for entry in added])  # as before the call
+                self._plan.untrack_([entry.fqn for entry in added])  # as before the call,
+                self._plan.trainable = trainable_before  # the trainable-set check included
                 self._rebind_groups()
                 raise
             for entry in added:
@@ -410,7 +412,8 @@ class ModelEMA:
         for entry in self._plan:
             entry.averaged = entry.fqn not in self._copied
         self._rebind_groups()
-        if decision != self._graph_decision:
+        failed_capture = self._graph_decision.reason.startswith(_graphs.CAPTURE_FAILED)
+        if decision != self._graph_decision and not failed_capture:  # a failure stays eager
             self._graph_decision = decision
             self._use_graph_decision()
 
@@ -473,7 +476,7 @@ class ModelEMA:
             self._counter.record(updates, decay)
         if self._graph.failed is not None:  # the step ran eagerly; the host path from now on
             self._graph_decision = _graphs.GraphDecision(
-                False, f"capturing failed: {self._graph.failed}"
+                False, f"{_graphs.CAPTURE_FAILED}: {self._graph.failed}"
             )
             if self.options.cuda_graph is True:
                 raise RuntimeError(

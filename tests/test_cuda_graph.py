@@ -361,6 +361,14 @@ def test_a_failed_capture_applies_the_step_once_then_stays_eager(
     assert graphed._graph is not None and graphed._graph.captures == 0
     if not required:
         assert [r.levelname for r in caplog.records if "failed" in r.getMessage()] == ["WARNING"]
+    # A change of the tracked set does not forget the failure: it stays eager, no retry.
+    graphed.drop_tensors(["stat"])
+    eager.drop_tensors(["stat"])
+    _perturb(model, 5)
+    graphed.update()
+    eager.update()
+    assert not graphed.cuda_graph.use and "capturing failed" in graphed.cuda_graph.reason
+    assert mismatches(_ema_values(graphed), _ema_values(eager)) == []
 
 
 def test_multi_ema_refuses_the_option_and_never_graphs(fake_cuda: list[FakeGraph]) -> None:
@@ -411,3 +419,14 @@ def test_the_decision_follows_add_and_drop_tensors(
         required.update()
     assert mismatches(_ema_values(auto), _ema_values(eager)) == []
     assert mismatches(_ema_values(required), _ema_values(eager)) == []
+    # With track="trainable", the refused add leaves the trainable-set check as it was: a
+    # change made meanwhile is still reported by the next update.
+    model = make()
+    model.wide_p = nn.Parameter(torch.randn(3, dtype=torch.float64), requires_grad=False)
+    trainable = ModelEMA(model, cuda_graph=True, decay=0.9, tau=None, track="trainable")
+    model.wide_p.requires_grad_(True)
+    model.a.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"cuda_graph=True.*torch.float64"):
+        trainable.add_tensors(["wide_p"])
+    with pytest.raises(ValueError, match=r"now trainable \['wide_p'\].*frozen \['a.bias'\]"):
+        trainable.update()
