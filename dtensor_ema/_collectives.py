@@ -194,7 +194,7 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
     one more all-reduce per dim sums the failing ranks' message rows, as :func:`agree`
     does, so every rank raises the same error naming which rank (global rank) saw what.
     ``mesh=None``: this process alone."""
-    if mesh is None:
+    if mesh is None or mesh.size() == 1:  # this process alone: its own error, as agree
         agree(None, error, what)
         return
     ranks = mesh.mesh.flatten().tolist()

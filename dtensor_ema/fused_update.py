@@ -390,15 +390,25 @@ def apply_groups_(
     instead of its source locals (staged host copies).
 
     With an averaging function, all-or-nothing: its results for every group are computed
-    first and written only if none raised, so a function that raises leaves the EMA as it
-    was (peak extra memory then: one copy of this rank's EMA shard). The built-in formulas
-    cannot fail part way and write in place."""
+    and their shapes checked first, and written only if none raised or came back with
+    another shape, so such a function leaves the EMA as it was (peak extra memory then:
+    one copy of this rank's EMA shard; an ``avg_fn`` that writes its first argument in
+    place writes as it goes, as in torch). The built-in formulas cannot fail part way and
+    write in place."""
     staged: list[list[torch.Tensor] | None] = list(sources) if sources else [None] * len(groups)
     results = {
         i: group.function_results(decay, staged[i])
         for i, group in enumerate(groups)
         if group.computes_results(decay)
     }
+    for i, values in results.items():
+        for ema, value in zip(groups[i].ema_locals, values, strict=True):
+            if not isinstance(value, torch.Tensor) or value.shape != ema.shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(
+                    f"the averaging function returned {got} for an EMA piece of shape "
+                    f"{tuple(ema.shape)}; it must return a tensor of its first argument's shape"
+                )
     for i, group in enumerate(groups):
         if i in results:
             torch._foreach_copy_(group.ema_locals, results[i])

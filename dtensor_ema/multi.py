@@ -121,19 +121,30 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         """:meth:`ModelEMA.add_tensors` on every EMA, in order. **Collective** over the
         mesh, as there (one flag all-reduce and one structure all-gather per mesh dim, per
         EMA): every rank calls it with the same names. Peak extra memory: the new shards of
-        one EMA at a time, as there."""
-        names = self._names(fqns)
-        for ema in self._emas.values():
-            ema.add_tensors(names)
-        self._aligned_versions = self._tracked_versions()
+        one EMA at a time, as there. If a member fails, the members already changed drop
+        the new tensors again and it raises: all members keep one tracked set."""
+        self._change_every_member(self._names(fqns), add=True)
 
     def drop_tensors(self, fqns: Iterable[str]) -> None:
         """:meth:`ModelEMA.drop_tensors` on every EMA, in order. **Collective** over the
         mesh, as there: every rank calls it with the same names. Peak extra memory: as
-        there, one EMA at a time."""
-        names = self._names(fqns)
-        for ema in self._emas.values():
-            ema.drop_tensors(names)
+        there, one EMA at a time. If a member fails, the members already changed are
+        changed back (dropped tensors re-added from the model's values) and it raises."""
+        self._change_every_member(self._names(fqns), add=False)
+
+    def _change_every_member(self, names: list[str], *, add: bool) -> None:
+        """Change every member in order; if one fails, undo the members already changed
+        (an added tensor dropped; a dropped one added back, from the model's current value)
+        so that they stay aligned, then re-raise."""
+        done: list[ModelEMA] = []
+        try:
+            for ema in self._emas.values():
+                (ema.add_tensors if add else ema.drop_tensors)(names)
+                done.append(ema)
+        except Exception:
+            for ema in done:
+                (ema.drop_tensors if add else ema.add_tensors)(names)
+            raise
         self._aligned_versions = self._tracked_versions()
 
     @staticmethod

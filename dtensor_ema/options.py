@@ -76,9 +76,11 @@ class AveragingFunction:
     differ. EMA, SWA and weighted sums of the two arguments all qualify; a norm, a mean
     over the tensor, or anything that reads a tensor's shape does not.
 
-    An update is all or nothing: the results for every group are computed before any is
-    written (``multi_avg_fn`` on copies), so a function that raises leaves the EMA and
-    ``updates`` as they were; peak extra memory: one copy of this rank's EMA shard.
+    An update is all or nothing: the results for every group are computed (and their
+    shapes checked) before any is written (``multi_avg_fn`` on copies), so a function that
+    raises leaves the EMA and ``updates`` as they were; peak extra memory: one copy of this
+    rank's EMA shard. (An ``avg_fn`` that writes its first argument in place, instead of
+    returning a new tensor, writes as it goes, as it would in torch.)
 
     The eager path runs it (one Python call per update and group, one per tensor for
     ``avg_fn``); torch's own factories (``get_ema_*``/``get_swa_*``) are mapped onto the

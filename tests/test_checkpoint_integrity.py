@@ -146,6 +146,10 @@ def load_body(rank: int, world_size: int, tmp: str, full: dict[str, Any]) -> dic
         lambda: mesh_agree(mesh_2d, KeyError("k") if rank == 1 else None, "one rank")
     )
     out["mesh_agree_none"] = _raised(lambda: mesh_agree(mesh_2d, None, "worked"))
+    alone = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pair", "alone"))["alone"]
+    out["mesh_agree_alone"] = _raised(  # a one-rank mesh: the rank's own error, as agree
+        lambda: mesh_agree(alone, _NotOurs("mine") if rank == 1 else None, "by itself")
+    )
     return out
 
 
@@ -223,6 +227,7 @@ def test_every_rank_raises_every_failing_ranks_message(loaded_w2: Any) -> None:
         )
         assert r["mesh_agree_one"] == ("KeyError", "\"one rank failed on rank 1: KeyError: 'k'\"")
         assert r["mesh_agree_none"] is None
+    assert [r["mesh_agree_alone"] for r in loaded_w2[1]] == [None, ("_NotOurs", "mine")]
 
 
 @pytest.mark.distributed

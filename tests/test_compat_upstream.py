@@ -245,13 +245,15 @@ def test_a_function_that_raises_leaves_the_ema_unchanged(multi: bool) -> None:
     def lerp_or_fail(a: torch.Tensor, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         if fail and a.dim() == 1:
             raise RuntimeError("no biases today")
+        if wrong_shape and a.dim() == 1:
+            return (a + b).sum()
         return a + (b - a) * 0.25
 
     def multi_lerp_or_fail(a: list[torch.Tensor], b: list[torch.Tensor], n: torch.Tensor) -> None:
         for x, y in zip(a, b, strict=True):
             x.copy_(lerp_or_fail(x, y, n))  # in place, as torch's multi_avg_fn do
 
-    fail = False
+    fail = wrong_shape = False
     model = nn.ModuleDict({"f32": nn.Linear(4, 3), "f64": nn.Linear(4, 3).double()})
     fn = (
         AveragingFunction(multi_lerp_or_fail, multi=True)
@@ -273,6 +275,12 @@ def test_a_function_that_raises_leaves_the_ema_unchanged(multi: bool) -> None:
     assert ema.updates == 2
     want = {k: v + (model.state_dict()[k] - v) * 0.25 for k, v in before.items()}
     assert same(ema.get_ema_state_dict(), want)
+    if not multi:  # a result of another shape is refused before anything is written
+        wrong_shape = True
+        before = {k: v.clone() for k, v in ema.get_ema_state_dict().items()}
+        with pytest.raises(ValueError, match=r"returned \(\) for an EMA piece of shape \(3,\)"):
+            ema.update()
+        assert same(ema.get_ema_state_dict(), before) and ema.updates == 2
 
 
 @pytest.mark.cuda

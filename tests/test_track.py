@@ -396,6 +396,19 @@ def test_multi_model_ema_changes_the_tracked_set_of_every_member() -> None:
     multi.drop_tensors(["frozen"])
     assert all("frozen" in multi[n].untracked for n in decays)
 
+    # A member that fails part way: the ones already changed are changed back.
+    def broken(names: list[str]) -> None:
+        raise RuntimeError("out of memory, say")
+
+    multi["b"].add_tensors = broken  # type: ignore[method-assign]
+    model.frozen.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        multi.add_tensors(["frozen"])
+    assert all("frozen" in multi[n].untracked for n in decays)
+    del multi["b"].add_tensors
+    multi.add_tensors(["frozen"])
+    multi.update()
+
 
 # ------------------------------------------------------------------------------ peft LoRA
 HAVE_PEFT = importlib.util.find_spec("peft") is not None and (

@@ -157,6 +157,7 @@ class WeightAveraging(Callback):
                 # track="trainable" and a callback set up after this one froze some (e.g.
                 # BaseFinetuning.freeze_before_training): nothing averaged yet, so choose
                 # the tensors again instead of keeping the frozen ones' bytes.
+                average.engine.close()
                 average = self._build(pl_module)
             else:
                 # Built in setup and nothing averaged or loaded yet: start from the weights

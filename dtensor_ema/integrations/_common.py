@@ -189,7 +189,8 @@ def follow_trainable(ema: ModelEMA, say: Callable[[str], None]) -> bool:
     now, frozen = ema._plan.trainable_changes()
     if not (now or frozen):
         return False
-    new = [k for k in now if k not in ema._plan.by_fqn()]
+    tracked = ema._plan.by_fqn()
+    new = [k for k in now if k not in tracked]
     ema.add_tensors(new)
     say(
         f"EMA (track='trainable'): {len(now)} parameter(s) became trainable, "
