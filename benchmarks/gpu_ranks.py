@@ -390,22 +390,14 @@ def load_case(
     layout: str, dt: str, world: int, device: torch.device, save_dir: Path
 ) -> dict[str, Any]:
     """Load the W = 4 checkpoint of ``(layout, dt)`` into this world's model (DCP reshards)."""
-    from dtensor_ema import ModelEMA, load_checkpoint
+    from dtensor_ema import ModelEMA
 
     into = LOAD_INTO[layout]
     row: dict[str, Any] = {"world": world, "layout": f"load {layout} W=4 -> {into}", "dtype": dt}
     model = build(into, DTYPES[dt], device, world)
     ema = ModelEMA(model, decay=DECAY, tau=TAU, cuda_graph=False)
 
-    def load() -> Any:
-        saved = torch.load(save_dir / f"{layout}_{dt}.ref.pt", weights_only=True)
-        load_checkpoint({"ema": ema}, save_dir / f"{layout}_{dt}")
-        bad = differing(_ema_full(ema), saved["ref"])
-        if ema.updates != saved["updates"]:
-            bad.append(f"updates {ema.updates} != {saved['updates']}")
-        return verdict(bad)
-
-    attempt(row, "dcp_load", load)
+    attempt(row, "dcp_load", lambda: _load_and_compare(ema, save_dir, f"{layout}_{dt}"))
     return row
 
 
@@ -413,22 +405,30 @@ def load_one_process(layout: str, dt: str, device: torch.device, save_dir: Path)
     """Load a W = 4 checkpoint in this process, with no process group, onto ``device``."""
     from models import make_model
 
-    from dtensor_ema import ModelEMA, load_checkpoint
+    from dtensor_ema import ModelEMA
 
     row: dict[str, Any] = {"world": 1, "layout": f"load {layout} W=4 -> one process", "dtype": dt}
 
     def load() -> Any:
-        saved = torch.load(save_dir / f"{layout}_{dt}.ref.pt", weights_only=True)
         model = make_model("transformer").to(device=device, dtype=DTYPES[dt])
         ema = ModelEMA(model, decay=DECAY, tau=TAU, cuda_graph=False)
-        load_checkpoint({"ema": ema}, save_dir / f"{layout}_{dt}")
-        bad = differing(_ema_full(ema), saved["ref"])
-        if ema.updates != saved["updates"]:
-            bad.append(f"updates {ema.updates} != {saved['updates']}")
-        return verdict(bad)
+        return _load_and_compare(ema, save_dir, f"{layout}_{dt}")
 
     attempt(row, "dcp_load", load)
     return row
+
+
+def _load_and_compare(ema: Any, save_dir: Path, name: str) -> Any:
+    """Load checkpoint ``save_dir/name`` into ``ema`` (collective over its mesh) and compare
+    its full tensors and counter with the reference saved beside it (``name.ref.pt``)."""
+    from dtensor_ema import load_checkpoint
+
+    saved = torch.load(save_dir / f"{name}.ref.pt", weights_only=True)
+    load_checkpoint({"ema": ema}, save_dir / name)
+    bad = differing(_ema_full(ema), saved["ref"])
+    if ema.updates != saved["updates"]:
+        bad.append(f"updates {ema.updates} != {saved['updates']}")
+    return verdict(bad)
 
 
 def rank_body(

@@ -684,26 +684,32 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "ep": {"shard": 4, "ep": 2},
     }
     for layout, degrees in moe_layouts.items():
-        config = _config(base / f"moe_{layout}", "deepseek_v3", steps=2, validate_every=2,
-                         **degrees)  # fmt: skip
-        config.ema.decays = [0.9]
-        config.ema.buffer_patterns = list(MOE_BUFFERS)
-        trainer = build_cpu_trainer(config)
-        run = _train(trainer)
-        run["validation"] = _check_validation(trainer)
-        run.pop("reference")
-        run["expert_meshes"] = sorted(
-            {
-                str(e.device_mesh.mesh_dim_names)
-                for emas in trainer.ema.parts
-                for k, e in emas["decay_0_9"].ema_tensors().items()
-                if "experts" in k
-            }
-        )
-        trainer.close()
-        out[f"moe_{layout}"] = run
+        out[f"moe_{layout}"] = _moe_run(base / f"moe_{layout}", steps=2, **degrees)
     dist.barrier()
     return out
+
+
+def _moe_run(root: Path, steps: int, **degrees: int) -> dict[str, Any]:
+    """deepseek_v3 (MoE) on torchtitan's trainer: one EMA (decay 0.9) with the expert bias
+    averaged, validated at the last step; the shared checks, the validation and the mesh
+    dims of the experts' EMA."""
+    config = _config(root, "deepseek_v3", steps=steps, validate_every=steps, **degrees)
+    config.ema.decays = [0.9]
+    config.ema.buffer_patterns = list(MOE_BUFFERS)
+    trainer = build_cpu_trainer(config)
+    run = _train(trainer)
+    run["validation"] = _check_validation(trainer)
+    run.pop("reference")
+    run["expert_meshes"] = sorted(
+        {
+            str(e.device_mesh.mesh_dim_names)
+            for emas in trainer.ema.parts
+            for k, e in emas["decay_0_9"].ema_tensors().items()
+            if "experts" in k
+        }
+    )
+    trainer.close()
+    return run
 
 
 # ------------------------------------------------------------------ W=2
@@ -777,15 +783,7 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     out["llama_resume"] = run
 
     # deepseek_v3 (MoE) FSDP2.
-    config = _config(base / "moe", "deepseek_v3", shard=2, steps=3, validate_every=3)
-    config.ema.decays = [0.9]
-    config.ema.buffer_patterns = list(MOE_BUFFERS)
-    trainer = build_cpu_trainer(config)
-    run = _train(trainer)
-    run["validation"] = _check_validation(trainer)
-    run.pop("reference")
-    trainer.close()
-    out["moe_fsdp"] = run
+    out["moe_fsdp"] = _moe_run(base / "moe", steps=3, shard=2)
 
     out["hand_loop"] = _hand_loop(world_size, str(base / "hand"))
     return out
