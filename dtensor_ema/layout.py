@@ -36,15 +36,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dtensor_ema._collectives import all_gather_single
+from dtensor_ema.options import EmaOptions
 
 __all__ = [
     "LayoutBuilder",
+    "PlanEntry",
     "ReplicaLevel",
     "TensorLayout",
     "agree_on_structure",
     "chunk_range",
     "contiguous_stride",
     "cpu_mesh_like",
+    "default_ema_dtype",
+    "ema_local_from_full",
+    "local_rows",
+    "make_entry",
+    "model_piece",
     "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
@@ -622,3 +629,168 @@ def cpu_mesh_like(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.ndim == 1:
         return DeviceMesh.from_group(groups[0], "cpu", mesh.mesh, mesh_dim_names=names)
     return DeviceMesh.from_group(groups, "cpu", mesh.mesh, mesh_dim_names=names)
+
+
+# --------------------------------------------------------------------------- one tensor
+# [Note: one tensor, one entry] A PlanEntry is everything the EMA knows about one model
+# tensor on this rank: its layout (above), the views of the model's tensor, and the EMA
+# shard. It is made here, from the layout, in one call (make_entry); the set of entries and
+# its changes belong to dtensor_ema.plan.
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class PlanEntry:
+    """One averaged tensor: the model's tensor, this rank's views of it, and its EMA."""
+
+    fqn: str
+    source: torch.Tensor
+    source_piece: torch.Tensor
+    source_local: torch.Tensor
+    ema: torch.Tensor
+    ema_local: torch.Tensor
+    layout: TensorLayout
+    is_parameter: bool
+    signature: tuple[torch.Size, torch.dtype, torch.device]
+    """Global shape, dtype and device of the source when the plan was built."""
+    averaged: bool = True
+    """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
+
+    @property
+    def is_dtensor_source(self) -> bool:
+        return isinstance(self.source, DTensor)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self.ema.device_mesh if isinstance(self.ema, DTensor) else None
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return tuple(self.ema.placements) if isinstance(self.ema, DTensor) else ()
+
+    @property
+    def levels(self) -> tuple[ReplicaLevel, ...]:
+        return self.layout.levels
+
+
+def default_ema_dtype(dtype: torch.dtype) -> torch.dtype:
+    """EMA dtype for a tensor of ``dtype``: float32 for fp16/bf16, unchanged otherwise.
+
+    A bf16 EMA with decay 0.9999 stops moving: ``(1 - d) * (p - ema)`` rounds to zero
+    against ``ema`` for any update smaller than ~1/256 of it.
+    """
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def make_entry(
+    fqn: str,
+    tensor: torch.Tensor,
+    builder: LayoutBuilder,
+    options: EmaOptions,
+    is_parameter: bool,
+) -> PlanEntry:
+    """One entry: this rank's layout of ``tensor``, a fresh EMA shard of its current value,
+    and whether it is averaged or copied (:meth:`~dtensor_ema.options.EmaOptions.
+    is_copied`). Local."""
+    dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
+    piece = model_piece(tensor)
+    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
+    if options.replicate_buffers and plain_buffer:
+        layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
+    else:
+        layout = builder.layout(fqn, tensor, piece.shape)
+    source_local = local_rows(piece, layout)
+    ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
+    return PlanEntry(
+        fqn=fqn,
+        source=tensor,
+        source_piece=piece,
+        source_local=source_local,
+        ema=ema,
+        ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
+        layout=layout,
+        is_parameter=is_parameter,
+        signature=(tensor.shape, tensor.dtype, tensor.device),
+        averaged=not options.is_copied(fqn, tensor, is_parameter),
+    )
+
+
+def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
+    """This rank's EMA rows of a full (global-shape) tensor, as a view. Local.
+
+    For a DTensor source, the rank's local piece is cut out at the global offset torch's
+    DTensor computes for the source's placements, then the replica split is applied.
+
+    Raises:
+        ValueError: ``full`` has another shape than the source, or the source's layout
+            has no contiguous local piece (``_StridedShard`` layouts torch places apart).
+    """
+    source = entry.source
+    if full.shape != source.shape:
+        raise ValueError(
+            f"{entry.fqn}: full tensor of shape {tuple(full.shape)}, expected {tuple(source.shape)}"
+        )
+    piece = full
+    if isinstance(source, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            source.shape, source.device_mesh, source.placements
+        )
+        if tuple(shape) != tuple(entry.source_piece.shape):
+            raise ValueError(
+                f"{entry.fqn}: cannot cut the local piece of placements {source.placements} "
+                "out of a full tensor; load it through torch.distributed.checkpoint instead"
+            )
+        for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
+            piece = piece.narrow(dim, start, length)
+    return local_rows(piece, entry.layout)
+
+
+def model_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
+    the whole (detached) tensor otherwise."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().detach()
+    return tensor.detach()
+
+
+def local_rows(piece: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """The rows of ``piece`` this rank averages (a view)."""
+    if piece.dim() == 0 or (layout.offset == 0 and layout.length == piece.shape[0]):
+        return piece
+    return piece.narrow(0, layout.offset, layout.length)
+
+
+def _ema_tensor(
+    source: torch.Tensor,
+    source_local: torch.Tensor,
+    layout: TensorLayout,
+    dtype: torch.dtype,
+    offload: bool,
+) -> torch.Tensor:
+    """A fresh EMA shard, wrapped as a DTensor of the source's global shape."""
+    local = _fresh_copy(source_local, dtype, offload)
+    if layout.mesh is None:
+        return local
+    stride = source.stride() if isinstance(source, DTensor) else contiguous_stride(source.shape)
+    return DTensor.from_local(
+        local,
+        cpu_mesh_like(layout.mesh) if offload else layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=source.shape,
+        stride=stride,
+    )
+
+
+def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
+    """A contiguous copy in ``dtype`` that shares no memory with the model; in (pinned, for
+    CUDA sources) host memory with ``offload``."""
+    if not offload:
+        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    out = torch.empty(
+        tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
+    )
+    return out.copy_(tensor)

@@ -221,7 +221,9 @@ def resolve_schedule(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EmaOptions:
-    """Everything besides the model and mesh that decides what ``update()`` does."""
+    """Everything besides the model and mesh that decides what the EMA holds and what
+    ``update()`` does: validated once here, then passed whole (to the plan, the counter,
+    the update groups and the updater)."""
 
     schedule: DecaySchedule
     """Per-step decay as a function of the averaging step (see :mod:`dtensor_ema.decay`), or
@@ -263,6 +265,17 @@ class EmaOptions:
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
     rounding (eager kernel only)."""
+    bucket_view: bool = False
+    """Keep this rank's EMA shards as views into one flat buffer per (device, dtype), in
+    gather order (``ModelEMA(parameters_as_bucket_view=...)``). Not part of the checkpoint
+    config."""
+    replicate_buffers: bool = False
+    """Keep plain float buffers whole on every rank, each averaging its own model's, as a
+    replicated EMA does. Not part of the checkpoint config."""
+    verify_replicas: bool = True
+    """Check at construction (and when tensors are added) that replicated parameters are
+    identical across their replicas (:mod:`dtensor_ema.replicas`). Not part of the
+    checkpoint config."""
 
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):
@@ -320,6 +333,13 @@ class EmaOptions:
         if self.exclude is not None and not callable(self.exclude):
             # A tuple, read more than once (a generator would be used up by the first read).
             object.__setattr__(self, "exclude", tuple(self.exclude))
+        for name, user_name in (
+            ("bucket_view", "parameters_as_bucket_view"),
+            ("replicate_buffers", "replicate_buffers"),
+            ("verify_replicas", "verify_replicas"),
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{user_name} must be a bool, got {getattr(self, name)!r}")
         if not (self.track in ("all", "trainable") or callable(self.track)):
             raise ValueError(
                 f"track must be 'all', 'trainable' or a predicate (fqn, tensor) -> bool, got "
@@ -359,38 +379,32 @@ class EmaOptions:
         """``"all"``, ``"trainable"`` or ``"predicate"``: how the tracked set was chosen."""
         return self.track if isinstance(self.track, str) else "predicate"
 
-    def copied_fqns(
-        self,
-        tensors: dict[str, torch.Tensor],
-        parameters: set[str],
-        untracked: Iterable[str] = (),
-    ) -> set[str]:
-        """Tracked float entries (``tensors``) copied instead of averaged. ``exclude``
-        applies within the tracked set.
+    def check_exclude(self, tracked: Iterable[str], untracked: Iterable[str] = ()) -> None:
+        """Refuse ``exclude`` names that are not tracked floating-point tensors (``exclude``
+        applies within the tracked set). A predicate is not checked.
 
         Raises:
-            ValueError: an excluded name that is not a tracked tensor (untracked ones
-                named as such).
+            ValueError: naming the unknown names (untracked ones named as such).
         """
-        if self.exclude is not None and not callable(self.exclude):
-            names = list(self.exclude)
-            unknown = [n for n in names if n not in tensors]
-        else:
-            unknown = []
-        if unknown:
-            skipped = set(untracked)
-            not_tracked = [n for n in unknown if n in skipped]
-            detail = (
-                f" ({not_tracked[:5]} are not tracked with track={self.track_label()!r}: "
-                "exclude applies within the tracked set)"
-                if not_tracked
-                else ""
-            )
-            raise ValueError(
-                f"exclude names not found among the EMA's tracked floating-point tensors: "
-                f"{unknown[:5]}{detail}; valid names look like {list(tensors)[:3]}"
-            )
-        return {k for k, v in tensors.items() if self.is_copied(k, v, k in parameters)}
+        if self.exclude is None or callable(self.exclude):
+            return
+        tracked = list(tracked)
+        known = set(tracked)
+        unknown = [n for n in self.exclude if n not in known]
+        if not unknown:
+            return
+        skipped = set(untracked)
+        not_tracked = [n for n in unknown if n in skipped]
+        detail = (
+            f" ({not_tracked[:5]} are not tracked with track={self.track_label()!r}: "
+            "exclude applies within the tracked set)"
+            if not_tracked
+            else ""
+        )
+        raise ValueError(
+            f"exclude names not found among the EMA's tracked floating-point tensors: "
+            f"{unknown[:5]}{detail}; valid names look like {tracked[:3]}"
+        )
 
     def is_copied(self, fqn: str, tensor: torch.Tensor, is_parameter: bool) -> bool:
         """Whether the tracked tensor ``fqn`` is copied from the model instead of averaged

@@ -34,7 +34,7 @@ including (with ``track="trainable"``) a trainable set that changed behind the E
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,86 +42,34 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
-    ReplicaLevel,
-    TensorLayout,
+    PlanEntry,
     agree_on_structure,
-    contiguous_stride,
-    cpu_mesh_like,
+    local_rows,
+    make_entry,
+    model_piece,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
+from dtensor_ema.options import EmaOptions
 from dtensor_ema.replicas import check_replicas
 from dtensor_ema.watch import ModuleWatch
 
 __all__ = [
     "EmaPlan",
-    "PlanEntry",
-    "TrackPredicate",
     "bucket_view_",
     "build_plan",
     "canonical_fqn",
     "check_live",
-    "default_ema_dtype",
-    "ema_local_from_full",
+    "model_device",
     "model_tensors",
     "reshard_fsdp",
     "unwrap_model",
 ]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-TrackPredicate = Callable[[str, torch.Tensor, bool], bool]
-"""``(canonical fqn, live tensor, is_parameter) -> tracked?`` for floating-point tensors
-(:meth:`dtensor_ema.options.EmaOptions.tracks`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _BuildOptions:
-    """How entries are made: kept so that :meth:`EmaPlan.track_` makes new ones alike."""
-
-    ema_dtype: torch.dtype | None
-    offload: bool
-    bucket_view: bool
-    replicate_buffers: bool
-
-
-@dataclass(slots=True)
-class PlanEntry:
-    """One averaged tensor: the model's tensor, this rank's views of it, and its EMA."""
-
-    fqn: str
-    source: torch.Tensor
-    source_piece: torch.Tensor
-    source_local: torch.Tensor
-    ema: torch.Tensor
-    ema_local: torch.Tensor
-    layout: TensorLayout
-    is_parameter: bool
-    signature: tuple[torch.Size, torch.dtype, torch.device]
-    """Global shape, dtype and device of the source when the plan was built."""
-    averaged: bool = True
-    """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
-
-    @property
-    def is_dtensor_source(self) -> bool:
-        return isinstance(self.source, DTensor)
-
-    @property
-    def mesh(self) -> DeviceMesh | None:
-        return self.ema.device_mesh if isinstance(self.ema, DTensor) else None
-
-    @property
-    def placements(self) -> tuple[Placement, ...]:
-        return tuple(self.ema.placements) if isinstance(self.ema, DTensor) else ()
-
-    @property
-    def levels(self) -> tuple[ReplicaLevel, ...]:
-        return self.layout.levels
 
 
 @dataclass(slots=True)
@@ -142,7 +90,8 @@ class EmaPlan:
     """Floating-point tensors the EMA does not hold: canonical fqn -> the model's live
     tensor (tied duplicates under ``aliases``), in state-dict order."""
     watch: ModuleWatch | None = None
-    build: _BuildOptions | None = None
+    options: EmaOptions | None = None
+    """The options the entries were made with (:meth:`track_` makes new ones alike)."""
     trainable: dict[str, bool] | None = None
     """With ``track="trainable"``: ``requires_grad`` of every float parameter when the
     tracked set was last decided (construction, :meth:`track_`, :meth:`untrack_`);
@@ -237,8 +186,8 @@ class EmaPlan:
             if _local_data_ptr(tensor) == _local_data_ptr_of_piece(entry):
                 continue
             moved = True
-            entry.source_piece = _piece(tensor)
-            entry.source_local = _narrow(entry.source_piece, entry.layout)
+            entry.source_piece = model_piece(tensor)
+            entry.source_local = local_rows(entry.source_piece, entry.layout)
         self._pointers = _pointers(self.entries)
         return moved
 
@@ -309,14 +258,14 @@ class EmaPlan:
         error = self._check_names(names, tracked=False)
         mesh_agree(self.world, error, "adding tensors to the EMA")
         reshard_fsdp(self.module)
-        assert self.build is not None and self._builder is not None
+        assert self.options is not None and self._builder is not None
         parameter_ids = {id(p) for p in self.module.parameters()}
         new = [
-            _make_entry(
+            make_entry(
                 fqn,
                 self.untracked[fqn],
                 self._builder,
-                self.build,
+                self.options,
                 id(self.untracked[fqn]) in parameter_ids,
             )
             for fqn in names
@@ -392,9 +341,9 @@ class EmaPlan:
     def _decided(self) -> None:
         """After the tracked set changed: bucket views rebuilt, the pointers and the
         trainable snapshot taken again."""
-        assert self.build is not None
+        assert self.options is not None
         self.tracked_version += 1
-        if self.build.bucket_view:
+        if self.options.bucket_view:
             bucket_view_(self.entries)
         self._pointers = _pointers(self.entries)
         if self.trainable is not None:
@@ -459,15 +408,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         return model
 
 
-def default_ema_dtype(dtype: torch.dtype) -> torch.dtype:
-    """EMA dtype for a tensor of ``dtype``: float32 for fp16/bf16, unchanged otherwise.
-
-    A bf16 EMA with decay 0.9999 stops moving: ``(1 - d) * (p - ema)`` rounds to zero
-    against ``ema`` for any update smaller than ~1/256 of it.
-    """
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
-
-
 def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's live parameters and persistent buffers by canonical fqn, FSDP2
     parameters in sharded form. Local.
@@ -478,6 +418,18 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """
     reshard_fsdp(module)
     return live_tensors(module)
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter or buffer (where the EMA's counter
+    lives). Local.
+
+    Raises:
+        ValueError: the module has no parameters or buffers.
+    """
+    for tensor in model_tensors(module).values():
+        return tensor.device
+    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
 
 
 def reshard_fsdp(module: nn.Module) -> None:
@@ -506,7 +458,7 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         if tensor is None:
             stale.append(entry.fqn)
             continue
-        piece = _piece(tensor)
+        piece = model_piece(tensor)
         if piece.untyped_storage().data_ptr() != entry.source_piece.untyped_storage().data_ptr():
             stale.append(entry.fqn)
     if stale:
@@ -517,22 +469,12 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         )
 
 
-def build_plan(
-    module: nn.Module,
-    world: DeviceMesh | None,
-    *,
-    ema_dtype: torch.dtype | None = None,
-    offload: bool = False,
-    bucket_view: bool = False,
-    replicate_buffers: bool = False,
-    verify_replicas: bool = True,
-    track: TrackPredicate | None = None,
-    watch_trainable: bool = False,
-) -> EmaPlan:
+def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
     The EMA binds to ``module``'s live tensors (:func:`model_tensors`) and refuses any
-    entry that is not one (:func:`check_live`).
+    entry that is not one (:func:`check_live`). Each entry is made in one call
+    (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
 
     **Collective** when ``world`` has a dim of size > 1, so every rank of ``world`` must
     build its plan together: one all-gather of one integer per world mesh dim
@@ -546,29 +488,24 @@ def build_plan(
         world: the mesh whose ranks share the EMA (see
             :func:`~dtensor_ema.layout.resolve_world_mesh`), or ``None`` for plain,
             unsharded EMA tensors.
-        ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
-        offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
-            a CPU twin of each mesh.
-        bucket_view: make every ``ema_local`` a view into one flat buffer per (device,
-            dtype), laid out in gather order (see :func:`bucket_view_`).
-        replicate_buffers: keep plain float buffers whole on every rank (a plain tensor,
-            no mesh) instead of sharding them over ``world``: each rank then averages its
-            own model's buffers, as a replicated EMA does.
-        verify_replicas: run :func:`~dtensor_ema.replicas.check_replicas` (default). Off
-            only where the first update is known to copy the model (the check's
-            collectives are then skipped too).
-        track: which floating-point tensors get an entry (:data:`TrackPredicate`, decided
-            once per tensor, tied ones by their first name); ``None``: all of them. The
-            others go to ``untracked``; the ranks' tracked sets are part of the structure
-            fingerprint, so ranks that disagree are refused.
-        watch_trainable: record every float parameter's ``requires_grad`` so that
-            :meth:`EmaPlan.check_trainable` refuses a change (``track="trainable"``).
+        options: the EMA's options; the plan reads ``track`` (which floating-point
+            tensors get an entry, decided once per tensor, tied ones by their first name;
+            the others go to ``untracked``, and the ranks' tracked sets are part of the
+            structure fingerprint, so ranks that disagree are refused; ``"trainable"``
+            also records every float parameter's ``requires_grad`` so that
+            :meth:`EmaPlan.check_trainable` refuses a change), ``ema_dtype`` (``None``:
+            :func:`~dtensor_ema.layout.default_ema_dtype`), ``offload`` (EMA shards in host
+            memory, pinned for CUDA models, on a CPU twin of each mesh), ``bucket_view``
+            (every ``ema_local`` a view into one flat buffer per (device, dtype) in gather
+            order, :func:`bucket_view_`), ``replicate_buffers`` (plain float buffers whole
+            on every rank, each averaging its own model's) and ``verify_replicas``
+            (:func:`~dtensor_ema.replicas.check_replicas` and its collectives; off only
+            where the first update is known to copy the model).
 
     Raises:
         ValueError: the model has no tracked floating-point state, has tensors on the meta
-            device,
-            a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks track
-            different models, or replicated parameters differ across their replicas.
+            device, a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks
+            track different models, or replicated parameters differ across their replicas.
     """
     tensors = model_tensors(module)
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
@@ -584,7 +521,6 @@ def build_plan(
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
     parameter_ids = {id(p) for p in module.parameters()}
-    options = _BuildOptions(ema_dtype, offload, bucket_view, replicate_buffers)
     builder = LayoutBuilder(world)
     for fqn, tensor in tensors.items():
         if not torch.is_floating_point(tensor):
@@ -595,10 +531,10 @@ def build_plan(
             continue
         seen[id(tensor)] = fqn
         is_parameter = id(tensor) in parameter_ids
-        if track is not None and not track(fqn, tensor, is_parameter):
+        if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
             untracked[fqn] = tensor
             continue
-        entries.append(_make_entry(fqn, tensor, builder, options, is_parameter))
+        entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
     if not entries:
         floats = [k for k in tensors if k not in followed and k not in aliases]
         if floats:
@@ -612,10 +548,12 @@ def build_plan(
             f"(state dict keys: {list(followed)[:5]})"
         )
     check_live(module, entries)
-    agree_on_structure(world, _structure(tensors, {e.fqn for e in entries}))
-    if verify_replicas:
+    structure = _structure(tensors, {e.fqn for e in entries})
+    agree_on_structure(world, structure)
+    if options.verify_replicas:
         check_replicas(entries, world)
-    if bucket_view:
+    options.check_exclude([e.fqn for e in entries], untracked)
+    if options.bucket_view:
         bucket_view_(entries)
     plan = EmaPlan(
         module=module,
@@ -626,7 +564,7 @@ def build_plan(
         aliases=aliases,
         untracked=untracked,
         watch=ModuleWatch(module),
-        build=options,
+        options=options,
     )
     plan._builder = builder
     plan._signatures = {k: (t.shape, t.dtype, t.device) for k, t in untracked.items()}
@@ -635,41 +573,10 @@ def build_plan(
         for k, t in tensors.items()
         if id(t) in parameter_ids and k not in aliases and t.is_floating_point()
     ]
-    if watch_trainable:
+    if options.track == "trainable":
         plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
     plan._pointers = _pointers(entries)
     return plan
-
-
-def _make_entry(
-    fqn: str,
-    tensor: torch.Tensor,
-    builder: LayoutBuilder,
-    options: _BuildOptions,
-    is_parameter: bool,
-) -> PlanEntry:
-    """One entry: this rank's layout of ``tensor`` and a fresh EMA shard of its current
-    value. Local."""
-    dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
-    piece = _piece(tensor)
-    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
-    if options.replicate_buffers and plain_buffer:
-        layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
-    else:
-        layout = builder.layout(fqn, tensor, piece.shape)
-    source_local = _narrow(piece, layout)
-    ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
-    return PlanEntry(
-        fqn=fqn,
-        source=tensor,
-        source_piece=piece,
-        source_local=source_local,
-        ema=ema,
-        ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
-        layout=layout,
-        is_parameter=is_parameter,
-        signature=(tensor.shape, tensor.dtype, tensor.device),
-    )
 
 
 def _structure(tensors: Mapping[str, torch.Tensor], tracked: set[str]) -> dict[str, str]:
@@ -763,86 +670,6 @@ def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
                 entry.ema = view
         flats.append(flat)
     return flats
-
-
-def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
-    """This rank's EMA rows of a full (global-shape) tensor, as a view. Local.
-
-    For a DTensor source, the rank's local piece is cut out at the global offset torch's
-    DTensor computes for the source's placements, then the replica split is applied.
-
-    Raises:
-        ValueError: ``full`` has another shape than the source, or the source's layout
-            has no contiguous local piece (``_StridedShard`` layouts torch places apart).
-    """
-    source = entry.source
-    if full.shape != source.shape:
-        raise ValueError(
-            f"{entry.fqn}: full tensor of shape {tuple(full.shape)}, expected {tuple(source.shape)}"
-        )
-    piece = full
-    if isinstance(source, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            source.shape, source.device_mesh, source.placements
-        )
-        if tuple(shape) != tuple(entry.source_piece.shape):
-            raise ValueError(
-                f"{entry.fqn}: cannot cut the local piece of placements {source.placements} "
-                "out of a full tensor; load it through torch.distributed.checkpoint instead"
-            )
-        for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
-            piece = piece.narrow(dim, start, length)
-    return _narrow(piece, entry.layout)
-
-
-def _piece(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
-    the whole (detached) tensor otherwise."""
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().detach()
-    return tensor.detach()
-
-
-def _narrow(piece: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
-    """The rows of ``piece`` this rank averages (a view)."""
-    if piece.dim() == 0 or (layout.offset == 0 and layout.length == piece.shape[0]):
-        return piece
-    return piece.narrow(0, layout.offset, layout.length)
-
-
-def _ema_tensor(
-    source: torch.Tensor,
-    source_local: torch.Tensor,
-    layout: TensorLayout,
-    dtype: torch.dtype,
-    offload: bool,
-) -> torch.Tensor:
-    """A fresh EMA shard, wrapped as a DTensor of the source's global shape."""
-    local = _fresh_copy(source_local, dtype, offload)
-    if layout.mesh is None:
-        return local
-    stride = source.stride() if isinstance(source, DTensor) else contiguous_stride(source.shape)
-    return DTensor.from_local(
-        local,
-        cpu_mesh_like(layout.mesh) if offload else layout.mesh,
-        layout.placements,
-        run_check=False,
-        shape=source.shape,
-        stride=stride,
-    )
-
-
-def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
-    """A contiguous copy in ``dtype`` that shares no memory with the model; in (pinned, for
-    CUDA sources) host memory with ``offload``."""
-    if not offload:
-        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-    out = torch.empty(
-        tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
-    )
-    return out.copy_(tensor)
 
 
 def _pointers(entries: list[PlanEntry]) -> list[int]:

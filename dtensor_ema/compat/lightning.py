@@ -153,7 +153,7 @@ class WeightAveraging(Callback):
         if average is None:
             average = self._build(pl_module)
         elif average.engine.updates == 0 and self._pending is None:
-            if any(average.engine._plan.trainable_changes()):
+            if any(average.engine.engine.plan.trainable_changes()):
                 # track="trainable" and a callback set up after this one froze some (e.g.
                 # BaseFinetuning.freeze_before_training): nothing averaged yet, so choose
                 # the tensors again instead of keeping the frozen ones' bytes.

@@ -186,10 +186,10 @@ def follow_trainable(ema: ModelEMA, say: Callable[[str], None]) -> bool:
     **Collective** over the EMA's mesh when the set changed (``add_tensors``'s); local
     otherwise (one ``requires_grad`` read per float parameter). Every rank sees the same
     flips when the same callback made them. Peak extra memory: the new shards."""
-    now, frozen = ema._plan.trainable_changes()
+    now, frozen = ema.engine.plan.trainable_changes()
     if not (now or frozen):
         return False
-    tracked = ema._plan.by_fqn()
+    tracked = ema.engine.plan.by_fqn()
     new = [k for k in now if k not in tracked]
     ema.add_tensors(new)
     say(
