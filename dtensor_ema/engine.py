@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -137,6 +138,7 @@ class EmaEngine:
         self._decision = self._resolve_graph()
         self._updater = self._new_updater()
         self._swapped = False
+        self._identity: tuple[int, int] | None = None
         log_decision(self._decision, self.device.type)
 
     # ------------------------------------------------------------------ read-only state
@@ -183,6 +185,28 @@ class EmaEngine:
     def swapped(self) -> bool:
         """Whether the EMA weights are swapped into the model (:meth:`swapped_in`)."""
         return self._swapped
+
+    def identity(self) -> int:
+        """Which EMA this is, as a 32-bit digest: its entries (names, shapes, EMA dtypes,
+        averaged or copied), its untracked tensors and its options
+        (:meth:`~dtensor_ema.options.EmaOptions.agreement`). Equal on every rank of one
+        EMA; cached until the tracked set changes. Local."""
+        version = self._plan.tracked_version
+        if self._identity is None or self._identity[0] != version:
+            entries = [
+                f"{e.fqn} {tuple(e.ema.shape)} {e.ema_local.dtype} {e.averaged}" for e in self._plan
+            ]
+            options = [f"{k}={v}" for k, v in self.options.agreement().items()]
+            text = "\n".join([*entries, *self._plan.untracked, *options])
+            self._identity = (version, zlib.crc32(text.encode()))
+        return self._identity[1]
+
+    def call_identity(self) -> tuple[int, int]:
+        """``(identity(), update count)`` for the agreement before a collective call
+        (:func:`~dtensor_ema._collectives.agree_on_call`); waits for a pending offloaded
+        step first, so that every rank counts what it applied. Local."""
+        self.flush()
+        return self.identity(), self._counter.current()
 
     def config(self) -> str:
         """The checkpoint ``config``: JSON of the options that shape the next update, and

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema._collectives import all_gather_single
+from dtensor_ema._collectives import mesh_gather_rows
 from dtensor_ema.options import EmaOptions
 
 __all__ = [
@@ -557,46 +557,87 @@ def _check_with_torch(
         )
 
 
-def agree_on_structure(world: DeviceMesh | None, structure: Mapping[str, str]) -> None:
-    """Refuse a world mesh whose ranks do not track the same model. **Collective**: one
-    all-gather of one integer over each world mesh dim's group (size > 1); only when they
-    differ, one ``all_gather_object`` of ``structure`` over that group to name the tensors.
+def agree_on_structure(
+    world: DeviceMesh | None,
+    structure: Mapping[str, str],
+    options: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a world mesh whose ranks do not build the same EMA: the same model (tensor
+    names, shapes, dtypes, tracked set) with the same options. **Collective**: one
+    all-gather of a few int64 digests per world mesh dim of size > 1 (every rank learns
+    every rank's: :func:`~dtensor_ema._collectives.mesh_gather_rows`); only when they
+    differ, one ``all_gather_object`` of ``structure`` and ``options`` over each dim's
+    group whose ranks differ, to name the differences.
 
     Args:
         world: the EMA's world mesh (``None``: one process, nothing to compare).
-        structure: ``fqn -> "shape dtype"`` of every tracked tensor on this rank.
+        structure: ``fqn -> "shape dtype"`` of every tensor on this rank.
+        options: ``option -> value`` (:meth:`~dtensor_ema.options.EmaOptions.agreement`).
 
     Raises:
-        ValueError: on every rank of a group whose ranks disagree, naming the first
-            differing tensors and the ranks that hold them.
+        ValueError: on every rank of the mesh when any two ranks differ, naming the first
+            differing options or tensors and the ranks that hold them (a rank that shares
+            no mesh dim group with a differing rank names those ranks).
     """
-    if world is None:
+    if world is None or world.size() == 1:
         return
-    digest = zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode())
-    device = (
-        torch.device(world.device_type, torch.cuda.current_device())
-        if (world.device_type == "cuda")
-        else torch.device(world.device_type)
+    options = dict(options or {})
+    digests = (
+        zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode()),
+        zlib.crc32("\n".join(f"{k}={v}" for k, v in options.items()).encode()),
     )
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    for j in range(world.ndim):
-        if world.size(j) == 1:
-            continue
+    ranks = world.mesh.flatten().tolist()
+    table = mesh_gather_rows(world, digests)
+    seen = [table.get(r) for r in ranks]
+    if len(set(seen)) == 1:
+        return
+    found: list[str] = []  # every differing group gathers (a rank may be in several)
+    for j in [j for j in range(world.ndim) if world.size(j) > 1]:
         group = world.get_group(j)
-        everyone = torch.empty(world.size(j), dtype=torch.int64, device=device)
-        all_gather_single(everyone, mine, group=group)
-        if len(set(everyone.tolist())) > 1:
-            ranks = dist.get_process_group_ranks(group)
-            theirs: list[Any] = [None] * len(ranks)
-            dist.all_gather_object(theirs, dict(structure), group=group)
-            raise ValueError(
-                f"the ranks {ranks} of the EMA's mesh dim {_dim_name(world, j, 'dim')!r} track "
-                f"different models: {_structure_differences(ranks, theirs)}. Every rank of the "
-                "mesh must construct the EMA from the same model (same parameter and buffer "
-                "names, shapes and dtypes). One possible cause: pipeline stages, which hold "
+        members = dist.get_process_group_ranks(group)
+        if len({seen[ranks.index(r)] for r in members}) == 1:
+            continue
+        theirs: list[Any] = [None] * len(members)
+        dist.all_gather_object(theirs, (dict(structure), options), group=group)
+        where = f"the ranks {members} of the EMA's mesh dim {_dim_name(world, j, 'dim')!r}"
+        option_lines = _differences(members, [t[1] for t in theirs])
+        if option_lines:
+            found.append(
+                f"{where} construct the EMA with different options: {option_lines}. Every "
+                "rank of the mesh must construct it with the same options (each rank holds "
+                "1/W of every tensor: two decays would stitch rows of two EMAs together)"
+            )
+        else:
+            tensors = _structure_differences(members, [t[0] for t in theirs])
+            found.append(
+                f"{where} track different models: {tensors}. Every rank of the mesh must "
+                "construct the EMA from the same model (same parameter and buffer names, "
+                "shapes and dtypes). One possible cause: pipeline stages, which hold "
                 "different layers, need one ModelEMA per stage over that stage's own mesh, "
                 "e.g. ModelEMA(stage_module, mesh=world['dp'])"
             )
+    if found:
+        raise ValueError(found[0])
+    mine = seen[ranks.index(dist.get_rank())]
+    others = [r for r, d in zip(ranks, seen, strict=True) if d != mine]
+    raise ValueError(
+        f"ranks {others} of the EMA's mesh construct a different EMA than rank "
+        f"{dist.get_rank()} (another model, tracked set or options; the ranks that share a "
+        "mesh dim with them name the differences). Every rank of the mesh must construct "
+        "the EMA from the same model with the same options"
+    )
+
+
+def _differences(ranks: list[int], values: list[dict[str, str]]) -> str:
+    """The first few keys whose value is not the same on every rank."""
+    lines = []
+    for key in dict.fromkeys(k for v in values for k in v):
+        seen = [v.get(key) for v in values]
+        if len(set(seen)) > 1:
+            held = ", ".join(f"{x} on rank {r}" for r, x in zip(ranks, seen, strict=True))
+            lines.append(f"{key}: {held}")
+    more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+    return "; ".join(lines[:3]) + more
 
 
 def _structure_differences(ranks: list[int], structures: list[dict[str, str]]) -> str:

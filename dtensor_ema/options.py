@@ -178,6 +178,12 @@ class AveragingFunction:
         return {"schedule": self.kind, "name": self.name}
 
 
+def _callable_name(fn: Callable[..., Any]) -> str:
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"<function {module}.{qualname}>"
+
+
 def resolve_schedule(
     decay: float | _Unset,
     tau: float | _Unset | None,
@@ -416,6 +422,36 @@ class EmaOptions:
         if callable(self.exclude):
             return bool(self.exclude(fqn, tensor))
         return fqn in self.exclude
+
+    def agreement(self) -> dict[str, str]:
+        """Every option as text, for the ranks to compare at construction: each rank of the
+        world must build the EMA with the same values (a decay that differs between ranks
+        would stitch rows of two EMAs together). Predicates and functions are named by
+        their qualified name (``module.qualname``)."""
+        exclude = self.exclude
+        if callable(exclude):
+            exclude = _callable_name(exclude)
+        track = self.track if isinstance(self.track, str) else _callable_name(self.track)
+        schedule = dict(self.schedule.config())
+        values: dict[str, Any] = {"schedule": schedule.pop("schedule", type(self.schedule))}
+        values |= {("schedule function" if k == "name" else k): v for k, v in schedule.items()}
+        values |= {
+            "update_every": self.update_every,
+            "update_after_step": self.update_after_step,
+            "buffers": self.buffers,
+            "exclude": exclude,
+            "track": track,
+            "ema_dtype": self.ema_dtype,
+            "capturable": self.capturable,
+            "offload": self.offload,
+            "kernel": self.kernel,
+            "cuda_graph": self.cuda_graph,
+            "formula": self.formula,
+            "parameters_as_bucket_view": self.bucket_view,
+            "replicate_buffers": self.replicate_buffers,
+            "verify_replicas": self.verify_replicas,
+        }
+        return {k: str(v) for k, v in values.items()}
 
     def config(self, copied: set[str], untracked: Iterable[str] = ()) -> dict[str, Any]:
         """Plain values that must match for a checkpoint to resume on the same trajectory,

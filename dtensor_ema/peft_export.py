@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtensor_ema._collectives import entering, is_mesh_first, mesh_agree
+from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mesh_agree
 from dtensor_ema.model_ema import ModelEMA
 
 __all__ = ["ADAPTER_FILES", "export_peft_adapter"]
@@ -74,9 +74,11 @@ def export_peft_adapter(
     Peak extra memory: on the writer one full CPU copy of the tracked tensors plus one
     bucket; on the others one bucket (a mesh without global rank 0, a pipeline stage:
     the full copy on every rank of it). Communication: one small all-reduce per mesh dim
-    before and after, plus the gathers.
+    before and after, plus the gathers, after
+    :func:`~dtensor_ema._collectives.agree_on_call` (which call, which EMA, which count).
     """
     with entering("export_peft_adapter", mesh=ema.mesh):
+        agree_on_call("export_peft_adapter", ema.engine.call_identity, mesh=ema.mesh)
         return _export(ema, Path(path), adapter_name, bucket_bytes)
 
 

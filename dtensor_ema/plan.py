@@ -65,8 +65,10 @@ __all__ = [
     "build_plan",
     "canonical_fqn",
     "check_live",
+    "is_averageable",
     "model_device",
     "model_tensors",
+    "refuse_fsdp1",
     "reshard_fsdp",
     "unwrap_model",
 ]
@@ -117,26 +119,32 @@ class EmaPlan:
     def sync(self, *, check_trainable: bool = True) -> bool:
         """Re-bind the cached views if the model re-registered or re-allocated tensors.
 
-        Local. Cost when nothing changed: one integer compare and one ``data_ptr`` per
-        tensor (with ``track="trainable"``, plus one ``requires_grad`` per parameter).
+        Local. Cost when nothing changed: one integer compare, one ``data_ptr`` per
+        tensor and one identity check per registered tensor and submodule
+        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals; with
+        ``track="trainable"``, plus one ``requires_grad`` per parameter).
         Returns ``True`` when views were re-bound (update groups must be rebuilt).
 
         Raises:
-            ValueError: names, global shapes, dtypes or devices changed, or tied weights
-                were untied, since the plan was built; with ``check_trainable``, the
+            ValueError: names, global shapes, dtypes or devices changed, tensors were
+                removed (or set to ``None``), or tied weights were untied, since the plan
+                was built; with ``check_trainable``, the
                 trainable set changed (:meth:`check_trainable`). The EMA is left untouched.
         """
         assert self.watch is not None
         if check_trainable:
             self.check_trainable()
-        if self.watch.epoch == self._seen_epoch and _pointers(self.entries) == self._pointers:
+        if (
+            self.watch.epoch == self._seen_epoch
+            and self.watch.intact()
+            and _pointers(self.entries) == self._pointers
+        ):
             return False
         current = model_tensors(self.module)
-        problems = []
+        problems = [f"{k}: missing from the model" for k in self.keys if k not in current]
         for fqn, signature in self._signatures.items():
             tensor = current.get(fqn)
             if tensor is None:
-                problems.append(f"{fqn}: missing from the model")
                 continue
             shape, dtype, device = signature
             if (tensor.shape, tensor.dtype, tensor.device) != (shape, dtype, device):
@@ -147,7 +155,6 @@ class EmaPlan:
         for entry in self.entries:
             tensor = current.get(entry.fqn)
             if tensor is None:
-                problems.append(f"{entry.fqn}: missing from the model")
                 continue
             shape, dtype, device = entry.signature
             if (tensor.shape, tensor.dtype) != (shape, dtype):
@@ -174,7 +181,7 @@ class EmaPlan:
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
-        self.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
+        self.followed = {k: v for k, v in current.items() if not is_averageable(v)}
         self.untracked = {k: current[k] for k in self.untracked}
         self._parameters = [(k, current[k]) for k, _ in self._parameters]
         self.watch.rewatch()
@@ -272,7 +279,8 @@ class EmaPlan:
         ]
         check_live(self.module, new)
         tracked = {e.fqn for e in self.entries} | set(names)
-        agree_on_structure(self.world, _structure(model_tensors(self.module), tracked))
+        structure = _structure(model_tensors(self.module), tracked)
+        agree_on_structure(self.world, structure, self.options.agreement())
         check_replicas(new, self.world)
         order = {k: i for i, k in enumerate(self.keys)}
         self.entries = sorted([*self.entries, *new], key=lambda e: order[e.fqn])
@@ -304,8 +312,10 @@ class EmaPlan:
                 "(create a new ModelEMA instead)"
             )
         mesh_agree(self.world, error, "dropping tensors from the EMA")
+        assert self.options is not None
         tracked = {e.fqn for e in self.entries} - set(names)
-        agree_on_structure(self.world, _structure(model_tensors(self.module), tracked))
+        structure = _structure(model_tensors(self.module), tracked)
+        agree_on_structure(self.world, structure, self.options.agreement())
         dropped = [e for e in self.entries if e.fqn in set(names)]
         self.entries = [e for e in self.entries if e.fqn not in set(names)]
         order = {k: i for i, k in enumerate(self.keys)}
@@ -320,6 +330,9 @@ class EmaPlan:
         entries = self.by_fqn()
         bad = []
         for fqn in names:
+            if not tracked and fqn in self.untracked and self.untracked[fqn].is_complex():
+                bad.append(f"{fqn!r}: {self.untracked[fqn].dtype}, complex (not averaged)")
+                continue
             if fqn in (entries if tracked else self.untracked):
                 continue
             if fqn in self.aliases:
@@ -420,6 +433,49 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return live_tensors(module)
 
 
+def is_averageable(tensor: torch.Tensor) -> bool:
+    """Whether a model tensor is of the kind the EMA tracks, or else reads from the model as
+    untracked: real floating-point tensors, and complex ones (which are never averaged:
+    tracking one is refused, see :func:`build_plan`). Integer and bool buffers follow the
+    model."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _complex_refusal(names: list[str]) -> str:
+    return (
+        f"the EMA averages real floating-point tensors; {_listed(names)} are complex. "
+        "Leave them out of the tracked set, e.g. track=lambda fqn, t: not t.is_complex(): "
+        "untracked tensors are read from the model wherever a whole model is needed"
+    )
+
+
+def refuse_fsdp1(module: nn.Module) -> None:
+    """Refuse a model wrapped with FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``,
+    with or without ``use_orig_params``), whose parameters are flat shards (or per-rank
+    views of them) that no EMA layout can pair with the model's names. Local.
+
+    Raises:
+        ValueError: naming where FSDP1 wraps the model and the way out.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [
+        repr(name) if name else "the root"
+        for name, sub in module.named_modules()
+        if isinstance(sub, FullyShardedDataParallel)
+    ]
+    if wrapped:
+        raise ValueError(
+            f"the model is wrapped with FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, "
+            f"at {_listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
+            "the model's tensors. Shard it with FSDP2 instead: "
+            "torch.distributed.fsdp.fully_shard(module) per block, then the root; with "
+            "accelerate, set fsdp_version: 2 in the FSDP config; with Lightning, use "
+            "ModelParallelStrategy (FSDPStrategy is FSDP1) and fully_shard in "
+            "configure_model"
+        )
+
+
 def model_device(module: nn.Module) -> torch.device:
     """The device of the module's first parameter or buffer (where the EMA's counter
     lives). Local.
@@ -507,6 +563,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             device, a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks
             track different models, or replicated parameters differ across their replicas.
     """
+    refuse_fsdp1(module)
     tensors = model_tensors(module)
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
     if on_meta:
@@ -522,8 +579,9 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     seen: dict[int, str] = {}
     parameter_ids = {id(p) for p in module.parameters()}
     builder = LayoutBuilder(world)
+    complex_tracked: list[str] = []
     for fqn, tensor in tensors.items():
-        if not torch.is_floating_point(tensor):
+        if not is_averageable(tensor):
             followed[fqn] = tensor
             continue
         if id(tensor) in seen:
@@ -533,8 +591,12 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         is_parameter = id(tensor) in parameter_ids
         if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
             untracked[fqn] = tensor
-            continue
-        entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
+        elif tensor.is_complex():
+            complex_tracked.append(f"{fqn} ({tensor.dtype})")
+        else:
+            entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
+    if complex_tracked:
+        raise ValueError(_complex_refusal(complex_tracked))
     if not entries:
         floats = [k for k in tensors if k not in followed and k not in aliases]
         if floats:
@@ -549,7 +611,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         )
     check_live(module, entries)
     structure = _structure(tensors, {e.fqn for e in entries})
-    agree_on_structure(world, structure)
+    agree_on_structure(world, structure, options.agreement())
     if options.verify_replicas:
         check_replicas(entries, world)
     options.check_exclude([e.fqn for e in entries], untracked)
@@ -571,7 +633,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()
-        if id(t) in parameter_ids and k not in aliases and t.is_floating_point()
+        if id(t) in parameter_ids and k not in aliases and is_averageable(t)
     ]
     if options.track == "trainable":
         plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
@@ -584,7 +646,7 @@ def _structure(tensors: Mapping[str, torch.Tensor], tracked: set[str]) -> dict[s
     fingerprint every rank of the world must share."""
     return {
         k: f"{tuple(t.shape)} {t.dtype}"
-        + ("" if k in tracked or not t.is_floating_point() else " untracked")
+        + ("" if k in tracked or not is_averageable(t) else " untracked")
         for k, t in tensors.items()
     }
 
