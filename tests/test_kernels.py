@@ -236,7 +236,8 @@ def test_kernel_option_is_validated() -> None:
         ModelEMA(model, kernel="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"sets \['kernel'\], which all EMAs share"):
         MultiModelEMA(model, {"a": {"kernel": "eager"}})
-    assert {g.kernel for g in ModelEMA(model, kernel="auto").engine.groups} == {"eager"}  # CPU default
+    auto = ModelEMA(model, kernel="auto")
+    assert {g.kernel for g in auto.engine.groups} == {"eager"}  # CPU default
     bf16_ema = ModelEMA(model, kernel="compiled", ema_dtype=torch.bfloat16)
     assert {g.kernel for g in bf16_ema.engine.groups} == {"eager"}  # not covered: stays eager
 
