@@ -369,12 +369,14 @@ def _check_groups(groups: list[dist.ProcessGroup], ranks: list[int], name: str, 
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed")
 
 
-def collective(name: str) -> Callable[[F], F]:
+def collective(name: str, *, communicates: Callable[[Any], bool] | None = None) -> Callable[[F], F]:
     """Decorate a ``ModelEMA`` method that is a collective over ``self.mesh``.
 
     Runs :func:`check_all_ranks_enter` first, then :func:`agree_on_call` (which call, which
     EMA: ``self.engine.call_identity``, which update count), and turns a backend timeout
     inside the call (a rank never joined) into a ``RuntimeError`` that names the call.
+    ``communicates(self)``: whether this call communicates at all (``False``: a local call
+    on this layout, e.g. the swap of 1-D FSDP2 parameters, gets no agreement either).
     """
 
     def wrap(fn: F) -> F:
@@ -382,7 +384,8 @@ def collective(name: str) -> Callable[[F], F]:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             mesh = getattr(self, "mesh", None)
             with entering(name, mesh=mesh):
-                agree_on_call(name, self.engine.call_identity, mesh=mesh)
+                if communicates is None or communicates(self):
+                    agree_on_call(name, self.engine.call_identity, mesh=mesh)
                 return fn(self, *args, **kwargs)
 
         return call  # type: ignore[return-value]

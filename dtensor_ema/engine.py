@@ -323,6 +323,12 @@ class EmaEngine:
         self._counter.restore(updates)
         self.invalidate()
 
+    def swap_communicates(self) -> bool:
+        """Whether :meth:`swapped_in` communicates: some entry is split over replica dims
+        (plain/DDP tensors, HSDP's replicate dim, TP-replicated weights, plain buffers);
+        ``False`` for 1-D FSDP2 parameters alone, whose swap is local. Local."""
+        return any(e.levels for e in self._plan)
+
     @contextlib.contextmanager
     def swapped_in(self, bucket_bytes: int) -> Iterator[nn.Module]:
         """The EMA weights in the model inside the context (:mod:`dtensor_ema.swap`);

@@ -393,7 +393,7 @@ class ModelEMA:
         self.close()
 
     # ------------------------------------------------------------------ evaluation
-    @collective("average_parameters")
+    @collective("average_parameters", communicates=lambda ema: ema.engine.swap_communicates())
     @contextlib.contextmanager
     def average_parameters(
         self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
