@@ -358,16 +358,7 @@ def section_offload(args: argparse.Namespace) -> dict[str, Any]:
         updater = ema.engine.updater
         entry: dict[str, Any] = {"ema_bytes": ema.local_nbytes()}
         entry["ema_on"] = next(iter(ema.ema_tensors().values())).device.type
-        staging = getattr(updater, "_staging", None)
-        if staging:
-            entry["staging_host_bytes"] = sum(
-                t.numel() * t.element_size() for g in staging for t in g
-            )
-        scratch = getattr(updater, "_scratch", None)
-        if scratch:
-            entry["scratch_device_bytes"] = sum(
-                t.numel() * t.element_size() for t in scratch.values()
-            )
+        entry.update({k: v for k, v in updater.buffer_nbytes().items() if v})
         if cuda:
             step()
             ema.flush()

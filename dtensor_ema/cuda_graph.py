@@ -408,6 +408,9 @@ class GraphedUpdater(Updater):
     def submit(self, step: Any, done: Done | None = None) -> None:
         self.inner.submit(step, done)
 
+    def buffer_nbytes(self) -> dict[str, int]:
+        return self.inner.buffer_nbytes()
+
     def wait(self) -> None:
         self.inner.wait()
 

@@ -98,6 +98,11 @@ class Updater(ABC):
         self._closed = True
         self.wait()
 
+    def buffer_nbytes(self) -> dict[str, int]:
+        """Bytes of the updater's own buffers by kind (``"staging_host_bytes"``,
+        ``"scratch_device_bytes"``); empty when it keeps none. Local."""
+        return {}
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
@@ -174,6 +179,10 @@ class OffloadUpdater(Updater):
             for g in groups
         ]
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+
+    def buffer_nbytes(self) -> dict[str, int]:
+        staged = sum(t.numel() * t.element_size() for g in self._staging for t in g)
+        return {"staging_host_bytes": staged}
 
     def submit(self, step: float, done: Done | None = None) -> None:
         """Stage the sources now and apply ``step`` to the EMA shards in the background."""
@@ -435,6 +444,10 @@ class ChunkedOffloadUpdater(Updater):
             on_device = ema.to(self.device, non_blocking=not blocking)
             lerp_step_([on_device], [src.to(dtype)], step)
             ema.copy_(on_device, non_blocking=not blocking)
+
+    def buffer_nbytes(self) -> dict[str, int]:
+        scratch = sum(t.numel() * t.element_size() for t in self._scratch.values())
+        return {"scratch_device_bytes": scratch}
 
     def submit(self, step: float, done: Done | None = None) -> None:
         """Launch the step (on the side stream on CUDA) and count it (``done``) at once."""
