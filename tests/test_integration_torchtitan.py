@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,71 @@ def test_torchtitan_ema_buffer_patterns_and_disabled() -> None:
         TorchtitanEMA(config, model_parts=[])
 
 
+def test_torchtitan_ema_load_state_dict_common_subset() -> None:
+    """``load_state_dict(..., common_subset=True)`` as ``ModelEMA``'s: a state saved with
+    another tracked set (other ``buffer_patterns``, a parameter frozen then and one frozen
+    now) loads the tensors both hold bit for bit, leaves this EMA's others as they were,
+    loads the counter; without it, refused naming the difference; EMA names must match
+    and at least one tensor must be common. And the fused/unfused QKV check of the
+    trainer's checkpoint load, on fqns."""
+    from dtensor_ema.integrations.torchtitan.trainer import _qkv_mismatch
+
+    model = _titan()
+    model.register_buffer("running_bias", torch.zeros(4))
+    model.norm.weight.requires_grad_(False)  # frozen when saved: not in the state
+    saved_config = TorchtitanEMA.Config(enable=True, decays=[0.5], buffer_patterns=["running_*"])
+    before = TorchtitanEMA(saved_config, model_parts=[model])
+    with torch.no_grad():
+        for t in [*model.parameters(), model.running_bias]:
+            t.add_(1.0)
+    before.step(1)
+    saved = {
+        name: {**state, "ema": {k: v.detach().clone() for k, v in state["ema"].items()}}
+        for name, state in before.state_dict().items()
+    }
+    assert "running_bias" in saved["decay_0_5"]["ema"]
+    assert "norm.weight" not in saved["decay_0_5"]["ema"]
+
+    model.norm.weight.requires_grad_(True)
+    model.tok_embeddings.weight.requires_grad_(False)  # frozen now: the saved one is ignored
+    with torch.no_grad():
+        for t in model.parameters():
+            t.add_(1.0)
+    now = TorchtitanEMA(TorchtitanEMA.Config(enable=True, decays=[0.5]), model_parts=[model])
+    mine = {k: v.detach().clone() for k, v in now["decay_0_5"].ema_tensors().items()}
+    with pytest.raises(ValueError, match=r"resuming would not continue.*common_subset=True"):
+        now.load_state_dict(saved)
+    now.load_state_dict(saved, common_subset=True)
+    got = {k: v.detach().clone() for k, v in now["decay_0_5"].ema_tensors().items()}
+    common = set(got) & set(saved["decay_0_5"]["ema"])
+    assert "norm.weight" not in common and "layers.0.attention.wo.weight" in common
+    assert _differ(got, {k: saved["decay_0_5"]["ema"][k] for k in common}) == []
+    assert _differ(got, {k: v for k, v in mine.items() if k not in common}) == []
+    assert now["decay_0_5"].updates == 1
+
+    other_config = TorchtitanEMA.Config(enable=True, decays=[0.9])
+    other_names = TorchtitanEMA(other_config, model_parts=[model])
+    with pytest.raises(ValueError, match="checkpoint EMAs"):
+        other_names.load_state_dict(saved, common_subset=True)
+    disjoint = {"decay_0_5": {**saved["decay_0_5"], "ema": {"elsewhere.weight": torch.zeros(2)}}}
+    with pytest.raises(ValueError, match="share no tensor"):
+        now.load_state_dict(disjoint, common_subset=True)
+    assert _differ(now["decay_0_5"].ema_tensors(), got) == []  # refused: unchanged
+
+    fused = {"layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.wo.weight"}
+    unfused = {f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")}
+    unfused.add("layers.0.attention.wo.weight")
+    assert _qkv_mismatch(fused, unfused) == (
+        "layers.0.attention.qkv_linear.wqkv.weight",
+        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
+    )
+    assert _qkv_mismatch(unfused, fused) == (
+        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
+        "layers.0.attention.qkv_linear.wqkv.weight",
+    )
+    assert _qkv_mismatch(fused, fused) is None and _qkv_mismatch(fused, {"x"}) is None
+
+
 def test_torchtitan_ema_pipeline_stages_save_one_layout(tmp_path: Path) -> None:
     """Two pipeline stages (torchtitan's own ``_split_module``) in one process, trained as a
     chain: each stage's EMAs equal the reference; the saved state does not depend on the
@@ -370,6 +436,162 @@ def test_export_hf_refuses_what_to_hf_would_drop(tmp_path: Path) -> None:
     assert back.keys() == full.keys()
     wv = "layers.1.attention.qkv_linear.wv.weight"  # not permuted: the cast values
     assert torch.equal(back[wv], full[wv].to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ the command line
+TESTS = Path(__file__).resolve().parent
+OURS = ["--module", "dtensor_ema.integrations.torchtitan"]
+NO_EFFECT = "initial_load_model_only=True has no effect"
+
+_ENTRY = """
+import runpy, sys
+hidden = [m for m in sys.argv.pop(1).split(",") if m]
+for name in [n for n in sys.modules if n.split(".")[0] in hidden]:
+    del sys.modules[name]
+for name in hidden:  # as if the package were not installed
+    sys.modules[name] = None
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
+
+
+def _titan_cli(
+    tmp_path: Path, entry: str, *args: str, hide: tuple[str, ...] = ()
+) -> tuple[int, str]:
+    """``python -m <entry> args`` (torchtitan's ``torchtitan.train`` or its
+    ``torchtitan.config.manager``), forked from the rank server with this checkout and
+    ``tests/`` on the path, the packages ``hide`` made unimportable; ``(exit code, output)``
+    with the whitespace and ``--help``'s box borders collapsed."""
+    import os
+
+    from dist_harness import run_script
+
+    script = tmp_path / "entry.py"
+    script.write_text(_ENTRY)
+    env = dict(os.environ, COLUMNS="200", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS)])
+    code, out, _ = run_script(
+        [str(script), ",".join(hide), entry, *args], tmp_path, env, merge_output=True
+    )
+    return code, " ".join(out.replace("│", " ").split())
+
+
+def test_command_line_help_and_list_flags(tmp_path: Path) -> None:
+    """``--help`` states the real default (one EMA ``hlf_0_05``) and the comma-separated
+    list convention of torchtitan's own ``list[str]`` flags for every ``--ema`` list flag,
+    and warns no more often than torchtitan's own ``--help``; torchtitan's config printer
+    (``python -m torchtitan.config.manager``) parses those flags as documented too."""
+    config = ["--config", "llama3_debugmodel"]
+    code, ours = _titan_cli(tmp_path, "torchtitan.train", *OURS, *config, "--help")
+    assert code == 0, ours[-3000:]
+    assert "The sharded EMA, on by default: one EMA, ``hlf_0_05``" in ours, ours[-3000:]
+    assert "--ema.decays 0.999 " not in ours.replace("--ema.decays 0.999,", "")
+    for flag in ("decays", "half-life-fractions", "buffer-patterns"):
+        assert f"--ema.{flag} A,B,C,..." in ours, (flag, ours[-3000:])
+    assert "--checkpoint.exclude-from-loading A,B,C,..." in ours  # torchtitan's own rule
+    code, theirs = _titan_cli(tmp_path, "torchtitan.train", "--module", "llama3", *config, "--help")
+    assert code == 0, theirs[-3000:]
+    counts = (ours.count(NO_EFFECT), theirs.count(NO_EFFECT))
+    assert counts[0] == counts[1] >= 1, counts
+
+    flags = ["--ema.decays", "0.9,0.5", "--ema.buffer_patterns", "*.a,*.b"]
+    code, parsed = _titan_cli(tmp_path, "torchtitan.config.manager", *OURS, *config, *flags,
+                              "--ema.half_life_fractions", "0.1,0.2")  # fmt: skip
+    assert code == 0, parsed[-3000:]  # torchtitan's config printer parses them the same way
+    assert "decays=[0.9, 0.5], half_life_fractions=[0.1, 0.2]" in parsed, parsed[-3000:]
+    assert "buffer_patterns=['*.a', '*.b']" in parsed, parsed[-3000:]
+
+
+def test_parsing_flags_and_warnings_as_torchtitan() -> None:
+    """torchtitan's ``ConfigManager.parse_args`` (what ``torchtitan.train`` runs on the
+    command line): the ``--ema`` list flags take one comma-separated value each, as
+    documented; the space-separated form is refused as torchtitan refuses it for its own
+    list flags; and the parse, with the copy ``config.build()`` makes, logs each of
+    torchtitan's config warnings as often for our module as for torchtitan's own
+    (``with_ema`` re-runs no config's checks)."""
+    import logging
+    from dataclasses import replace as dataclass_replace
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import logger as titan_logger
+
+    config = ["--config", "llama3_debugmodel"]
+    flags = ["--ema.decays", "0.9,0.5", "--ema.half_life_fractions", "0.1,0.2",
+             "--ema.buffer_patterns", "*.a,*.b"]  # fmt: skip
+    parsed = ConfigManager().parse_args([*OURS, *config, *flags])
+    assert parsed.ema.decays == [0.9, 0.5] and parsed.ema.half_life_fractions == [0.1, 0.2]
+    assert parsed.ema.buffer_patterns == ["*.a", "*.b"]
+    assert ConfigManager().parse_args([*OURS, *config, "--ema.decays", ""]).ema.decays == []
+    for spaced in (["--ema.decays", "0.9", "0.5"], ["--ema.buffer_patterns", "*.a", "*.b"]):
+        with pytest.raises(SystemExit):
+            ConfigManager().parse_args([*OURS, *config, *spaced])
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    def warnings(module: list[str]) -> list[str]:
+        messages.clear()
+        handler = Keep()
+        titan_logger.addHandler(handler)
+        try:
+            config = ConfigManager().parse_args([*module, "--config", "llama3_debugmodel"])
+            dataclass_replace(config)  # what Configurable.build() does before building
+        finally:
+            titan_logger.removeHandler(handler)
+        return sorted(messages)
+
+    ours, theirs = warnings(OURS), warnings(["--module", "llama3"])
+    assert any(NO_EFFECT in m for m in theirs), theirs
+    assert ours == theirs
+
+
+def test_command_line_refusals(tmp_path: Path) -> None:
+    """What ``torchtitan.train`` says to a config name that is not a config
+    (``with_ema``: torchtitan's list of available configs holds the configs only), to a
+    config whose family's registry did not import (``flux_debugmodel`` without
+    ``transformers``: which import failed), and to a config with torchtitan's own EMA on
+    as well (``ema_weights``, refused before anything is built)."""
+    from dtensor_ema.integrations.torchtitan import config_registry
+
+    code, out = _titan_cli(tmp_path, "torchtitan.train", *OURS, "--config", "with_ema")
+    assert code != 0 and "Config function 'with_ema' not found" in out, out[-3000:]
+    listed = out.split("Available config functions: ", 1)[1]
+    names = set(re.findall(r"'(\w+)'", listed[: listed.index("]")]))
+    assert names == set(config_registry.SOURCES), sorted(names ^ set(config_registry.SOURCES))
+
+    code, out = _titan_cli(tmp_path, "torchtitan.train", *OURS, "--config", "flux_debugmodel",
+                           hide=("transformers",))  # fmt: skip
+    assert code != 0, out[-3000:]
+    assert "ImportError: config 'flux_debugmodel' is unavailable: " in out, out[-3000:]
+    assert "torchtitan.models.flux.config_registry" in out and "transformers" in out
+    assert "not found" not in out
+
+    both = ["--module", "titan_their_ema", "--config", "llama3_debugmodel"]
+    code, out = _titan_cli(tmp_path, "torchtitan.train", *both)
+    assert code != 0, out[-3000:]
+    refusal = "ValueError: two EMAs are enabled: torchtitan's own (ema_weights.enable"
+    assert refusal in out, out[-3000:]
+    assert "--ema_weights.no-enable keeps dtensor_ema's, --ema.no-enable keeps" in out
+    assert "init_distributed" not in out.split("Traceback", 1)[-1]  # before anything is built
+
+
+def test_two_emas_refused_by_the_config_alone() -> None:
+    """The refusal is the trainer's first act (no process group needed); either EMA alone
+    is accepted by the check (torchtitan's own with ``ema.enable`` off)."""
+    from titan_their_ema import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    with pytest.raises(ValueError, match="two EMAs are enabled"):
+        config.build()
+    from dtensor_ema.integrations.torchtitan.trainer import _refuse_two_emas
+
+    config.ema.enable = False
+    _refuse_two_emas(config)
+    config.ema.enable, config.ema_weights.enable = True, False
+    _refuse_two_emas(config)
 
 
 # ------------------------------------------------------------------ hand-written loop, W=2
@@ -914,11 +1136,14 @@ def test_one_process_loads_the_w4_checkpoints(w4: tuple[Path, list[dict[str, Any
 
     final = dcp.FileSystemReader(str(folder / "step-3")).read_metadata().state_dict_metadata
     assert "tok_embeddings.weight" in final and not any(k.startswith("ema") for k in final)
-    from dtensor_ema.integrations.torchtitan.trainer import _holds
+    from dtensor_ema.integrations.torchtitan.trainer import _saved_ema
 
-    assert _holds(str(folder / "step-2"), "ema") and not _holds(str(folder / "step-3"), "ema")
-    assert _holds(str(folder / "step-3" / "ema" / "decay_0_9"), "tok_embeddings.weight")
-    assert _holds(str(root / "not-a-checkpoint"), "ema")  # no local folder: the load decides
+    saved_emas = _saved_ema(str(folder / "step-2"))
+    assert saved_emas is not None and sorted(saved_emas) == ["decay_0_5", "decay_0_9"]
+    assert saved_emas["decay_0_9"] == set(saved["ema"][2]["decay_0_9"])  # the EMA's own fqns
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in saved_emas["decay_0_9"]
+    assert _saved_ema(str(folder / "step-3")) == {}  # model-only: no EMA
+    assert _saved_ema(str(root / "not-a-checkpoint")) is None  # no local folder: the load decides
     assert results[0]["llama_hsdp"]["ema_folder"] == str(folder / "step-3" / "ema" / "decay_0_9")
     for name in ("decay_0_9", "decay_0_5"):
         state = model.state_dict()  # torchtitan's hook: fresh wq/wk/wv tensors to load into
