@@ -9,18 +9,33 @@ torchtitan needs live in ``titan_models`` (test setup, never the library).
 * W=4 (one spawn): llama3 HSDP 2x2 (an ``async_mode="async"`` checkpoint at step 2, the
   final one at step 3 model-only), llama3 FSDP2 2 x TP 2 (HF export of the EMA and of the raw
   weights; the final checkpoint model-only in HF format), llama3 PP 2 x FSDP2 2 (one EMA
-  per stage over the stage's mesh), deepseek_v3 (MoE, ``expert_bias_E`` averaged through
-  ``buffer_patterns``) HSDP 2x2, FSDP2 2 x TP 2 and FSDP2 4 with EP 2 (the experts' EMA on
-  the ``ep`` mesh).
+  per stage over the stage's mesh; HF export: each stage's part gathered, one file from
+  rank 0), deepseek_v3 (MoE, ``expert_bias_E`` averaged through ``buffer_patterns``) HSDP
+  2x2 with EP 2, FSDP2 2 x TP 2 with EP 2 (the experts' EMA on the ``ep`` mesh) and PP 2 x
+  FSDP2 2, each with a full checkpoint at step 2.
 * W=2 (one spawn): llama3 FSDP2 resumed from the W=4 HSDP step-2 checkpoint, then a
-  model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2; and
+  model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2 resumed from
+  the W=4 FSDP2 x TP x EP step-2 checkpoint (each resume logged once, on rank 0); and
   ``TorchtitanEMA`` in a hand-written loop under DDP and FSDP2 (each rank holds half of the
   EMA bytes, torchtitan's clone all of them under DDP; DCP ``save``/``load`` under the key
   ``ema`` into a fresh object resumes bit for bit).
-* One process: the W=4 checkpoint's EMA into a plain model's EMA (no process group), the
-  EMA written beside the model-only final checkpoint, and the HF export into
-  ``transformers``' Llama; ``TorchtitanEMA.step(current_step)`` against torchtitan's
-  development EMA math; ``buffer_patterns``; pipeline stages.
+* One process: the W=4 checkpoints' EMAs into a plain model's EMA (no process group:
+  llama3 HSDP, deepseek_v3 HSDP x EP and PP x FSDP2), the EMA written beside the model-only
+  final checkpoint, the HF exports (into ``transformers``' Llama; under PP against
+  ``to_hf`` of the reference); ``TorchtitanEMA.step(current_step)`` against torchtitan's
+  development EMA math; ``buffer_patterns``; ``load_state_dict(common_subset=True)``;
+  pipeline stages.
+* The command line (``torchtitan.train`` forked as ``python -m`` runs it, and its
+  ``ConfigManager``): ``--help``, the ``--ema`` list flags, the warnings, and the
+  refusals (a name that is no config, a config whose family did not import, torchtitan's
+  own EMA on as well).
+
+Context parallelism does not run on torchtitan's CPU path: with SDPA (FlexAttention has no
+CPU backward) its default ``spmd_types`` backend refuses at build ("spmd_types + CP is not
+supported with ScaledDotProductAttention or VarlenAttention. Use FlexAttention + CP or
+disable CP.", ``full_dtensor`` alike), and on ``partial_dtensor`` the first forward fails
+in its CP wrapper of SDPA ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+does not have a sharding strategy registered.").
 
 Checks: every EMA equals, bit for bit, a reference written here (torchtitan's EMA rule,
 ``lerp`` on full tensors) fed the trained weights (by an optimizer post-hook of the test's
@@ -33,6 +48,7 @@ W=2 and in one process; the HF export gives ``transformers``' logits close to to
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import re
 from dataclasses import replace
@@ -888,40 +904,55 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer.close()
     out["llama_tp"] = run
 
-    # llama3 PP 2 x FSDP2 2: one EMA per stage, over the stage's own 2-rank mesh.
+    # llama3 PP 2 x FSDP2 2: one EMA per stage, over the stage's own 2-rank mesh; the HF
+    # export gathers each stage's part, rank 0 writes one file.
     config = _config(base / "pp", "llama3", pp=2, shard=2, steps=2)
     config.ema.decays = [0.9]
     trainer = build_cpu_trainer(config)
     run = _train(trainer)
-    run.pop("reference")
+    reference = run.pop("reference")
     run["ema_mesh"] = [e.mesh.size() for emas in trainer.ema.parts for e in emas.values()]
+    run["hf_file"] = str(trainer.export_hf(base / "pp" / "hf_ema"))
+    torch.save(reference.emas["decay_0_9"], base / "pp" / f"reference{rank}.pt")
     trainer.close()
     out["llama_pp"] = run
 
-    # deepseek_v3 (MoE) HSDP 2x2, FSDP2 2 x TP 2 and FSDP2 4 with EP 2 (the experts on
-    # torchtitan's efsdp x ep meshes, all-to-all token dispatch), the expert bias averaged.
-    moe_layouts = {
-        "hsdp": {"replicate": 2, "shard": 2},
-        "tp": {"shard": 2, "tp": 2},
-        "ep": {"shard": 4, "ep": 2},
+    # deepseek_v3 (MoE), the expert bias averaged: HSDP 2x2 with EP 2 and FSDP2 2 x TP 2 with
+    # EP 2 (the experts on torchtitan's efsdp x ep meshes, all-to-all token dispatch), and
+    # PP 2 x FSDP2 2; each saves a full checkpoint at step 2 (resumed at W=2 and in one
+    # process).
+    moe_layouts: dict[str, dict[str, int]] = {
+        "hsdp_ep": {"replicate": 2, "shard": 2, "ep": 2},
+        "tp_ep": {"shard": 2, "tp": 2, "ep": 2},
+        "pp": {"pp": 2, "shard": 2},
     }
     for layout, degrees in moe_layouts.items():
-        out[f"moe_{layout}"] = _moe_run(base / f"moe_{layout}", steps=2, **degrees)
+        out[f"moe_{layout}"] = _moe_run(
+            base / f"moe_{layout}", steps=2, validate=layout != "pp", checkpoint=True, **degrees
+        )
     dist.barrier()
     return out
 
 
-def _moe_run(root: Path, steps: int, **degrees: int) -> dict[str, Any]:
+def _moe_run(
+    root: Path, steps: int, validate: bool = True, checkpoint: bool = False, **degrees: int
+) -> dict[str, Any]:
     """deepseek_v3 (MoE) on torchtitan's trainer: one EMA (decay 0.9) with the expert bias
-    averaged, validated at the last step; the shared checks, the validation and the mesh
-    dims of the experts' EMA."""
-    config = _config(root, "deepseek_v3", steps=steps, validate_every=steps, **degrees)
+    averaged, validated at the last step (``validate``); the shared checks, the validation
+    and the mesh dims of the experts' EMA. With ``checkpoint``, a full checkpoint at the
+    last step and each rank's reference EMA in ``root/reference<rank>.pt``."""
+    config = _config(root, "deepseek_v3", steps=steps, validate_every=steps if validate else None,
+                     checkpoint_every=steps if checkpoint else None, **degrees)  # fmt: skip
     config.ema.decays = [0.9]
     config.ema.buffer_patterns = list(MOE_BUFFERS)
+    config.checkpoint.last_save_model_only = False
     trainer = build_cpu_trainer(config)
     run = _train(trainer)
-    run["validation"] = _check_validation(trainer)
-    run.pop("reference")
+    if validate:
+        run["validation"] = _check_validation(trainer)
+    reference = run.pop("reference")
+    if checkpoint:
+        torch.save(reference.emas["decay_0_9"], root / f"reference{dist.get_rank()}.pt")
     run["expert_meshes"] = sorted(
         {
             str(e.device_mesh.mesh_dim_names)
@@ -932,6 +963,31 @@ def _moe_run(root: Path, steps: int, **degrees: int) -> dict[str, Any]:
     )
     trainer.close()
     return run
+
+
+class _Restored(logging.Handler):
+    """Keeps the trainer module's "EMA restored" log lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "EMA restored" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+def _load_logged(trainer: Any) -> list[str]:
+    """``trainer.checkpointer.load()`` (what ``train()`` does first); the "EMA restored"
+    lines this rank logged."""
+    handler = _Restored()
+    titan_log = logging.getLogger("dtensor_ema.integrations.torchtitan.trainer")
+    titan_log.addHandler(handler)
+    try:
+        trainer.checkpointer.load()
+    finally:
+        titan_log.removeHandler(handler)
+    return handler.lines
 
 
 # ------------------------------------------------------------------ W=2
@@ -952,9 +1008,10 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer = build_cpu_trainer(config)
     reference = TrainerReference(trainer)
     saved = torch.load(Path(w4_root) / "hsdp" / "reference.pt")
-    trainer.checkpointer.load()  # what train() does first; checked before training on
+    restored = _load_logged(trainer)  # checked before training on
     keys = reference.keys
     run: dict[str, Any] = {
+        "restored_log": restored,
         "loaded_step": trainer.step,
         "loaded": {
             n: _differ(_trainer_ema_full(trainer, n, keys), saved["ema"][2][n]) for n in trainer.ema
@@ -1004,8 +1061,34 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer.close()
     out["llama_resume"] = run
 
-    # deepseek_v3 (MoE) FSDP2.
-    out["moe_fsdp"] = _moe_run(base / "moe", steps=3, shard=2)
+    # deepseek_v3 (MoE) FSDP2: resume the W=4 FSDP2 x TP x EP run's step-2 checkpoint.
+    w4_moe = Path(w4_root) / "moe_tp_ep"
+    config = _config(base / "moe", "deepseek_v3", shard=2, steps=3, validate_every=3,
+                     checkpoint_every=10)  # fmt: skip
+    config.ema.decays = [0.9]
+    config.ema.buffer_patterns = list(MOE_BUFFERS)
+    config.checkpoint.initial_load_path = str(w4_moe / "outputs" / "checkpoint" / "step-2")
+    config.checkpoint.initial_load_model_only = False
+    config.checkpoint.exclude_from_loading = ["dataloader"]
+    trainer = build_cpu_trainer(config)
+    reference = TrainerReference(trainer)
+    saved = torch.load(w4_moe / "reference0.pt")
+    run = {"restored_log": _load_logged(trainer), "loaded_step": trainer.step}
+    run["loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", reference.keys), saved)
+    reference.emas = {"decay_0_9": {k: v.clone() for k, v in saved.items()}}
+    calls = _logged(trainer)
+    trainer.train()
+    full = _trainer_ema_full(trainer, "decay_0_9", reference.keys)
+    run["differ"] = {"decay_0_9": _differ(full, reference.emas["decay_0_9"])}
+    run["moved"] = {"decay_0_9": _differ(full, saved) != []}
+    run["fired"] = reference.fired
+    run["local_numel"] = sum(e["decay_0_9"].local_numel() for e in trainer.ema.parts)
+    run["model_numel"] = sum(v.numel() for v in saved.values())
+    run["stage"] = 0
+    run["validation"] = _check_validation(trainer)
+    run["validation_logs"] = [(s, m) for s, m in calls if any("ema_loss" in k for k in m)]
+    trainer.close()
+    out["moe_resume"] = run
 
     out["hand_loop"] = _hand_loop(world_size, str(base / "hand"))
     return out
@@ -1075,13 +1158,15 @@ def test_w4_ema_bit_exact_on_every_layout(w4: tuple[Path, list[dict[str, Any]]])
     _assert_run(results, "llama_hsdp", [1, 2, 3])
     _assert_run(results, "llama_tp", [2, 3])
     _assert_run(results, "llama_pp", [1, 2])
-    _assert_run(results, "moe_hsdp", [1, 2])
-    _assert_run(results, "moe_tp", [1, 2])
-    _assert_run(results, "moe_ep", [1, 2])
-    assert all("'ep'" in r["moe_ep"]["expert_meshes"][0] for r in results), results[0]["moe_ep"]
+    _assert_run(results, "moe_hsdp_ep", [1, 2])
+    _assert_run(results, "moe_tp_ep", [1, 2])
+    _assert_run(results, "moe_pp", [1, 2])
+    for key in ("moe_hsdp_ep", "moe_tp_ep"):
+        assert all("'ep'" in r[key]["expert_meshes"][0] for r in results), results[0][key]
+    assert [r["moe_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert [r["llama_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert all(r["llama_pp"]["ema_mesh"] == [2] for r in results)  # the stage's 2 ranks
-    assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp"]["keys"])
+    assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp_ep"]["keys"])
 
 
 @pytest.mark.distributed
@@ -1089,9 +1174,8 @@ def test_w4_validator_logs_the_ema_loss(w4: tuple[Path, list[dict[str, Any]]]) -
     _, results = w4
     _assert_validation(results, "llama_hsdp", 3)
     _assert_validation(results, "llama_tp", 3)
-    _assert_validation(results, "moe_hsdp", 2)
-    _assert_validation(results, "moe_tp", 2)
-    _assert_validation(results, "moe_ep", 2)
+    _assert_validation(results, "moe_hsdp_ep", 2)
+    _assert_validation(results, "moe_tp_ep", 2)
 
 
 @pytest.mark.distributed
@@ -1110,8 +1194,19 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
     assert refused[0] and refused == [refused[0]] * len(w2), refused
     assert "Hugging Face format failed on rank 0: " in refused[0], refused[0]
     _assert_validation(w2, "llama_resume", 3)
-    _assert_run(w2, "moe_fsdp", [1, 2, 3])
-    _assert_validation(w2, "moe_fsdp", 3)
+    for run_key in ("llama_resume", "moe_resume"):  # logged once, on rank 0, per load
+        logs = [result[run_key]["restored_log"] for result in w2]
+        assert logs[1:] == [[]] * (len(w2) - 1), logs
+        assert len(logs[0]) == 1 and "(step 2): " in logs[0][0], logs
+    assert w2[0]["llama_resume"]["restored_log"][0].endswith(
+        "(step 2): decay_0_9 2 updates, decay_0_5 2 updates"
+    )
+    assert w2[0]["moe_resume"]["restored_log"][0].endswith("(step 2): decay_0_9 2 updates")
+    # deepseek_v3 saved at W=4 on FSDP2 x TP x EP, resumed at W=2 on FSDP2.
+    for result in w2:
+        assert result["moe_resume"]["loaded_step"] == 2 and result["moe_resume"]["loaded"] == []
+    _assert_run(w2, "moe_resume", [3])
+    _assert_validation(w2, "moe_resume", 3)
 
 
 # ------------------------------------------------------------------ one process
@@ -1151,6 +1246,55 @@ def test_one_process_loads_the_w4_checkpoints(w4: tuple[Path, list[dict[str, Any
         model.load_state_dict(state)  # its pre-hook fuses them into wqkv
         weights = {canonical_fqn(n): p.detach() for n, p in model.named_parameters()}
         assert _differ(weights, saved["ema"][3][name]) == [], name
+
+
+def _merged_references(folder: Path) -> dict[str, torch.Tensor]:
+    """The reference EMA of every rank of a W=4 run (each stage's ranks saved theirs)."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        merged.update(torch.load(folder / f"reference{rank}.pt"))
+    return merged
+
+
+@pytest.mark.distributed
+def test_pp_export_hf_writes_one_file(w4: tuple[Path, list[dict[str, Any]]]) -> None:
+    """``EMATrainer.export_hf`` under PP 2 x FSDP2 2: rank 0 alone returns a file, which
+    holds both stages' EMA, equal bit for bit to ``to_hf`` of the reference EMA."""
+    from safetensors.torch import load_file
+    from torchtitan.models.llama3 import model_registry
+
+    root, results = w4
+    files = [r["llama_pp"]["hf_file"] for r in results]
+    assert files[1:] == ["None"] * 3 and files[0].endswith("model.safetensors"), files
+    want = _merged_references(root / "pp")
+    model = _plain_llama()
+    assert {canonical_fqn(n) for n, _ in model.named_parameters()} == set(want)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(want[canonical_fqn(name)])
+    spec = model_registry("debugmodel")
+    expected = spec.state_dict_adapter(spec.model, None).to_hf(model.state_dict())
+    written = load_file(files[0])
+    assert written.keys() == expected.keys()
+    assert [k for k in written if not torch.equal(written[k], expected[k])] == []
+
+
+@pytest.mark.distributed
+def test_one_process_loads_the_moe_checkpoints(w4: tuple[Path, list[dict[str, Any]]]) -> None:
+    """No process group: the deepseek_v3 EMA saved at W=4 on HSDP x EP and on PP x FSDP2
+    (two stages, one layout in the checkpoint) loads bit for bit into a plain model's EMA."""
+    from titan_models import deepseek_v3_debugmodel
+
+    root, _ = w4
+    config = TorchtitanEMA.Config(enable=True, decays=[0.9], buffer_patterns=MOE_BUFFERS)
+    for layout in ("moe_hsdp_ep", "moe_pp"):
+        ema = TorchtitanEMA(config, model_parts=[deepseek_v3_debugmodel(layers=2)])
+        step2 = root / layout / "outputs" / "checkpoint" / "step-2"
+        dcp.load({"ema": ema}, checkpoint_id=str(step2))
+        want = _merged_references(root / layout)
+        assert _differ(ema["decay_0_9"].ema_tensors(), want) == [], layout
+        assert set(ema["decay_0_9"].ema_tensors()) == set(want), layout
+        assert ema["decay_0_9"].updates == 2
 
 
 @pytest.mark.distributed

@@ -16,9 +16,11 @@ torchtitan builds, parallelizes and initializes the model parts, it:
   of its ``states`` (:class:`EMACheckpointManager`): DCP, so a checkpoint reshards to any
   other layout, ``async_mode`` included; a model-only load (``initial_load_model_only``,
   a seed checkpoint, HF weights) or a checkpoint without EMA re-copies the loaded model
-  into the EMA; with ``last_save_model_only`` (torchtitan's default) the final checkpoint
-  holds the model only, so the EMA is written beside it, in the same format, under
-  ``step-N/ema/<name>``;
+  into the EMA; a resume is logged once on rank 0; the entry keeps the EMA's own
+  parameter names, so a resume into the other fused/unfused QKV setting is refused at once
+  (see :class:`EMACheckpointManager`); with ``last_save_model_only`` (torchtitan's
+  default) the final checkpoint holds the model only, so the EMA is written beside it, in
+  the same format, under ``step-N/ema/<name>``;
 * evaluates through it in torchtitan's own validator (:class:`EMAValidator`): the EMA loss
   is logged under ``validation_metrics/ema_loss/<name>`` beside ``validation_metrics/loss``;
 * exports it (or the raw weights) in Hugging Face format (:meth:`EMATrainer.export_hf`),
@@ -198,7 +200,12 @@ class EMACheckpointManager(CheckpointManager):
     * after a load that restored no EMA (model-only: ``initial_load_model_only``, the step-0
       seed checkpoint, HF weights; a checkpoint saved without EMA; ``ema`` in
       ``exclude_from_loading``), the EMA restarts from the loaded weights
-      (:meth:`TorchtitanEMA.reset`);
+      (:meth:`TorchtitanEMA.reset`); after one that restored it, rank 0 logs so once (from
+      which step, each EMA's ``updates``);
+    * the ``ema`` entry holds ``ema.<name>.{updates,config,ema.<fqn>}`` with the EMA's own
+      parameter names (a fused ``wqkv`` stays fused, unlike the model entry's
+      ``wq``/``wk``/``wv``): a resume across the fused/unfused QKV settings is refused
+      before anything is loaded (the way out: the model-only ``ema/<name>`` folder);
     * with ``last_save_model_only`` (torchtitan's default), the final checkpoint holds the
       model only: each EMA is then written beside it the same way (DCP, or HF with
       ``last_save_in_hf``; ``export_dtype``) under ``<folder>/step-N/ema/<name>``, swapped
@@ -309,6 +316,11 @@ class EMATrainer(Trainer):
     (``config.build()``); run ``train()`` as torchtitan does. ``self.ema`` is the
     :class:`~dtensor_ema.integrations.torchtitan.TorchtitanEMA`. Construction is
     collective (torchtitan's, then the EMA's over each part's mesh).
+
+    Raises:
+        ValueError: the config also enables torchtitan's own EMA (``ema_weights.enable``,
+            on torchtitan's development ``Trainer.Config``): refused before anything is
+            built, naming the flag that turns either off.
     """
 
     @dataclass(kw_only=True, slots=True)
