@@ -541,11 +541,11 @@ def _retype(value: Any, cls: type, section: str) -> Any:
     return _checked_copy(value, cls)
 
 
-def _checked_copy(source: Any, cls: type, **values: Any) -> Any:
+def _checked_copy(source: Any, cls: type[Any], **values: Any) -> Any:
     """A ``cls`` holding ``source``'s field values (shared, not copied), then ``values``,
     built without running ``__post_init__`` again: ``source``'s own checks ran when it was
     built, and running them twice would repeat torchtitan's warnings."""
-    out = cls.__new__(cls)
+    out = object.__new__(cls)
     for f in fields(source):
         setattr(out, f.name, getattr(source, f.name))
     for name, value in values.items():
