@@ -906,8 +906,9 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     # llama3 PP 2 x FSDP2 2: one EMA per stage, over the stage's own 2-rank mesh; the HF
     # export gathers each stage's part, rank 0 writes one file.
-    config = _config(base / "pp", "llama3", pp=2, shard=2, steps=2)
+    config = _config(base / "pp", "llama3", pp=2, shard=2, steps=2, checkpoint_every=2)
     config.ema.decays = [0.9]
+    config.checkpoint.last_save_model_only = False  # a full one at step 2, with the EMA
     trainer = build_cpu_trainer(config)
     run = _train(trainer)
     reference = run.pop("reference")
@@ -1264,7 +1265,8 @@ def _merged_references(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 def test_pp_export_hf_writes_one_file(w4: tuple[Path, list[dict[str, Any]]]) -> None:
     """``EMATrainer.export_hf`` under PP 2 x FSDP2 2: rank 0 alone returns a file, which
-    holds both stages' EMA, equal bit for bit to ``to_hf`` of the reference EMA."""
+    holds both stages' EMA, equal bit for bit to ``to_hf`` of the reference EMA; and the
+    run's step-2 checkpoint (each stage wrote its part) loads into one process's EMA."""
     from safetensors.torch import load_file
     from torchtitan.models.llama3 import model_registry
 
@@ -1282,6 +1284,10 @@ def test_pp_export_hf_writes_one_file(w4: tuple[Path, list[dict[str, Any]]]) -> 
     written = load_file(files[0])
     assert written.keys() == expected.keys()
     assert [k for k in written if not torch.equal(written[k], expected[k])] == []
+
+    ema = TorchtitanEMA(TorchtitanEMA.Config(enable=True, decays=[0.9]), model_parts=[model])
+    dcp.load({"ema": ema}, checkpoint_id=str(root / "pp" / "outputs" / "checkpoint" / "step-2"))
+    assert _differ(ema["decay_0_9"].ema_tensors(), want) == [] and ema["decay_0_9"].updates == 2
 
 
 @pytest.mark.distributed
