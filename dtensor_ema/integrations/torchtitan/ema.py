@@ -323,15 +323,26 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             }
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], *, common_subset: bool = False
+    ) -> None:
         """Restore every EMA of every part from :meth:`state_dict` output (a DCP load's
         included). An empty ``state_dict`` (a checkpoint saved without EMA) restarts each
         EMA from the model's current weights, as torchtitan does. Local. Everything is
         checked before anything is written.
 
+        Args:
+            state_dict: the state.
+            common_subset: accept a state saved with another tracked set of the same model
+                (other ``buffer_patterns``, parameters frozen or unfrozen since), as
+                :meth:`dtensor_ema.ModelEMA.load_state_dict` does: load the tensors both
+                hold, leave this EMA's others as they are (the counters are loaded); at
+                least one tensor must be common. The EMA names must still match.
+
         Raises:
             ValueError: the EMA names, ``config`` or tensors differ from this object's
-                (each message names them).
+                (each message names them; with ``common_subset``, the names or the
+                shapes/dtypes of common tensors differ, or no tensor is common).
             KeyError: a state lacks ``"ema"`` or ``"updates"``.
         """
         if not self.parts:
@@ -347,32 +358,51 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             for key in ("ema", "updates"):
                 if key not in saved:
                     raise KeyError(f"EMA {name!r}: the checkpoint state has no {key!r} entry")
-            config = saved.get("config")
-            if config is not None and config != self._resume_config():
-                raise ValueError(
-                    f"EMA {name!r}: saved with {config}, this run has "
-                    f"{self._resume_config()}; resuming would not continue the saved average"
-                )
+            self._check_resume_config(name, saved.get("config"), common_subset)
             known: set[str] = set()
+            common = 0
             for emas in self.parts:
                 ema = emas[name]
                 ours = ema.state_dict()
                 known |= set(ours["ema"])
-                part_state = {
-                    "updates": saved["updates"],
-                    "config": ours["config"],
-                    "ema": {k: v for k, v in saved["ema"].items() if k in ours["ema"]},
-                }
+                tensors = {k: v for k, v in saved["ema"].items() if k in ours["ema"]}
+                common += len(tensors)
+                if common_subset:  # the others keep their values: load them onto themselves
+                    tensors = {k: tensors.get(k, v) for k, v in ours["ema"].items()}
+                part_state = {"updates": saved["updates"], "config": ours["config"], "ema": tensors}
                 try:
                     validate_state(part_state, ours)
                 except (KeyError, ValueError) as e:
                     raise type(e)(f"EMA {name!r}: {e}") from e
                 plan.append((ema, part_state))
             unexpected = sorted(set(saved["ema"]) - known)
-            if unexpected:
-                raise ValueError(f"EMA {name!r}: unexpected fqns {unexpected[:5]}")
+            if unexpected and not common_subset:
+                raise ValueError(
+                    f"EMA {name!r}: unexpected fqns {unexpected[:5]} (load the tensors both "
+                    "hold with common_subset=True)"
+                )
+            if not common:
+                raise ValueError(f"EMA {name!r}: the checkpoint and this EMA share no tensor")
         for ema, part_state in plan:
             ema.load_state_dict(part_state)
+
+    def _check_resume_config(self, name: str, config: str | None, common_subset: bool) -> None:
+        """Refuse a saved ``config`` (:meth:`_resume_config`) this run does not continue:
+        other EMAs, or (unless ``common_subset``) other ``buffer_patterns``."""
+        if config is None or config == self._resume_config():
+            return
+        if common_subset:
+            try:
+                emas = json.loads(config).get("emas")
+            except (ValueError, AttributeError):
+                emas = None
+            if emas == self.names:
+                return
+        raise ValueError(
+            f"EMA {name!r}: saved with {config}, this run has "
+            f"{self._resume_config()}; resuming would not continue the saved average"
+            + ("" if common_subset else " (other buffer_patterns: common_subset=True)")
+        )
 
     def _key(self, name: str | None) -> str:
         """``name``, or the first EMA's, checked; raises as the public methods document."""
