@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
 from dtensor_ema.multi import MultiModelEMA
-from dtensor_ema.state import validate_state
+from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES, validate_state
 
 __all__ = ["TorchtitanEMA"]
 
@@ -315,11 +315,11 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             states = [emas[name].state_dict() for emas in self.parts]
             tensors: dict[str, Any] = {}
             for state in states:
-                tensors.update(state["ema"])
+                tensors.update(state[EMA_TENSORS])
             out[name] = {
-                "updates": states[0]["updates"],
-                "config": self._resume_config(),
-                "ema": tensors,
+                UPDATES: states[0][UPDATES],
+                CONFIG: self._resume_config(),
+                EMA_TENSORS: tensors,
             }
         return out
 
@@ -355,27 +355,31 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         plan: list[tuple[ModelEMA, dict[str, Any]]] = []
         for name in self.names:
             saved = state_dict[name]
-            for key in ("ema", "updates"):
+            for key in (EMA_TENSORS, UPDATES):
                 if key not in saved:
                     raise KeyError(f"EMA {name!r}: the checkpoint state has no {key!r} entry")
-            self._check_resume_config(name, saved.get("config"), common_subset)
+            self._check_resume_config(name, saved.get(CONFIG), common_subset)
             known: set[str] = set()
             common = 0
             for emas in self.parts:
                 ema = emas[name]
                 ours = ema.state_dict()
-                known |= set(ours["ema"])
-                tensors = {k: v for k, v in saved["ema"].items() if k in ours["ema"]}
+                known |= set(ours[EMA_TENSORS])
+                tensors = {k: v for k, v in saved[EMA_TENSORS].items() if k in ours[EMA_TENSORS]}
                 common += len(tensors)
                 if common_subset:  # the others keep their values: load them onto themselves
-                    tensors = {k: tensors.get(k, v) for k, v in ours["ema"].items()}
-                part_state = {"updates": saved["updates"], "config": ours["config"], "ema": tensors}
+                    tensors = {k: tensors.get(k, v) for k, v in ours[EMA_TENSORS].items()}
+                part_state = {
+                    UPDATES: saved[UPDATES],
+                    CONFIG: ours[CONFIG],
+                    EMA_TENSORS: tensors,
+                }
                 try:
                     validate_state(part_state, ours)
                 except (KeyError, ValueError) as e:
                     raise type(e)(f"EMA {name!r}: {e}") from e
                 plan.append((ema, part_state))
-            unexpected = sorted(set(saved["ema"]) - known)
+            unexpected = sorted(set(saved[EMA_TENSORS]) - known)
             if unexpected and not common_subset:
                 raise ValueError(
                     f"EMA {name!r}: unexpected fqns {unexpected[:5]} (load the tensors both "
