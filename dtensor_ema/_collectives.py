@@ -224,25 +224,23 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
     raise same_error(what, failed, messages) from error
 
 
-def mesh_gather_rows(mesh: DeviceMesh, values: Sequence[int]) -> dict[int, tuple[int, ...]]:
+def mesh_gather_rows(mesh: DeviceMesh, values: Sequence[int]) -> list[tuple[int, ...]]:
     """Every rank of ``mesh`` learns every rank's ``values`` (a few int64s): one
     all-gather per mesh dim of size > 1 (each gathers the blocks the previous dims built,
-    so the last holds the whole mesh), with no new group. Returns global rank -> values.
-    Peak extra memory: ``W * (len(values) + 1)`` int64s."""
+    so the last holds the whole mesh), with no new group. Returns one ``(global rank,
+    *values)`` row per rank of the mesh (under a fake process group, which copies the
+    input into every slot, ``W`` copies of this rank's row). Peak extra memory:
+    ``W * (len(values) + 1)`` int64s."""
     groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
     return _gather_rows(groups, values)
 
 
-def group_gather_rows(
-    group: dist.ProcessGroup, values: Sequence[int]
-) -> dict[int, tuple[int, ...]]:
+def group_gather_rows(group: dist.ProcessGroup, values: Sequence[int]) -> list[tuple[int, ...]]:
     """:func:`mesh_gather_rows` over one process group: one all-gather."""
     return _gather_rows([group] if dist.get_world_size(group) > 1 else [], values)
 
 
-def _gather_rows(
-    groups: list[dist.ProcessGroup], values: Sequence[int]
-) -> dict[int, tuple[int, ...]]:
+def _gather_rows(groups: list[dist.ProcessGroup], values: Sequence[int]) -> list[tuple[int, ...]]:
     device = _reduce_device(groups[0]) if groups else torch.device("cpu")
     block = torch.tensor([[dist.get_rank(), *values]], dtype=torch.int64, device=device)
     for group in groups:
@@ -250,7 +248,7 @@ def _gather_rows(
         out = torch.empty(size * block.numel(), dtype=torch.int64, device=device)
         all_gather_single(out, block.flatten().contiguous(), group=group)
         block = out.view(size * block.shape[0], block.shape[1])
-    return {int(row[0]): tuple(int(v) for v in row[1:]) for row in block.tolist()}
+    return sorted(tuple(int(v) for v in row) for row in block.tolist())
 
 
 CALLS_ENV = "DTENSOR_EMA_AGREE_CALLS"
@@ -296,18 +294,18 @@ def agree_on_call(
     raw = name.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
     words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
     rows = gather([*words, digest, count])
-    if len(set(rows.values())) == 1:
+    if len({row[1:] for row in rows}) == 1:
         return
     by_row: dict[tuple[int, ...], list[int]] = {}
-    for rank, row in sorted(rows.items()):
-        by_row.setdefault(row, []).append(rank)
+    for row in rows:
+        by_row.setdefault(row[1:], []).append(row[0])
     parts = []
-    for row, ranks in by_row.items():
-        called = b"".join(w.to_bytes(8, "little", signed=True) for w in row[:_NAME_WORDS])
+    for seen, ranks in by_row.items():
+        called = b"".join(w.to_bytes(8, "little", signed=True) for w in seen[:_NAME_WORDS])
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
         parts.append(
             f"{who}: {called.rstrip(bytes(1)).decode(errors='replace')}() on EMA "
-            f"{row[_NAME_WORDS] & 0xFFFFFFFF:08x} at updates={row[_NAME_WORDS + 1]}"
+            f"{seen[_NAME_WORDS] & 0xFFFFFFFF:08x} at updates={seen[_NAME_WORDS + 1]}"
         )
     raise ValueError(
         f"{name}(): the ranks disagree on this collective call ({'; '.join(parts)}). Every "

@@ -586,11 +586,12 @@ def agree_on_structure(
         zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode()),
         zlib.crc32("\n".join(f"{k}={v}" for k, v in options.items()).encode()),
     )
-    ranks = world.mesh.flatten().tolist()
-    table = mesh_gather_rows(world, digests)
-    seen = [table.get(r) for r in ranks]
-    if len(set(seen)) == 1:
+    rows = mesh_gather_rows(world, digests)
+    if len({row[1:] for row in rows}) == 1:
         return
+    ranks = world.mesh.flatten().tolist()
+    table = {row[0]: row[1:] for row in rows}
+    seen = [table.get(r) for r in ranks]
     found: list[str] = []  # every differing group gathers (a rank may be in several)
     for j in [j for j in range(world.ndim) if world.size(j) > 1]:
         group = world.get_group(j)
