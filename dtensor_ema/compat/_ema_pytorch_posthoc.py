@@ -22,11 +22,20 @@ ema-pytorch 0.8.3's (``tests/test_compat_posthoc.py``):
   float32 rounding (a few ulps), and ours do not depend on the file system's listing order.
   :func:`dtensor_ema.synthesize` on the same folder gives EDM2's own reconstruction.
 
+``ignore_names`` (exact names) and ``ignore_startswith_names`` (plain string prefixes of
+the names) leave tensors out as ema-pytorch does (neither averaged nor copied, nor summed by
+``synthesize_ema_model``), as the engine's ``track=`` predicate: an ignored tensor is not
+stored at all (snapshots and memory hold the other tensors only, ``1/W`` per rank) and is
+read from the model wherever a whole model is needed. ``param_or_buffer_names_no_ema``
+names that are also ignored are ignored, as in ema-pytorch.
+
 Deliberate differences: integer buffers follow the model (ema-pytorch keeps their
-construction values); ``ema_models[i].ema_model`` and the synthesized model are sharded
-EMA modules (their forward is collective); ``ema_model``, ``ignore_names``,
-``ignore_startswith_names`` and ``frozen=True`` are refused (``ValueError``);
-``state_dict()`` is the engine's (sharded, for ``dcp.save``).
+construction values); ignored tensors in ``ema_models[i].ema_model`` are the model's live
+ones (ema-pytorch's copy keeps their values of the first update, and its checkpoints store
+them; for the frozen tensors one ignores, the same values); ``ema_models[i].ema_model`` and
+the synthesized model are sharded EMA modules (their forward is collective); ``ema_model``
+and ``frozen=True`` are refused (``ValueError``); ``state_dict()`` is the engine's
+(sharded, for ``dcp.save``).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema._collectives import group_of
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import TrackSpec
 from dtensor_ema.phema_math import profile_inner
 from dtensor_ema.phema_math import sigma_rel_to_gamma as _newton_gamma
 from dtensor_ema.posthoc import PostHocEMA as _Engine
@@ -50,12 +60,7 @@ from dtensor_ema.posthoc.synthesis import combine
 
 __all__ = ["KarrasEMA", "PostHocEMA", "sigma_rel_to_gamma"]
 
-_REFUSED: dict[str, Any] = {
-    "ema_model": None,
-    "ignore_names": set(),
-    "ignore_startswith_names": set(),
-    "frozen": False,
-}
+_REFUSED: dict[str, Any] = {"ema_model": None, "frozen": False}
 _IGNORED = ("allow_different_devices", "move_ema_to_online_device")
 
 
@@ -141,12 +146,21 @@ class PostHocEMA(nn.Module):
         if refused:
             raise ValueError(
                 f"dtensor_ema.compat.ema_pytorch.PostHocEMA does not support {refused}: the "
-                "sharded EMA builds its modules from the model and averages every float tensor"
+                "sharded EMA builds its modules from the model and averages every float "
+                "tensor it tracks"
             )
         for k in _IGNORED:
             kwargs.pop(k, None)  # the EMA lives where the model's shards live
         update_every = kwargs.pop("update_every", 100)
         no_ema = kwargs.pop("param_or_buffer_names_no_ema", set())
+        self.ignore_names = set(kwargs.pop("ignore_names", set()))
+        self.ignore_startswith_names = set(kwargs.pop("ignore_startswith_names", set()))
+        for name, names in (
+            ("ignore_names", self.ignore_names),
+            ("ignore_startswith_names", self.ignore_startswith_names),
+        ):
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"{name} must be a set of strings, got {sorted(map(repr, names))}")
         if kwargs:
             raise TypeError(f"PostHocEMA got unexpected keyword arguments {sorted(kwargs)}")
         if (sigma_rels is None) == (gammas is None):
@@ -177,13 +191,14 @@ class PostHocEMA(nn.Module):
         self.checkpoint_dtype = checkpoint_dtype
         self._model = [model]
         self._mesh = mesh
-        self._no_ema = set(no_ema) or None
+        self._no_ema = {n for n in no_ema if not self._ignored(n)} or None
         self.calls = 0
         self._engine = _Engine(
             model,
             snapshot_dir=self.checkpoint_folder,
             mesh=mesh,
             exclude=self._no_ema,
+            track=self._track(),
             snapshot_dtype=checkpoint_dtype,
             gammas=self.gammas,
         )
@@ -194,6 +209,17 @@ class PostHocEMA(nn.Module):
     @property
     def model(self) -> nn.Module:
         return self._model[0]
+
+    def _ignored(self, fqn: str) -> bool:
+        """ema-pytorch's rule: an exact name, or a name that starts with a prefix."""
+        return fqn in self.ignore_names or any(
+            fqn.startswith(p) for p in self.ignore_startswith_names
+        )
+
+    def _track(self) -> TrackSpec:
+        if not (self.ignore_names or self.ignore_startswith_names):
+            return "all"
+        return lambda fqn, _tensor: not self._ignored(fqn)
 
     @property
     def engine(self) -> _Engine:
@@ -288,7 +314,9 @@ class PostHocEMA(nn.Module):
         group = group_of(None)
         state = combine(terms, group=group)
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-        engine = ModelEMA(self.model, self._mesh, decay=0.0, exclude=self._no_ema)
+        engine = ModelEMA(
+            self.model, self._mesh, decay=0.0, exclude=self._no_ema, track=self._track()
+        )
         engine.load_full_state_dict(full)
         del full
         return KarrasEMA(engine, gamma, None)
