@@ -58,10 +58,25 @@ from dtensor_ema.posthoc import PostHocEMA as _Engine
 from dtensor_ema.posthoc import Term, list_snapshots
 from dtensor_ema.posthoc.synthesis import combine
 
-__all__ = ["KarrasEMA", "PostHocEMA", "sigma_rel_to_gamma"]
+__all__ = ["KarrasEMA", "NotIgnored", "PostHocEMA", "sigma_rel_to_gamma"]
 
 _REFUSED: dict[str, Any] = {"ema_model": None, "frozen": False}
 _IGNORED = ("allow_different_devices", "move_ema_to_online_device")
+
+
+class NotIgnored:
+    """``track=`` for ema-pytorch's ``ignore_names`` (exact names) and
+    ``ignore_startswith_names`` (string prefixes): keeps every other tensor. A class, not a
+    closure, so the EMA still pickles. Shared by both ema-pytorch drop-ins."""
+
+    def __init__(self, names: frozenset[str], prefixes: tuple[str, ...]) -> None:
+        self.names, self.prefixes = names, prefixes
+
+    def __call__(self, fqn: str, tensor: torch.Tensor) -> bool:
+        return self.keeps(fqn)
+
+    def keeps(self, fqn: str) -> bool:
+        return fqn not in self.names and not (self.prefixes and fqn.startswith(self.prefixes))
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
@@ -191,7 +206,10 @@ class PostHocEMA(nn.Module):
         self.checkpoint_dtype = checkpoint_dtype
         self._model = [model]
         self._mesh = mesh
-        self._no_ema = {n for n in no_ema if not self._ignored(n)} or None
+        self._kept = NotIgnored(
+            frozenset(self.ignore_names), tuple(sorted(self.ignore_startswith_names))
+        )
+        self._no_ema = {n for n in no_ema if self._kept.keeps(n)} or None
         self.calls = 0
         self._engine = _Engine(
             model,
@@ -210,16 +228,8 @@ class PostHocEMA(nn.Module):
     def model(self) -> nn.Module:
         return self._model[0]
 
-    def _ignored(self, fqn: str) -> bool:
-        """ema-pytorch's rule: an exact name, or a name that starts with a prefix."""
-        return fqn in self.ignore_names or any(
-            fqn.startswith(p) for p in self.ignore_startswith_names
-        )
-
     def _track(self) -> TrackSpec:
-        if not (self.ignore_names or self.ignore_startswith_names):
-            return "all"
-        return lambda fqn, _tensor: not self._ignored(fqn)
+        return self._kept if self._kept.names or self._kept.prefixes else "all"
 
     @property
     def engine(self) -> _Engine:

@@ -88,8 +88,8 @@ class SnapshotError(ValueError):
     """A snapshot folder or its ``manifest.json`` is malformed, altered, or leads outside
     the directory being read. The message is ``"<file>: <what is wrong>"``."""
 
-    def __init__(self, file: Path, what: str) -> None:
-        super().__init__(f"{file}: {what}")
+    def __init__(self, file: Path | str, what: str | None = None) -> None:
+        super().__init__(str(file) if what is None else f"{file}: {what}")
         self.file = file
         self.what = what
 

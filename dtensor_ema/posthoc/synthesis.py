@@ -274,7 +274,7 @@ def synthesize(
             distributed, or several ``sigma_rel`` into one file.
         SnapshotError: a snapshot folder or manifest that is malformed, altered (its
             checksum differs), or leads outside ``snapshot_dir`` (a ``ValueError``; see
-            :func:`~dtensor_ema.posthoc.snapshots.read_manifest`).
+            ``dtensor_ema.posthoc.snapshots.read_manifest``).
         CheckpointError: a snapshot's ``.metadata`` refers to a global that is not DCP
             metadata (a crafted snapshot: refused before any tensor is read, nothing run);
             a snapshot's data lacks an entry its manifest names, holds it in another shape
