@@ -405,7 +405,6 @@ def test_engine_takes_exact_gammas(tmp_path: Path) -> None:
     "kwargs, match",
     [
         (dict(sigma_rels=(0.05, 0.1), ema_model=Net), "ema_model"),
-        (dict(sigma_rels=(0.05, 0.1), ignore_names={"seen"}), "ignore_names"),
         (dict(sigma_rels=(0.05, 0.1), frozen=True), "frozen"),
         (dict(), "sigma_rels or gammas"),
         (dict(gammas=(5.0,)), "at least 2"),

@@ -476,13 +476,13 @@ def test_lora_distributed_synthesis_and_peft_adapter(runs: dict[str, Any], world
 REFUSED = {
     "another run's data": (
         "CheckpointError",
-        r"step-000000000008: its data has no entry 'p\d\.\w+', which its manifest names",
+        r"step-000000000008: its data has no entry 'p\d\.[\w.]+', which its manifest names",
     ),
     "rows in no chunk": (
         "CheckpointError",
         r"entry 'p0\.odd': its chunks cover 56 of its 91 elements \(no chunk holds rows 8-12\)",
     ),
-    "profile key": ("SnapshotError", r"profiles\[1\]\['key'\] must be 'p1', got 'followed'"),
+    "profile key": ("SnapshotError", r"profiles\[1\]\['key'\] must be 'p1' \(where profile 1 is stored\), got 'followed'"),
     "altered t": ("SnapshotError", "its checksum does not match its content"),
     "folder outside": ("SnapshotError", "is a symlink to .*, outside the snapshot directory"),
 }
