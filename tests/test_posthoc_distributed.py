@@ -482,7 +482,10 @@ REFUSED = {
         "CheckpointError",
         r"entry 'p0\.odd': its chunks cover 56 of its 91 elements \(no chunk holds rows 8-12\)",
     ),
-    "profile key": ("SnapshotError", r"profiles\[1\]\['key'\] must be 'p1' \(where profile 1 is stored\), got 'followed'"),
+    "profile key": (
+        "SnapshotError",
+        r"profiles\[1\]\['key'\] must be 'p1' \(where profile 1 is stored\), got 'followed'",
+    ),
     "altered t": ("SnapshotError", "its checksum does not match its content"),
     "folder outside": ("SnapshotError", "is a symlink to .*, outside the snapshot directory"),
 }
