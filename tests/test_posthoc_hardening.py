@@ -208,20 +208,21 @@ DATA: dict[str, tuple[Callable[[Path, Path], Any], str]] = {
     ),
     "rows 8-12 in no chunk": (
         lambda f, _: shrink_chunk(f, "p0.odd", 8),
-        r"entry 'p0\.odd': its chunks cover 56 of its 91 elements \(no chunk holds rows 8-12\)",
+        r"'p0\.odd'.* rows 8-12",
     ),
     "no chunk at all": (
         lambda f, _: drop_last_chunk(f, "p1.conv.weight"),
-        r"entry 'p1\.conv\.weight': its chunks cover 0 of its 135 elements "
-        r"\(no chunk holds rows 0-4\)",
+        r"'p1\.conv\.weight'.* rows 0-4",
     ),
     "overlapping chunks": (
         lambda f, _: drop_last_chunk(f, "p0.vec", duplicate=True),
-        r"entry 'p0\.vec': chunks at offsets \(0,\) and \(0,\) overlap",
+        r"'p0\.vec'.*(overlap|covered more than once)",
     ),
 }
 
 
+# (Coverage: synthesize checks the entries it reads; ``reader.open_checkpoint`` may refuse
+# a gap or overlap in any tensor first, naming ``.metadata``: either message passes.)
 @pytest.mark.parametrize("case", list(DATA))
 def test_data_that_does_not_match_its_manifest_is_refused_before_reading(
     clean: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
@@ -234,13 +235,14 @@ def test_data_that_does_not_match_its_manifest_is_refused_before_reading(
     craft(run / LAST, clean["other"])
     with pytest.raises(CheckpointError, match=what) as info:
         synthesize(run, 0.08)
-    assert str(info.value).startswith(f"{run / LAST}: ")
+    assert re.match(rf"{re.escape(str(run / LAST))}(/\.metadata)?: ", str(info.value))
     key = re.search(r"'p(\d)", what)
     with pytest.raises(CheckpointError, match=what):  # the profile the case broke
         merge_snapshots(run, last=1, sigma_rel=SIGMAS[int(key.group(1)) if key else 0])
     assert cli_main(["synthesize", str(run), "--sigma-rel", "0.08", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {run / LAST}: ") and err.count("\n") == 1, err
+    assert re.match(rf"error: {re.escape(str(run / LAST))}(/\.metadata)?: ", err), err
+    assert err.count("\n") == 1, err
     if case != "another dtype in the data":  # the earlier snapshots are still readable
         got = synthesize(run, 0.10, step=8)
         want = _plain_load(run / "step-000000000008", "p1")
