@@ -156,8 +156,17 @@ def _lora_run(rank: int, world: int, root: Path) -> dict[str, Any]:
 BAD = ("another run's data", "rows in no chunk", "profile key", "altered t", "folder outside")
 
 
+def bad_root(root: Path) -> Path:
+    """Where the crafted folders live: beside ``root``, so that the checks of everything
+    written under ``root`` (the restricted unpickler's) never meet them."""
+    return root.with_name(root.name + "_bad")
+
+
 def craft_bad_snapshots(root: Path) -> None:
-    """``root/bad/<case>``: copies of a clean one-process run, each with one thing wrong."""
+    """``<bad_root>/bad/<case>``: copies of a clean one-process run, each with one thing
+    wrong."""
+    root = bad_root(root)
+    root.mkdir()
     clean = root / "bad_clean"
     ph = PostHocEMA(make_model("edge"), SIGMAS, snapshot_every=4, snapshot_dir=clean)
     for step in range(1, 9):
@@ -180,6 +189,7 @@ def craft_bad_snapshots(root: Path) -> None:
 
 def _refusals(rank: int, world: int, root: Path) -> dict[str, str]:
     """``synthesize`` (distributed, writing DCP) of every crafted folder: what it raised."""
+    root = bad_root(root)
     out: dict[str, str] = {}
     for case in BAD:
         target = root / f"bad_out_w{world}_{case.replace(' ', '_')}"
