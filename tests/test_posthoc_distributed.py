@@ -144,6 +144,11 @@ def _lora_run(rank: int, world: int, root: Path) -> dict[str, Any]:
     out["synth_local_numel"] = sum(
         v.to_local().numel() for v in sd.values() if isinstance(v, DTensor)
     )
+    try:  # the sharded result must be gathered first
+        save_peft_adapter(model, sd, root / f"lora_refused_w{world}_rank{rank}")
+        out["sharded_refused"] = "written"
+    except TypeError as e:
+        out["sharded_refused"] = str(e)
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
     out["synth"] = full
     if rank == 0:
@@ -473,8 +478,12 @@ def test_lora_distributed_synthesis_and_peft_adapter(runs: dict[str, Any], world
     assert list(single) == adapter
     _assert_equal(synthesize(snaps, SIGMAS[1]), refs[1], "tracked profile")
     total = sum(v.numel() for v in single.values())
-    for result in runs[f"w{world}"]:
+    for rank, result in enumerate(runs[f"w{world}"]):
         _assert_equal(result["lora"]["synth"], single, f"W={world} synthesize")
+        assert result["lora"]["sharded_refused"].startswith(
+            "save_peft_adapter needs full tensors, got DTensors"
+        ), result["lora"]["sharded_refused"]
+        assert not (runs["root"] / f"lora_refused_w{world}_rank{rank}").exists()
         assert result["lora"]["synth_local_numel"] <= math.ceil(total / world) * 2
     loaded = peft.PeftModel.from_pretrained(
         transformers_base("gpt2"), str(runs["root"] / f"lora_adapter_w{world}")

@@ -391,7 +391,7 @@ class PostHocEMA:
         if _rank(group) == 0:
             try:
                 snap.commit(self.snapshot_dir, name, manifest)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: a manifest off its own schema
                 error = e
         _agree(group, error, f"committing snapshot {self.snapshot_dir / name}")
         return self.snapshot_dir / name
