@@ -122,8 +122,7 @@ def with_chunked(ema: Any) -> Any:
     """The same EMA, updated through the chunked offload pipeline (the CUDA candidate)."""
     from dtensor_ema.updater import ChunkedOffloadUpdater
 
-    ema._updater.close()
-    ema._updater = ChunkedOffloadUpdater(ema._groups)
+    ema.engine.use_updater(ChunkedOffloadUpdater(ema.engine.groups))
     return ema
 
 
@@ -264,7 +263,7 @@ def run_case(
     made = attempt(row, "offload_built", lambda: ModelEMA(model, offload=True, **opts))
     if not isinstance(made, str):
         emas["offload"] = made
-        row["offload_built"] = type(made._updater).__name__
+        row["offload_built"] = type(made.engine.updater).__name__
     if cuda:
         built = attempt(
             row,
@@ -312,7 +311,7 @@ def run_case(
             continue
         attempt(row, f"update_{name}", lambda ema=ema: verdict(differing(_ema_full(ema), ref)))
     if "graph" in emas:
-        graph = emas["graph"]._graph
+        graph = emas["graph"].engine.graph
         row["graph_uses"] = emas["graph"].cuda_graph.use
         row["graph_reason"] = emas["graph"].cuda_graph.reason[:120]
         row["graph_captures"] = None if graph is None else graph.captures

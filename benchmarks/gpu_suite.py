@@ -119,7 +119,7 @@ def compile_seconds(ema: Any) -> float | None:
 
     seconds = [
         v[1].compile_seconds
-        for g in ema._groups
+        for g in ema.engine.groups
         for v in g._cache.values()
         if isinstance(v[1], CompiledLerp) and v[1].compile_seconds is not None
     ]
@@ -332,7 +332,7 @@ def section_offload(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": f"GPT {shape}, batch {batch} x {seq}, bf16 autocast",
         "params": sum(p.numel() for p in model.parameters()),
-        "offload_updater": type(emas["offload"]._updater).__name__,
+        "offload_updater": type(emas["offload"].engine.updater).__name__,
         "not_run": not_run,
         "rows": rows,
     }
@@ -355,19 +355,10 @@ def section_offload(args: argparse.Namespace) -> dict[str, Any]:
     # Bytes: host (the EMA shards; the worker's staging copy), device (chunked scratch),
     # and the device peak of one update above what the step left allocated.
     for name, ema in emas.items():
-        updater = ema._updater
+        updater = ema.engine.updater
         entry: dict[str, Any] = {"ema_bytes": ema.local_nbytes()}
         entry["ema_on"] = next(iter(ema.ema_tensors().values())).device.type
-        staging = getattr(updater, "_staging", None)
-        if staging:
-            entry["staging_host_bytes"] = sum(
-                t.numel() * t.element_size() for g in staging for t in g
-            )
-        scratch = getattr(updater, "_scratch", None)
-        if scratch:
-            entry["scratch_device_bytes"] = sum(
-                t.numel() * t.element_size() for t in scratch.values()
-            )
+        entry.update({k: v for k, v in updater.buffer_nbytes().items() if v})
         if cuda:
             step()
             ema.flush()
@@ -524,7 +515,7 @@ def _opt_in_rows(device: torch.device) -> list[dict[str, Any]]:
                     if k in ref:
                         ref[k].lerp_(v.detach().float(), 1 - d)
         _sync(device)
-        graph = graphed._graph
+        graph = graphed.engine.graph
         got = full(graphed)
         rows.append(
             {
@@ -580,7 +571,7 @@ def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]
             for k in keys:
                 ref[k].lerp_(full_cpu(params[k]).float(), 1 - ramp(step))
         got = {k: v.cpu() for k, v in full(graphed).items()}
-        graph = graphed._graph
+        graph = graphed.engine.graph
         row.update(
             {
                 "uses_graph": graphed.cuda_graph.use,

@@ -71,7 +71,7 @@ def _peak(fn: Any) -> int:
 
 def _full_swap_before(ema: ModelEMA) -> None:
     """The swap as it was: full gathered EMA + full backup of every replicated tensor."""
-    plan = ema._plan
+    plan = ema.engine.plan
     pieces = [
         LocalPiece(
             e.fqn,

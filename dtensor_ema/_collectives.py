@@ -23,7 +23,7 @@ import functools
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -32,17 +32,21 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "CALLS_ENV",
     "CHECK_ENV",
     "agree",
+    "agree_on_call",
     "all_gather_single",
     "check_all_ranks_enter",
     "check_group_enters",
     "collective",
     "describe",
     "entering",
+    "group_gather_rows",
     "group_of",
     "is_mesh_first",
     "mesh_agree",
+    "mesh_gather_rows",
     "quiet_single_process",
     "rank_of",
     "same_error",
@@ -220,6 +224,98 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
     raise same_error(what, failed, messages) from error
 
 
+def mesh_gather_rows(mesh: DeviceMesh, values: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Every rank of ``mesh`` learns every rank's ``values`` (a few int64s): one
+    all-gather per mesh dim of size > 1 (each gathers the blocks the previous dims built,
+    so the last holds the whole mesh), with no new group. Returns global rank -> values.
+    Peak extra memory: ``W * (len(values) + 1)`` int64s."""
+    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+    return _gather_rows(groups, values)
+
+
+def group_gather_rows(
+    group: dist.ProcessGroup, values: Sequence[int]
+) -> dict[int, tuple[int, ...]]:
+    """:func:`mesh_gather_rows` over one process group: one all-gather."""
+    return _gather_rows([group] if dist.get_world_size(group) > 1 else [], values)
+
+
+def _gather_rows(
+    groups: list[dist.ProcessGroup], values: Sequence[int]
+) -> dict[int, tuple[int, ...]]:
+    device = _reduce_device(groups[0]) if groups else torch.device("cpu")
+    block = torch.tensor([[dist.get_rank(), *values]], dtype=torch.int64, device=device)
+    for group in groups:
+        size = dist.get_world_size(group)
+        out = torch.empty(size * block.numel(), dtype=torch.int64, device=device)
+        all_gather_single(out, block.flatten().contiguous(), group=group)
+        block = out.view(size * block.shape[0], block.shape[1])
+    return {int(row[0]): tuple(int(v) for v in row[1:]) for row in block.tolist()}
+
+
+CALLS_ENV = "DTENSOR_EMA_AGREE_CALLS"
+"""``0`` turns off the agreement on each collective call (:func:`agree_on_call`), which is
+on by default: one all-gather of a few int64s per mesh dim before the call (measured in
+``benchmarks/agreement.py``)."""
+
+CallIdentity = Callable[[], tuple[int, int]]
+"""``() -> (digest of which EMA or EMAs, update count)`` of a collective call's subject."""
+
+_NAME_WORDS = 4  # a call's name travels as 32 UTF-8 bytes in 4 int64s
+
+
+def agree_on_call(
+    name: str,
+    identity: CallIdentity,
+    *,
+    mesh: DeviceMesh | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Before the collective ``name``: every rank of ``mesh`` (or ``group``) checks that
+    all ranks are making this call, on the same EMA (``identity``'s digest: its plan and
+    options), after the same number of updates. Otherwise every rank raises the same error
+    naming who called what, instead of pairing the wrong collectives (a row-by-row mix of
+    two EMAs, or a hang). **Collective**: one all-gather of ``6`` int64s per mesh dim
+    (:func:`mesh_gather_rows`); nothing for one process, a one-rank mesh, or with
+    ``DTENSOR_EMA_AGREE_CALLS=0``.
+
+    Raises:
+        ValueError: the ranks disagree.
+    """
+    if os.environ.get(CALLS_ENV, "1").strip() == "0":
+        return
+    if mesh is not None:
+        if mesh.size() == 1:
+            return
+        gather = functools.partial(mesh_gather_rows, mesh)
+    elif group is not None and dist.get_world_size(group) > 1:
+        gather = functools.partial(group_gather_rows, group)
+    else:
+        return
+    digest, count = identity()
+    raw = name.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
+    words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    rows = gather([*words, digest, count])
+    if len(set(rows.values())) == 1:
+        return
+    by_row: dict[tuple[int, ...], list[int]] = {}
+    for rank, row in sorted(rows.items()):
+        by_row.setdefault(row, []).append(rank)
+    parts = []
+    for row, ranks in by_row.items():
+        called = b"".join(w.to_bytes(8, "little", signed=True) for w in row[:_NAME_WORDS])
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        parts.append(
+            f"{who}: {called.rstrip(bytes(1)).decode(errors='replace')}() on EMA "
+            f"{row[_NAME_WORDS] & 0xFFFFFFFF:08x} at updates={row[_NAME_WORDS + 1]}"
+        )
+    raise ValueError(
+        f"{name}(): the ranks disagree on this collective call ({'; '.join(parts)}). Every "
+        "rank must make the same collective calls, in the same order, on the same EMA (the "
+        "same model, tracked set and options), after the same number of update() calls"
+    )
+
+
 def is_mesh_first(mesh: DeviceMesh | None) -> bool:
     """Whether this rank is the mesh's first (coordinate ``(0, ..., 0)``); ``True`` without
     a mesh."""
@@ -273,11 +369,14 @@ def _check_groups(groups: list[dist.ProcessGroup], ranks: list[int], name: str, 
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed")
 
 
-def collective(name: str) -> Callable[[F], F]:
+def collective(name: str, *, communicates: Callable[[Any], bool] | None = None) -> Callable[[F], F]:
     """Decorate a ``ModelEMA`` method that is a collective over ``self.mesh``.
 
-    Runs :func:`check_all_ranks_enter` first, and turns a backend timeout inside the call
-    (a rank never joined) into a ``RuntimeError`` that names the call.
+    Runs :func:`check_all_ranks_enter` first, then :func:`agree_on_call` (which call, which
+    EMA: ``self.engine.call_identity``, which update count), and turns a backend timeout
+    inside the call (a rank never joined) into a ``RuntimeError`` that names the call.
+    ``communicates(self)``: whether this call communicates at all (``False``: a local call
+    on this layout, e.g. the swap of 1-D FSDP2 parameters, gets no agreement either).
     """
 
     def wrap(fn: F) -> F:
@@ -285,6 +384,8 @@ def collective(name: str) -> Callable[[F], F]:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             mesh = getattr(self, "mesh", None)
             with entering(name, mesh=mesh):
+                if communicates is None or communicates(self):
+                    agree_on_call(name, self.engine.call_identity, mesh=mesh)
                 return fn(self, *args, **kwargs)
 
         return call  # type: ignore[return-value]
@@ -314,9 +415,16 @@ def entering(
         text = str(e).lower()
         if not any(w in text for w in _TIMEOUT_WORDS) or CHECK_ENV in str(e):
             raise
+        if os.environ.get(CHECK_ENV):  # every rank entered some checked call: not this one
+            hint = (
+                f"{CHECK_ENV} is set and no rank was missing at the entry check, so the ranks "
+                "entered different collective calls (or the same calls in another order)"
+            )
+        else:
+            hint = f"set {CHECK_ENV}=<seconds> to find the missing ranks early"
         raise RuntimeError(
             f"{name}() timed out in a collective: every rank (global ranks {ranks}) must call "
-            f"it; set {CHECK_ENV}=<seconds> to find the missing ranks early"
+            f"it; {hint}"
         ) from e
 
 

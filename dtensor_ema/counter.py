@@ -11,13 +11,37 @@ which count without reading anything back to the host (float64 counts exactly up
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from dtensor_ema.fused_update import CountedStep
 from dtensor_ema.options import EmaOptions
-from dtensor_ema.updater import DeviceStep, Updater
 
-__all__ = ["UpdateCounter", "check_count"]
+__all__ = ["DeviceStep", "HostStep", "UpdateCounter", "check_count"]
+
+
+class DeviceStep(NamedTuple):
+    """One capturable step: 0-dim device tensors, so nothing reads back to the host (a
+    named tuple, which ``torch.compile(fullgraph=True)`` traces without a graph break)."""
+
+    decay: torch.Tensor
+    """The decay of an averaging step (``0`` copies)."""
+    active: torch.Tensor
+    """``False`` on calls that ``update_every`` skips: the EMA stays unchanged."""
+
+
+class HostStep(NamedTuple):
+    """One host-path call, decided but not yet counted (see :meth:`UpdateCounter.host_step`)."""
+
+    updates: int
+    """The count once this call is recorded."""
+    decay: float | None
+    """Its decay (``0.0``: copy; ``None``: a call ``update_every`` skips)."""
+    step: float | None
+    """What an updater applies: the decay, or a :class:`~dtensor_ema.fused_update.
+    CountedStep` for formulas that read the averaging step; ``None`` when skipped."""
 
 
 def check_count(value: object, name: str = "updates") -> int:
@@ -80,6 +104,16 @@ class UpdateCounter:
             return updates, None
         return updates, self.decay_at(updates)
 
+    def host_step(self) -> HostStep:
+        """The next host-path call, to be applied by an updater and then :meth:`record`-ed.
+        Marks the device twin stale (a CUDA graph refreshes it before its next replay)."""
+        updates, decay = self.next_step()
+        self.device_stale = True
+        step: float | None = decay
+        if decay and self.options.counted:  # not a copy: the formula reads the count
+            step = CountedStep(decay, updates - self.options.update_after_step)
+        return HostStep(updates, decay, step)
+
     def record(self, updates: int, decay: float | None) -> None:
         """Count a call once its step has been applied."""
         self.host = updates
@@ -112,7 +146,7 @@ class UpdateCounter:
             self.device_count.fill_(float(self.host))
             self.device_stale = False
 
-    def device_step(self, updater: Updater) -> None:
+    def device_step(self, apply: Callable[[DeviceStep], None]) -> None:
         """Count and apply one step on the device: no ``.item()``, no branch on a tensor
         (what ``capturable=True`` runs and a CUDA graph captures).
 
@@ -130,4 +164,4 @@ class UpdateCounter:
         decay = torch.where(step <= 0, torch.zeros_like(decay), decay)
         active = torch.remainder(self.device_count, self.options.update_every) == 0
         self.device_last_decay.copy_(torch.where(active, decay, self.device_last_decay))
-        updater.submit(DeviceStep(decay=decay, active=active))
+        apply(DeviceStep(decay=decay, active=active))

@@ -31,10 +31,16 @@ stream (that is this call's update, and the warm-up ``torch.cuda.graph`` require
 initialization, cached scratch buffers and compiled kernels happen outside the capture),
 then captures it; later calls replay. :meth:`GraphedStep.invalidate` drops the graph (and
 its memory pool) so the next call captures again.
+
+:class:`GraphedUpdater` is the replay as an :class:`~dtensor_ema.updater.Updater`: it runs
+each ``update()`` call through the graph, and through the updater it wraps (inline or
+capturable) inside a caller's own capture or after a failed capture.
+:func:`dtensor_ema.engine.make_updater` wraps an updater in it when :func:`resolve` says yes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -42,13 +48,19 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dtensor_ema.counter import UpdateCounter
+from dtensor_ema.fused_update import UpdateGroup
+from dtensor_ema.updater import CapturableUpdater, Done, Updater
+
 __all__ = [
     "AUTO_REPLAY",
     "CAPTURE_FAILED",
     "DEVICE_DECAY_SCHEDULES",
     "CaptureFailed",
     "GraphDecision",
+    "GraphRequest",
     "GraphedStep",
+    "GraphedUpdater",
     "decide",
     "log_decision",
     "resolve",
@@ -84,6 +96,16 @@ class GraphDecision(NamedTuple):
 
     use: bool
     reason: str
+
+
+class GraphRequest(NamedTuple):
+    """What :func:`dtensor_ema.engine.make_updater` needs to wrap an updater in the replay."""
+
+    decision: GraphDecision
+    device: torch.device
+    """The EMA's CUDA device."""
+    required: bool
+    """``cuda_graph=True``: a failed capture raises."""
 
 
 def decide(
@@ -305,3 +327,112 @@ class GraphedStep:
             self.capture_seconds,
             self.captures,
         )
+
+
+class GraphedUpdater(Updater):
+    """``update()`` replayed as a captured CUDA graph of the capturable step.
+
+    Each :meth:`run` counts and applies one call on the device through :class:`GraphedStep`
+    (captured on the first call and after :meth:`rebind`/:meth:`invalidate`, replayed
+    otherwise); the host counts beside the device (unless ``capturable``), so reading
+    ``updates`` does not synchronize. Inside the caller's own capture or compilation
+    (:func:`stream_is_capturing`), and for good once a capture failed, ``run`` is the
+    wrapped ``inner`` updater's (the eager path). Local: no communication.
+
+    Args:
+        inner: the updater of the same groups (:class:`~dtensor_ema.updater.
+            InlineUpdater`, or :class:`~dtensor_ema.updater.CapturableUpdater` with
+            ``capturable=True``); :meth:`submit`, :meth:`wait` and :meth:`close` are its.
+        device: the CUDA device of the EMA.
+        decision: why replay is on (:func:`resolve`); :attr:`decision` says why it is off
+            after a failed capture.
+        capturable: the ``capturable`` option (the device count is then authoritative).
+        required: ``cuda_graph=True``: a failed capture raises (after this call's step was
+            applied eagerly and counted).
+        factory: see :class:`GraphedStep` (tests pass a fake).
+
+    Memory: the graph's private pool (see :class:`GraphedStep`).
+    """
+
+    def __init__(
+        self,
+        inner: Updater,
+        device: torch.device,
+        decision: GraphDecision,
+        *,
+        capturable: bool,
+        required: bool,
+        factory: GraphFactory | None = None,
+    ) -> None:
+        super().__init__(inner.groups)
+        self.inner = inner
+        self.graph = GraphedStep(device, factory)
+        self.decision = decision
+        self.capturable = capturable
+        self.required = required
+
+    @property
+    def replays(self) -> bool:
+        """Whether the next :meth:`run` goes through the graph."""
+        return self.graph.failed is None and not stream_is_capturing()
+
+    @property
+    def checks_sources(self) -> bool:  # type: ignore[override]
+        return self.replays or self.inner.checks_sources
+
+    def run(self, counter: UpdateCounter) -> None:
+        if not self.replays:
+            self.inner.run(counter)
+            return
+        self.ensure_open()
+        counter.refresh_device()
+        groups = self.groups
+
+        def build() -> Callable[[], None]:
+            return functools.partial(counter.device_step, CapturableUpdater(groups).submit)
+
+        if self.capturable:
+            self.graph(build)
+        else:
+            updates, decay = counter.next_step()
+            self.graph(build)
+            counter.record(updates, decay)
+        if self.graph.failed is not None:  # the step ran eagerly; the inner path from now on
+            self.decision = GraphDecision(False, f"{CAPTURE_FAILED}: {self.graph.failed}")
+            if self.required:
+                raise RuntimeError(
+                    f"cuda_graph=True, but capturing the update failed ({self.graph.failed}); "
+                    "this call's update was applied eagerly and counted"
+                )
+
+    def submit(self, step: Any, done: Done | None = None) -> None:
+        self.inner.submit(step, done)
+
+    def buffer_nbytes(self) -> dict[str, int]:
+        return self.inner.buffer_nbytes()
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def rebind(self, groups: list[UpdateGroup]) -> None:
+        """New groups: the graph read the old addresses, so it is dropped (the next call
+        captures again)."""
+        self.inner.rebind(groups)
+        self.groups = groups
+        self.graph.invalidate()
+
+    def invalidate(self) -> None:
+        """A load wrote in place (addresses hold), but a re-capture rules out any state the
+        graph baked in."""
+        self.graph.invalidate()
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def ensure_open(self) -> None:
+        self.inner.ensure_open()
+
+    def close(self) -> None:
+        self._closed = True
+        self.inner.close()

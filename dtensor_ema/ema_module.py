@@ -38,9 +38,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dtensor_ema.layout import PlanEntry
 from dtensor_ema.materialize import SplitPiece, iter_unsplit
 from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.plan import EmaPlan, PlanEntry
+from dtensor_ema.options import EmaOptions
+from dtensor_ema.plan import EmaPlan
 from dtensor_ema.tp_module import build_tp_twin, needs_tp_twin
 from dtensor_ema.twin import (
     SharedSlots,
@@ -51,7 +53,12 @@ from dtensor_ema.twin import (
     student_mp_policy,
 )
 
-__all__ = ["UnitSpec", "build_ema_module", "default_units"]
+__all__ = [
+    "UnitSpec",
+    "build_ema_module",
+    "default_units",
+    "refuse_unmirrored_options",
+]
 
 UnitSpec = Iterable[str] | Callable[[str, nn.Module], bool] | None
 """Which submodules become FSDP units of the twin: ``None`` (the children of every
@@ -131,6 +138,27 @@ def _resolve_units(model: nn.Module, units: UnitSpec) -> list[str]:
                 "weights without calling its forward; make the parent the unit instead"
             )
     return sorted(chosen, key=lambda fqn: -fqn.count("."))
+
+
+def refuse_unmirrored_options(options: EmaOptions, mesh: DeviceMesh | None) -> None:
+    """Refuse the options whose EMA no twin can read: ``replicate_buffers`` on a mesh, and
+    ``offload`` (shards in host memory). Local.
+
+    Raises:
+        NotImplementedError: naming the option and how to evaluate instead.
+    """
+    if options.replicate_buffers and mesh is not None:
+        raise NotImplementedError(
+            "ema.module with replicate_buffers=True is not implemented; use "
+            "average_parameters() or get_model_state_dict() to evaluate"
+        )
+    if options.offload:
+        ranks = mesh.mesh.tolist() if mesh is not None else None
+        raise NotImplementedError(
+            "ema.module with offload=True is not implemented: the EMA shards live in host "
+            f"memory on a CPU twin of the mesh {ranks}, where no forward can read them; "
+            "evaluate with ema.average_parameters()"
+        )
 
 
 def build_ema_module(

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dtensor_ema._collectives import entering, is_mesh_first, mesh_agree
+from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mesh_agree
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.reader import existing_checkpoint, open_checkpoint
 from dtensor_ema.state import EMA_TENSORS
@@ -69,7 +69,8 @@ def export_ema(
     Peak extra memory: on the writer one full CPU copy of the EMA plus one bucket; on the
     others one bucket, when the writer is global rank 0. A mesh that excludes global rank 0
     (a pipeline stage) gathers the full copy on every rank of it. Communication: one small
-    all-reduce per mesh dim before and after, plus the gathers.
+    all-reduce per mesh dim before and after, plus the gathers, after
+    :func:`~dtensor_ema._collectives.agree_on_call` (which call, which EMA, which count).
     """
     if format == "peft":
         from dtensor_ema.peft_export import export_peft_adapter
@@ -79,6 +80,7 @@ def export_ema(
     if format != "file":
         raise ValueError(f"format must be 'file' or 'peft', got {format!r}")
     with entering("export_ema", mesh=ema.mesh):
+        agree_on_call("export_ema", ema.engine.call_identity, mesh=ema.mesh)
         _export(ema, Path(path), bucket_bytes)
 
 

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors, gather_to_rank0
 from dtensor_ema.model_keys import from_model_keys, to_model_keys
-from dtensor_ema.plan import EmaPlan, PlanEntry, ema_local_from_full
+from dtensor_ema.plan import EmaPlan
 from dtensor_ema.state import compare_tensors
 
 __all__ = ["gather_state", "load_full_state", "rank0_flag"]
@@ -107,6 +108,18 @@ def load_full_state(plan: EmaPlan, model: nn.Module, state_dict: StateDict) -> N
     pieces = [(e.ema_local, ema_local_from_full(e, saved[e.fqn])) for e in plan]
     for target, piece in pieces:
         target.copy_(piece)
+
+
+def gather_options(
+    rank0_only: bool | None, only_rank0_receives: bool, cpu_offload: bool, bucket_bytes: int
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`gather_state` from ``get_*_state_dict``'s (the
+    deprecated ``rank0_only`` folded in, see :func:`rank0_flag`)."""
+    return {
+        "rank0_only": rank0_flag(rank0_only, only_rank0_receives),
+        "cpu_offload": cpu_offload,
+        "bucket_bytes": bucket_bytes,
+    }
 
 
 def rank0_flag(rank0_only: bool | None, only_rank0_receives: bool) -> bool:

@@ -36,6 +36,7 @@ __all__ = [
     "UpdateGroup",
     "apply_groups_",
     "lerp_groups_",
+    "lerp_step_",
     "resolve_kernel",
     "update_groups",
 ]
@@ -134,9 +135,7 @@ class UpdateGroup:
         from a :class:`CountedStep`.
         """
         if not self.averaged or (decay == 0.0 and not self.formula.startswith("subtract")):
-            torch._foreach_copy_(
-                self.ema_locals, self.source_locals if sources is None else sources
-            )
+            lerp_step_(self.ema_locals, self.source_locals if sources is None else sources, 0.0)
         elif self.function is not None or self.formula == "divide":
             count = getattr(decay, "count", None)
             assert count is not None, f"formula {self.formula!r} needs a CountedStep"
@@ -268,6 +267,18 @@ def combine_(
         torch._foreach_sub_(emas, torch._foreach_sub(emas, sources), alpha=weight)
     else:
         raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
+
+
+def lerp_step_(emas: list[torch.Tensor], sources: list[torch.Tensor], decay: float) -> None:
+    """The eager ``"lerp"`` step on explicit lists (one device): a copy for ``decay == 0``
+    (``_foreach_copy_``, any source dtype), else ``ema.lerp_(source, 1 - decay)``
+    (``_foreach_lerp_``; sources already in the EMA dtype). What :meth:`UpdateGroup.apply_`
+    and :func:`lerp_groups_` run on a group's cached views, and the chunked offload
+    pipeline on its device scratch. Peak extra memory: none."""
+    if decay == 0.0:
+        torch._foreach_copy_(emas, sources)
+    else:
+        torch._foreach_lerp_(emas, sources, 1.0 - decay)
 
 
 def lerp_groups_(

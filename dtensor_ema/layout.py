@@ -35,16 +35,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema._collectives import all_gather_single
+from dtensor_ema._collectives import mesh_gather_rows
+from dtensor_ema.options import EmaOptions
 
 __all__ = [
     "LayoutBuilder",
+    "PlanEntry",
     "ReplicaLevel",
     "TensorLayout",
     "agree_on_structure",
     "chunk_range",
     "contiguous_stride",
     "cpu_mesh_like",
+    "default_ema_dtype",
+    "ema_local_from_full",
+    "local_rows",
+    "make_entry",
+    "model_piece",
     "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
@@ -550,46 +557,87 @@ def _check_with_torch(
         )
 
 
-def agree_on_structure(world: DeviceMesh | None, structure: Mapping[str, str]) -> None:
-    """Refuse a world mesh whose ranks do not track the same model. **Collective**: one
-    all-gather of one integer over each world mesh dim's group (size > 1); only when they
-    differ, one ``all_gather_object`` of ``structure`` over that group to name the tensors.
+def agree_on_structure(
+    world: DeviceMesh | None,
+    structure: Mapping[str, str],
+    options: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a world mesh whose ranks do not build the same EMA: the same model (tensor
+    names, shapes, dtypes, tracked set) with the same options. **Collective**: one
+    all-gather of a few int64 digests per world mesh dim of size > 1 (every rank learns
+    every rank's: :func:`~dtensor_ema._collectives.mesh_gather_rows`); only when they
+    differ, one ``all_gather_object`` of ``structure`` and ``options`` over each dim's
+    group whose ranks differ, to name the differences.
 
     Args:
         world: the EMA's world mesh (``None``: one process, nothing to compare).
-        structure: ``fqn -> "shape dtype"`` of every tracked tensor on this rank.
+        structure: ``fqn -> "shape dtype"`` of every tensor on this rank.
+        options: ``option -> value`` (:meth:`~dtensor_ema.options.EmaOptions.agreement`).
 
     Raises:
-        ValueError: on every rank of a group whose ranks disagree, naming the first
-            differing tensors and the ranks that hold them.
+        ValueError: on every rank of the mesh when any two ranks differ, naming the first
+            differing options or tensors and the ranks that hold them (a rank that shares
+            no mesh dim group with a differing rank names those ranks).
     """
-    if world is None:
+    if world is None or world.size() == 1:
         return
-    digest = zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode())
-    device = (
-        torch.device(world.device_type, torch.cuda.current_device())
-        if (world.device_type == "cuda")
-        else torch.device(world.device_type)
+    options = dict(options or {})
+    digests = (
+        zlib.crc32("\n".join(f"{k} {v}" for k, v in structure.items()).encode()),
+        zlib.crc32("\n".join(f"{k}={v}" for k, v in options.items()).encode()),
     )
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    for j in range(world.ndim):
-        if world.size(j) == 1:
-            continue
+    ranks = world.mesh.flatten().tolist()
+    table = mesh_gather_rows(world, digests)
+    seen = [table.get(r) for r in ranks]
+    if len(set(seen)) == 1:
+        return
+    found: list[str] = []  # every differing group gathers (a rank may be in several)
+    for j in [j for j in range(world.ndim) if world.size(j) > 1]:
         group = world.get_group(j)
-        everyone = torch.empty(world.size(j), dtype=torch.int64, device=device)
-        all_gather_single(everyone, mine, group=group)
-        if len(set(everyone.tolist())) > 1:
-            ranks = dist.get_process_group_ranks(group)
-            theirs: list[Any] = [None] * len(ranks)
-            dist.all_gather_object(theirs, dict(structure), group=group)
-            raise ValueError(
-                f"the ranks {ranks} of the EMA's mesh dim {_dim_name(world, j, 'dim')!r} track "
-                f"different models: {_structure_differences(ranks, theirs)}. Every rank of the "
-                "mesh must construct the EMA from the same model (same parameter and buffer "
-                "names, shapes and dtypes). One possible cause: pipeline stages, which hold "
+        members = dist.get_process_group_ranks(group)
+        if len({seen[ranks.index(r)] for r in members}) == 1:
+            continue
+        theirs: list[Any] = [None] * len(members)
+        dist.all_gather_object(theirs, (dict(structure), options), group=group)
+        where = f"the ranks {members} of the EMA's mesh dim {_dim_name(world, j, 'dim')!r}"
+        option_lines = _differences(members, [t[1] for t in theirs])
+        if option_lines:
+            found.append(
+                f"{where} construct the EMA with different options: {option_lines}. Every "
+                "rank of the mesh must construct it with the same options (each rank holds "
+                "1/W of every tensor: two decays would stitch rows of two EMAs together)"
+            )
+        else:
+            tensors = _structure_differences(members, [t[0] for t in theirs])
+            found.append(
+                f"{where} track different models: {tensors}. Every rank of the mesh must "
+                "construct the EMA from the same model (same parameter and buffer names, "
+                "shapes and dtypes). One possible cause: pipeline stages, which hold "
                 "different layers, need one ModelEMA per stage over that stage's own mesh, "
                 "e.g. ModelEMA(stage_module, mesh=world['dp'])"
             )
+    if found:
+        raise ValueError(found[0])
+    mine = seen[ranks.index(dist.get_rank())]
+    others = [r for r, d in zip(ranks, seen, strict=True) if d != mine]
+    raise ValueError(
+        f"ranks {others} of the EMA's mesh construct a different EMA than rank "
+        f"{dist.get_rank()} (another model, tracked set or options; the ranks that share a "
+        "mesh dim with them name the differences). Every rank of the mesh must construct "
+        "the EMA from the same model with the same options"
+    )
+
+
+def _differences(ranks: list[int], values: list[dict[str, str]]) -> str:
+    """The first few keys whose value is not the same on every rank."""
+    lines = []
+    for key in dict.fromkeys(k for v in values for k in v):
+        seen = [v.get(key) for v in values]
+        if len(set(seen)) > 1:
+            held = ", ".join(f"{x} on rank {r}" for r, x in zip(ranks, seen, strict=True))
+            lines.append(f"{key}: {held}")
+    more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+    return "; ".join(lines[:3]) + more
 
 
 def _structure_differences(ranks: list[int], structures: list[dict[str, str]]) -> str:
@@ -622,3 +670,168 @@ def cpu_mesh_like(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.ndim == 1:
         return DeviceMesh.from_group(groups[0], "cpu", mesh.mesh, mesh_dim_names=names)
     return DeviceMesh.from_group(groups, "cpu", mesh.mesh, mesh_dim_names=names)
+
+
+# --------------------------------------------------------------------------- one tensor
+# [Note: one tensor, one entry] A PlanEntry is everything the EMA knows about one model
+# tensor on this rank: its layout (above), the views of the model's tensor, and the EMA
+# shard. It is made here, from the layout, in one call (make_entry); the set of entries and
+# its changes belong to dtensor_ema.plan.
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class PlanEntry:
+    """One averaged tensor: the model's tensor, this rank's views of it, and its EMA."""
+
+    fqn: str
+    source: torch.Tensor
+    source_piece: torch.Tensor
+    source_local: torch.Tensor
+    ema: torch.Tensor
+    ema_local: torch.Tensor
+    layout: TensorLayout
+    is_parameter: bool
+    signature: tuple[torch.Size, torch.dtype, torch.device]
+    """Global shape, dtype and device of the source when the plan was built."""
+    averaged: bool = True
+    """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
+
+    @property
+    def is_dtensor_source(self) -> bool:
+        return isinstance(self.source, DTensor)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self.ema.device_mesh if isinstance(self.ema, DTensor) else None
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return tuple(self.ema.placements) if isinstance(self.ema, DTensor) else ()
+
+    @property
+    def levels(self) -> tuple[ReplicaLevel, ...]:
+        return self.layout.levels
+
+
+def default_ema_dtype(dtype: torch.dtype) -> torch.dtype:
+    """EMA dtype for a tensor of ``dtype``: float32 for fp16/bf16, unchanged otherwise.
+
+    A bf16 EMA with decay 0.9999 stops moving: ``(1 - d) * (p - ema)`` rounds to zero
+    against ``ema`` for any update smaller than ~1/256 of it.
+    """
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def make_entry(
+    fqn: str,
+    tensor: torch.Tensor,
+    builder: LayoutBuilder,
+    options: EmaOptions,
+    is_parameter: bool,
+) -> PlanEntry:
+    """One entry: this rank's layout of ``tensor``, a fresh EMA shard of its current value,
+    and whether it is averaged or copied (:meth:`~dtensor_ema.options.EmaOptions.
+    is_copied`). Local."""
+    dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
+    piece = model_piece(tensor)
+    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
+    if options.replicate_buffers and plain_buffer:
+        layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
+    else:
+        layout = builder.layout(fqn, tensor, piece.shape)
+    source_local = local_rows(piece, layout)
+    ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
+    return PlanEntry(
+        fqn=fqn,
+        source=tensor,
+        source_piece=piece,
+        source_local=source_local,
+        ema=ema,
+        ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
+        layout=layout,
+        is_parameter=is_parameter,
+        signature=(tensor.shape, tensor.dtype, tensor.device),
+        averaged=not options.is_copied(fqn, tensor, is_parameter),
+    )
+
+
+def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
+    """This rank's EMA rows of a full (global-shape) tensor, as a view. Local.
+
+    For a DTensor source, the rank's local piece is cut out at the global offset torch's
+    DTensor computes for the source's placements, then the replica split is applied.
+
+    Raises:
+        ValueError: ``full`` has another shape than the source, or the source's layout
+            has no contiguous local piece (``_StridedShard`` layouts torch places apart).
+    """
+    source = entry.source
+    if full.shape != source.shape:
+        raise ValueError(
+            f"{entry.fqn}: full tensor of shape {tuple(full.shape)}, expected {tuple(source.shape)}"
+        )
+    piece = full
+    if isinstance(source, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            source.shape, source.device_mesh, source.placements
+        )
+        if tuple(shape) != tuple(entry.source_piece.shape):
+            raise ValueError(
+                f"{entry.fqn}: cannot cut the local piece of placements {source.placements} "
+                "out of a full tensor; load it through torch.distributed.checkpoint instead"
+            )
+        for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
+            piece = piece.narrow(dim, start, length)
+    return local_rows(piece, entry.layout)
+
+
+def model_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
+    the whole (detached) tensor otherwise."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().detach()
+    return tensor.detach()
+
+
+def local_rows(piece: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """The rows of ``piece`` this rank averages (a view)."""
+    if piece.dim() == 0 or (layout.offset == 0 and layout.length == piece.shape[0]):
+        return piece
+    return piece.narrow(0, layout.offset, layout.length)
+
+
+def _ema_tensor(
+    source: torch.Tensor,
+    source_local: torch.Tensor,
+    layout: TensorLayout,
+    dtype: torch.dtype,
+    offload: bool,
+) -> torch.Tensor:
+    """A fresh EMA shard, wrapped as a DTensor of the source's global shape."""
+    local = _fresh_copy(source_local, dtype, offload)
+    if layout.mesh is None:
+        return local
+    stride = source.stride() if isinstance(source, DTensor) else contiguous_stride(source.shape)
+    return DTensor.from_local(
+        local,
+        cpu_mesh_like(layout.mesh) if offload else layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=source.shape,
+        stride=stride,
+    )
+
+
+def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
+    """A contiguous copy in ``dtype`` that shares no memory with the model; in (pinned, for
+    CUDA sources) host memory with ``offload``."""
+    if not offload:
+        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    out = torch.empty(
+        tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
+    )
+    return out.copy_(tensor)

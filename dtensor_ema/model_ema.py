@@ -20,20 +20,19 @@ buffers follow the model. Schedules: the yolov5 ramp (default),
 ``half_life``, ``WarmupDecay`` (timm/ema-pytorch), or any ``step -> decay`` callable.
 Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit for bit.
 
-:class:`ModelEMA` orchestrates; each piece of state has one owner: the plan (the
-model-to-EMA binding, :mod:`dtensor_ema.plan`), the counter, the updater (inline, device,
-offloaded: :mod:`dtensor_ema.updater`; CUDA graphs: :mod:`dtensor_ema.cuda_graph`), the
-swap (:mod:`dtensor_ema.swap`), full state dicts (:mod:`dtensor_ema.full_state`), the
-local checkpoint state (:mod:`dtensor_ema.state`) and the EMA module
-(:mod:`dtensor_ema.ema_module`).
+:class:`ModelEMA` is the user-facing face: it resolves the arguments into one
+:class:`~dtensor_ema.options.EmaOptions` and the world mesh, and delegates to its
+:class:`~dtensor_ema.engine.EmaEngine` (``ema.engine``), which owns the plan (the
+model-to-EMA binding, :mod:`dtensor_ema.plan`), the counter, the update groups and the
+updater (inline, device, offloaded, CUDA-graph replay). Full state dicts
+(:mod:`dtensor_ema.full_state`), the local checkpoint state (:mod:`dtensor_ema.state`) and
+the EMA module (:mod:`dtensor_ema.ema_module`) read the engine's plan.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -41,13 +40,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema import cuda_graph as _graphs
 from dtensor_ema._collectives import collective, entering
-from dtensor_ema.counter import UpdateCounter, check_count
+from dtensor_ema.counter import check_count
+from dtensor_ema.cuda_graph import GraphDecision
 from dtensor_ema.decay import DecaySchedule
-from dtensor_ema.ema_module import UnitSpec, build_ema_module
-from dtensor_ema.full_state import gather_state, load_full_state, rank0_flag
-from dtensor_ema.fused_update import CountedStep, UpdateGroup, update_groups
+from dtensor_ema.ema_module import UnitSpec, build_ema_module, refuse_unmirrored_options
+from dtensor_ema.engine import EmaEngine
+from dtensor_ema.full_state import gather_options, gather_state, load_full_state
 from dtensor_ema.layout import resolve_world_mesh
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES
 from dtensor_ema.options import (
@@ -58,18 +57,9 @@ from dtensor_ema.options import (
     TrackSpec,
     resolve_schedule,
 )
-from dtensor_ema.plan import (
-    EmaPlan,
-    build_plan,
-    ema_local_from_full,
-    model_tensors,
-    reshard_fsdp,
-    unwrap_model,
-)
+from dtensor_ema.plan import model_device, model_tensors, reshard_fsdp, unwrap_model
 from dtensor_ema.state import load_local_state, local_state
-from dtensor_ema.swap import swapped_in
 from dtensor_ema.twin import guard_untracked_loads
-from dtensor_ema.updater import CapturableUpdater, Updater, make_updater
 
 __all__ = ["ModelEMA"]
 
@@ -192,7 +182,7 @@ class ModelEMA:
         cuda_graph: bool | None = None,
         formula: Formula = "lerp",
     ) -> None:
-        self.options = EmaOptions(
+        options = EmaOptions(
             schedule=resolve_schedule(decay, tau, half_life, schedule),
             update_every=update_every,
             update_after_step=update_after_step,
@@ -205,92 +195,51 @@ class ModelEMA:
             kernel=kernel,
             cuda_graph=cuda_graph,
             formula=formula,
+            bucket_view=parameters_as_bucket_view,
+            replicate_buffers=replicate_buffers,
+            verify_replicas=verify_replicas,
         )
-        check_count(updates)
-        if not isinstance(parameters_as_bucket_view, bool):
-            raise TypeError(
-                f"parameters_as_bucket_view must be a bool, got {parameters_as_bucket_view!r}"
-            )
+        self._start(model, mesh, options, check_count(updates))
+
+    def _start(
+        self, model: nn.Module, mesh: DeviceMesh | None, options: EmaOptions, updates: int
+    ) -> None:
+        """Bind to ``model`` over the resolved world mesh and build the engine (collective,
+        see the class docstring); shared by ``__init__`` and ``__setstate__``."""
+        self.options = options
         self.model = unwrap_model(model)
         reshard_fsdp(self.model)
-        device = _model_device(self.model)
+        device = model_device(self.model)
         self.mesh = resolve_world_mesh(mesh, model_tensors(self.model).values(), device)
-        self._counter = UpdateCounter(self.options, updates, device)
         with entering("ModelEMA", mesh=self.mesh):
-            self._plan: EmaPlan = build_plan(
-                self.model,
-                self.mesh,
-                ema_dtype=ema_dtype,
-                offload=offload,
-                bucket_view=parameters_as_bucket_view,
-                replicate_buffers=replicate_buffers,
-                verify_replicas=verify_replicas,
-                track=None if track == "all" else self.options.tracks,
-                watch_trainable=track == "trainable",
-            )
-        self.replicate_buffers = replicate_buffers
-        self._bucket_view = parameters_as_bucket_view
-        self._copied = self.options.copied_fqns(
-            {e.fqn: e.source for e in self._plan},
-            {e.fqn for e in self._plan if e.is_parameter},
-            self._plan.untracked,
-        )
-        for entry in self._plan:
-            entry.averaged = entry.fqn not in self._copied
-        self._groups = self._build_groups()
-        # Decided (and refused, for cuda_graph=True) before any thread or stream exists.
-        self._graph_request = (cuda_graph, device, offload)
-        self._graph_decision = self._resolve_graph()
-        self._updater: Updater = make_updater(self._groups, capturable=capturable, offload=offload)
-        self._swapped = False
+            self.engine = EmaEngine(self.model, self.mesh, options, device=device, updates=updates)
+        """The machinery (:class:`~dtensor_ema.engine.EmaEngine`): plan, counter, update
+        groups, updater. Other modules use its public surface."""
         self._module: nn.Module | None = None
-        self._use_graph_decision()
-
-    def _resolve_graph(self) -> _graphs.GraphDecision:
-        """The CUDA-graph decision for the current tracked set (its EMA dtypes decide).
-
-        Raises:
-            ValueError: ``cuda_graph=True`` where the decision is no.
-        """
-        requested, device, offload = self._graph_request
-        fn = self.options.function
-        return _graphs.resolve(
-            requested,
-            device,
-            offload=offload,
-            schedule=self.options.schedule,
-            ema_dtypes={e.ema_local.dtype for e in self._plan},
-            formula=self.options.formula if fn is None else fn.kind,
-        )
-
-    def _use_graph_decision(self) -> None:
-        _graphs.log_decision(self._graph_decision, self._graph_request[1].type)
-        use = self._graph_decision.use
-        self._graph = _graphs.GraphedStep(self._graph_request[1]) if use else None
 
     # ------------------------------------------------------------------ reading
     @property
-    def cuda_graph(self) -> _graphs.GraphDecision:
+    def cuda_graph(self) -> GraphDecision:
         """``(use, reason)``: whether ``update()`` replays a captured CUDA graph, and why."""
-        return self._graph_decision
+        return self.engine.graph_decision
 
     @property
     def updates(self) -> int:
         """Number of ``update()`` calls so far (plus the initial ``updates``). Waits for a
         pending offloaded update; synchronizes with ``capturable=True``."""
         self.flush()
-        return self._counter.current()
+        return self.engine.counter.current()
 
     @updates.setter
     def updates(self, value: int) -> None:
-        self._counter.assign(value)
+        self.engine.counter.assign(value)
 
     @property
     def last_decay(self) -> float | None:
         """Decay of the most recent averaging ``update()`` (``0.0`` for a copy); ``None``
         before the first. Synchronizes with ``capturable=True``."""
         self.flush()
-        return self._counter.last_decay()
+        return self.engine.counter.last_decay()
 
     @property
     def schedule(self) -> DecaySchedule:
@@ -311,27 +260,27 @@ class ModelEMA:
         """Decay an averaging update applies when the counter reaches ``updates`` (default:
         the next call's). ``0.0`` means a copy; calls skipped by ``update_every`` apply
         nothing."""
-        return self._counter.decay_at(self.updates + 1 if updates is None else updates)
+        return self.engine.counter.decay_at(self.updates + 1 if updates is None else updates)
 
     def ema_tensors(self) -> dict[str, torch.Tensor]:
         """``fqn -> EMA tensor`` (DTensor, or plain without a mesh) for every tracked tensor
         (tied duplicates once). Live tensors: no copy."""
         self.flush()
-        return {e.fqn: e.ema for e in self._plan}
+        return {e.fqn: e.ema for e in self.engine.plan}
 
     def local_numel(self) -> int:
         """Number of EMA elements this rank stores (its shards, plus replicated 0-dim ones)."""
-        return sum(e.ema_local.numel() for e in self._plan)
+        return sum(e.ema_local.numel() for e in self.engine.plan)
 
     def local_nbytes(self) -> int:
         """Bytes of EMA storage held by this rank."""
-        return sum(e.ema_local.numel() * e.ema_local.element_size() for e in self._plan)
+        return self.engine.plan.local_nbytes()
 
     @property
     def untracked(self) -> list[str]:
         """Canonical fqns of the model's floating-point tensors the EMA does not hold
         (``track=``, :meth:`drop_tensors`; tied duplicates once), in state-dict order."""
-        return list(self._plan.untracked)
+        return list(self.engine.plan.untracked)
 
     # ------------------------------------------------------------------ tracked set
     @collective("add_tensors")
@@ -379,43 +328,13 @@ class ModelEMA:
         self._change_tracked(fqns, add=False)
 
     def _change_tracked(self, fqns: Iterable[str], *, add: bool) -> None:
-        if isinstance(fqns, str):
-            raise TypeError(f"fqns must be a collection of names, got the string {fqns!r}")
-        self.flush()
-        self._refuse_while_swapped()
-        verb = "add_tensors" if add else "drop_tensors"
         if self._module is not None:
+            verb = "add_tensors" if add else "drop_tensors"
             raise RuntimeError(
                 f"{verb}() after ema.module was built: the module holds the old tracked set. "
                 "Change the tracked set before the first access of ema.module"
             )
-        if self._plan.sync(check_trainable=False):
-            self._rebind_groups()
-        names = list(fqns)
-        if add:
-            trainable_before = self._plan.trainable
-            added = self._plan.track_(names)
-            try:  # the new EMA dtypes may rule out the CUDA graph (cuda_graph=True raises)
-                decision = self._resolve_graph()
-            except ValueError:
-                self._plan.untrack_([entry.fqn for entry in added])  # as before the call,
-                self._plan.trainable = trainable_before  # the trainable-set check included
-                self._rebind_groups()
-                raise
-            for entry in added:
-                if self.options.is_copied(entry.fqn, entry.source, entry.is_parameter):
-                    self._copied.add(entry.fqn)
-        else:
-            self._plan.untrack_(names)
-            self._copied -= set(names)
-            decision = self._resolve_graph()
-        for entry in self._plan:
-            entry.averaged = entry.fqn not in self._copied
-        self._rebind_groups()
-        failed_capture = self._graph_decision.reason.startswith(_graphs.CAPTURE_FAILED)
-        if decision != self._graph_decision and not failed_capture:  # a failure stays eager
-            self._graph_decision = decision
-            self._use_graph_decision()
+        self.engine.change_tracked(fqns, add=add)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -437,56 +356,8 @@ class ModelEMA:
             ValueError: ``model`` is not the tracked model, or the tracked model's tensor
                 names, shapes or dtypes changed since construction (EMA untouched).
         """
-        self._check_model_argument(model)
-        self.flush()  # an earlier offloaded update that failed raises before this one counts
-        if (
-            self._graph is not None
-            and self._graph.failed is None
-            and not _graphs.stream_is_capturing()
-        ):
-            self._update_graphed()
-        elif self.options.capturable:
-            self._refuse_while_swapped()
-            self._counter.device_step(self._updater)
-        else:
-            self._sync_sources()
-            updates, decay = self._counter.next_step()
-            self._counter.device_stale = True
-            if decay is None:
-                self._counter.record(updates, None)
-            else:
-                step = decay
-                if decay and self.options.counted:  # not a copy: the formula reads the count
-                    step = CountedStep(decay, updates - self.options.update_after_step)
-                self._updater.submit(step, lambda: self._counter.record(updates, decay))
-
-    def _update_graphed(self) -> None:
-        """The device-side update, captured on the first call and replayed afterwards
-        (re-captured after the plan re-binds). The host counts beside the device (unless
-        ``capturable``), so reading ``updates`` does not synchronize."""
-        assert self._graph is not None
-        self._updater._check_open()
-        self._sync_sources()  # refuses while swapped; drops the graph if tensors moved
-        self._counter.refresh_device()
-        if self.options.capturable:
-            self._graph(self._device_step_fn)
-        else:
-            updates, decay = self._counter.next_step()
-            self._graph(self._device_step_fn)
-            self._counter.record(updates, decay)
-        if self._graph.failed is not None:  # the step ran eagerly; the host path from now on
-            self._graph_decision = _graphs.GraphDecision(
-                False, f"{_graphs.CAPTURE_FAILED}: {self._graph.failed}"
-            )
-            if self.options.cuda_graph is True:
-                raise RuntimeError(
-                    f"cuda_graph=True, but capturing the update failed ({self._graph.failed}); "
-                    "this call's update was applied eagerly and counted"
-                )
-
-    def _device_step_fn(self) -> Callable[[], None]:
-        """The step a graph captures, bound to the current groups."""
-        return functools.partial(self._counter.device_step, CapturableUpdater(self._groups))
+        self.engine.check_model_argument(model)
+        self.engine.step()
 
     @torch.no_grad()
     def set(self, model: nn.Module | None = None) -> None:
@@ -495,12 +366,8 @@ class ModelEMA:
         ``updates`` is unchanged (timm ``ModelEmaV3.set``); use ``load_state_dict`` or
         assign ``ema.updates`` to restart the decay schedule too.
         """
-        self._check_model_argument(model)
-        self.flush()
-        self._sync_sources()
-        self._updater._check_open()
-        for group in self._groups:
-            group.copy_()
+        self.engine.check_model_argument(model)
+        self.engine.copy_from_model()
 
     def flush(self) -> None:
         """Wait until every submitted ``update()`` has been applied (``offload=True``
@@ -511,13 +378,13 @@ class ModelEMA:
             RuntimeError: an offloaded update failed (chained); it is lost and not counted,
                 the EMA and ``updates`` stay at the step before it. Raised once.
         """
-        self._updater.wait()
+        self.engine.flush()
 
     def close(self) -> None:
         """Finish the pending update and stop the ``offload=True`` worker. Local, idempotent.
         Reading the EMA still works afterwards; ``update()`` and ``set()`` raise. ``with
         ModelEMA(...) as ema:`` closes on exit."""
-        self._updater.close()
+        self.engine.close()
 
     def __enter__(self) -> ModelEMA:
         return self
@@ -525,13 +392,8 @@ class ModelEMA:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _advance(self) -> float | None:
-        """Count one call now, for callers that apply the step themselves
-        (:class:`~dtensor_ema.MultiModelEMA`); its decay, ``0.0`` to copy, ``None`` to skip."""
-        return self._counter.advance()
-
     # ------------------------------------------------------------------ evaluation
-    @collective("average_parameters")
+    @collective("average_parameters", communicates=lambda ema: ema.engine.swap_communicates())
     @contextlib.contextmanager
     def average_parameters(
         self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -554,19 +416,8 @@ class ModelEMA:
             RuntimeError: the context is entered again while active. An error while
                 swapping in restores the raw weights first; ``update()`` inside raises.
         """
-        if self._swapped:
-            raise RuntimeError(
-                "average_parameters() is already active for this EMA; exit it before "
-                "entering it again"
-            )
-        self.flush()
-        self._sync_sources()
-        self._swapped = True
-        try:
-            with swapped_in(self._plan, self.model, bucket_bytes):
-                yield self.model
-        finally:
-            self._swapped = False
+        with self.engine.swapped_in(bucket_bytes) as model:
+            yield model
 
     @property
     def module(self) -> nn.Module:
@@ -620,26 +471,15 @@ class ModelEMA:
                 "ema.module was already built (build_module() runs once, before the first "
                 "access of ema.module); reuse ema.module"
             )
-        if self.replicate_buffers and self.mesh is not None:
-            raise NotImplementedError(
-                "ema.module with replicate_buffers=True is not implemented; use "
-                "average_parameters() or get_model_state_dict() to evaluate"
-            )
-        if self.options.offload:
-            mesh = self.mesh.mesh.tolist() if self.mesh is not None else None
-            raise NotImplementedError(
-                "ema.module with offload=True is not implemented: the EMA shards live in host "
-                f"memory on a CPU twin of the mesh {mesh}, where no forward can read them; "
-                "evaluate with ema.average_parameters()"
-            )
-        self.flush()
-        self._sync_sources()  # refuses inside average_parameters()
+        refuse_unmirrored_options(self.options, self.mesh)
+        self.engine.settle()  # refuses inside average_parameters()
+        plan = self.engine.plan
         module = build_ema_module(
-            self.model, self._plan, self.mesh, units=units, compute_dtype=compute_dtype
+            self.model, plan, self.mesh, units=units, compute_dtype=compute_dtype
         )
-        if self._plan.untracked:
-            guard_untracked_loads(module, self._plan)
-        self._rebind_groups()  # the EMA's local shards may have moved into the module
+        if plan.untracked:
+            guard_untracked_loads(module, plan)
+        self.engine.rebind()  # the EMA's local shards may have moved into the module
         self._module = module
         return module
 
@@ -676,9 +516,11 @@ class ModelEMA:
             shares memory with the model or the EMA. Peak extra memory: the two results
             plus one bucket.
         """
-        options = self._gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
-        ema = gather_state(self._plan, self.model, "ema", **options)
-        return ema, gather_state(self._plan, self.model, "model", **options)
+        self.engine.settle()
+        options = gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
+        plan = self.engine.plan
+        ema = gather_state(plan, self.model, "ema", **options)
+        return ema, gather_state(plan, self.model, "model", **options)
 
     @collective("get_ema_state_dict")
     def get_ema_state_dict(
@@ -704,9 +546,10 @@ class ModelEMA:
         copy of the EMA plus one bucket, the other ranks one bucket. Arguments as for
         :meth:`get_model_state_dict`.
         """
-        options = self._gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
+        self.engine.settle()
+        options = gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
         return gather_state(
-            self._plan, self.model, "ema", include_untracked=include_untracked, **options
+            self.engine.plan, self.model, "ema", include_untracked=include_untracked, **options
         )
 
     @torch.no_grad()
@@ -727,10 +570,11 @@ class ModelEMA:
         self.flush()
         if updates is not None:
             check_count(updates)
-        load_full_state(self._plan, self.model, state_dict)
+        load_full_state(self.engine.plan, self.model, state_dict)
         if updates is not None:
-            self._counter.restore(updates)
-        self._invalidate_graph()
+            self.engine.restore_count(updates)
+        else:
+            self.engine.invalidate()
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> StateDict:
@@ -746,8 +590,7 @@ class ModelEMA:
         tensors in place; do not update them while an ``async_save`` is pending.
         """
         self.flush()
-        config = json.dumps(self.options.config(self._copied, self._plan.untracked), sort_keys=True)
-        return local_state(self._plan, self._counter.current(), config)
+        return local_state(self.engine.plan, self.engine.counter.current(), self.engine.config())
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: StateDict, *, common_subset: bool = False) -> None:
@@ -775,10 +618,9 @@ class ModelEMA:
                 out differently (load those through DCP).
         """
         updates = load_local_state(
-            self._plan, state_dict, self.state_dict(), common_subset=common_subset
+            self.engine.plan, state_dict, self.state_dict(), common_subset=common_subset
         )
-        self._counter.restore(updates)
-        self._invalidate_graph()
+        self.engine.restore_count(updates)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -799,129 +641,23 @@ class ModelEMA:
                 (inside ``average_parameters()``: the copy's model would hold the EMA
                 weights in place of the training weights).
         """
-        if self._swapped:
-            raise RuntimeError(
-                "cannot pickle, torch.save or deepcopy a ModelEMA inside average_parameters(): "
-                "its model holds the EMA weights there, so the copy's model would start from "
-                "them instead of the training weights. Copy it after the context exits"
-            )
-        world = self.mesh.size() if self.mesh is not None else 1
-        dtensors = [e.fqn for e in self._plan if e.is_dtensor_source]
-        if world > 1 or dtensors:
-            what = (
-                f"sharded over {world} ranks (each holds 1/{world} of it)"
-                if world > 1
-                else f"tracking DTensor parameters ({dtensors[:3]})"
-            )
-            raise RuntimeError(
-                f"cannot pickle, torch.save or deepcopy a ModelEMA {what}: it would hold one "
-                "rank's piece. Save its state instead: dtensor_ema.save_checkpoint(path, ema) "
-                "(DCP, every rank writes its own shards; reshards on load), or the full EMA "
-                "with ema.get_ema_state_dict() (collective) and torch.save on one rank; the "
-                "drop-ins' state_dict() after gather_for_save() on every rank"
-            )
-        self.flush()
-        return {
-            "model": self.model,
-            "options": self.options,
-            "updates": self._counter.current(),
-            "ema": {e.fqn: e.ema_local.detach().clone() for e in self._plan},
-            "replicate_buffers": self.replicate_buffers,
-            "parameters_as_bucket_view": self._bucket_view,
-        }
+        return {"model": self.model, "options": self.options, **self.engine.whole_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild from :meth:`__getstate__`: construct over ``state["model"]`` in this
         process (its process group decides the layout, as for a new ``ModelEMA``), then
         load the EMA values and the counter. Collective where construction is."""
         options: EmaOptions = state["options"]
-        kwargs = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-        ModelEMA.__init__(
-            self,
-            state["model"],
-            updates=state["updates"],
-            replicate_buffers=state["replicate_buffers"],
-            parameters_as_bucket_view=state["parameters_as_bucket_view"],
-            verify_replicas=False,  # the saved values are loaded next
-            **kwargs,
-        )
-        # The saved tracked set wins over what track= picks now (add_tensors/drop_tensors
-        # before the save); this EMA is whole on this rank, so the changes are local.
-        tracked = {e.fqn for e in self._plan}
-        missing = [k for k in state["ema"] if k not in tracked]
-        extra = [k for k in tracked if k not in state["ema"]]
-        if missing:
-            self._change_tracked(missing, add=True)
-        if extra:
-            self._change_tracked(extra, add=False)
-        with torch.no_grad():
-            for entry in self._plan:
-                entry.ema_local.copy_(ema_local_from_full(entry, state["ema"][entry.fqn]))
-        self._counter.restore(state["updates"])
+        unchecked = dataclasses.replace(options, verify_replicas=False)  # values loaded next
+        self._start(state["model"], None, unchecked, state["updates"])
+        self.engine.load_whole_state(state["ema"], state["updates"])
 
     def __repr__(self) -> str:
         mesh = f"mesh={tuple(self.mesh.shape)}" if self.mesh is not None else "unsharded"
-        untracked = f", untracked={len(self._plan.untracked)}" if self._plan.untracked else ""
+        plan = self.engine.plan
+        untracked = f", untracked={len(plan.untracked)}" if plan.untracked else ""
         return (
             f"{type(self).__name__}({type(self.model).__name__}, {mesh}, "
-            f"decay={self.decay}, tau={self.tau}, updates={self._counter.current()}, "
-            f"tensors={len(self._plan.entries)}{untracked}, local_numel={self.local_numel()})"
+            f"decay={self.decay}, tau={self.tau}, updates={self.engine.counter.current()}, "
+            f"tensors={len(plan.entries)}{untracked}, local_numel={self.local_numel()})"
         )
-
-    # ------------------------------------------------------------------ internals
-    def _gather_options(
-        self, rank0_only: bool | None, only_rank0: bool, cpu_offload: bool, bucket_bytes: int
-    ) -> dict[str, Any]:
-        self.flush()
-        self._sync_sources()
-        return {
-            "rank0_only": rank0_flag(rank0_only, only_rank0),
-            "cpu_offload": cpu_offload,
-            "bucket_bytes": bucket_bytes,
-        }
-
-    def _check_model_argument(self, model: nn.Module | None) -> None:
-        if model is not None and unwrap_model(model) is not self.model:
-            raise ValueError(
-                f"got a {type(model).__name__} that is not the model this EMA tracks "
-                f"({type(self.model).__name__} at {id(self.model):#x}); create a new "
-                "ModelEMA for a different model"
-            )
-
-    def _refuse_while_swapped(self) -> None:
-        if self._swapped:
-            raise RuntimeError(
-                "the EMA weights are swapped into the model (inside average_parameters()); "
-                "update, set or materialize the EMA after the context exits"
-            )
-
-    def _sync_sources(self) -> None:
-        """Let the plan re-bind its views after model surgery; rebuild the update groups
-        when a tensor moved. Raises ``ValueError`` (EMA untouched) if the model changed."""
-        self._refuse_while_swapped()
-        if self._plan.sync():
-            self._rebind_groups()
-
-    def _build_groups(self) -> list[UpdateGroup]:
-        options = self.options
-        return update_groups(self._plan, options.kernel, options.formula, options.function)
-
-    def _rebind_groups(self) -> None:
-        """Rebuild the update groups from the plan; a captured graph read the old
-        addresses, so it is dropped (the next ``update()`` captures again)."""
-        self.flush()
-        self._groups = self._build_groups()
-        self._updater.rebind(self._groups)
-        self._invalidate_graph()
-
-    def _invalidate_graph(self) -> None:
-        """Loads write in place (addresses hold), but a re-capture rules out any state the
-        graph baked in; plan re-binds move addresses."""
-        if self._graph is not None:
-            self._graph.invalidate()
-
-
-def _model_device(module: nn.Module) -> torch.device:
-    for tensor in model_tensors(module).values():
-        return tensor.device
-    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")

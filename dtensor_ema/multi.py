@@ -154,7 +154,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         return list(fqns)
 
     def _tracked_versions(self) -> tuple[int, ...]:
-        return tuple(ema._plan.tracked_version for ema in self._emas.values())
+        return tuple(ema.engine.plan.tracked_version for ema in self._emas.values())
 
     def _check_aligned(self) -> None:
         """Refuse members whose tracked sets differ (one changed alone through
@@ -164,9 +164,9 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         if versions == self._aligned_versions:
             return
         (first_name, first), *others = self._emas.items()
-        want = [entry.fqn for entry in first._plan]
+        want = [entry.fqn for entry in first.engine.plan]
         for name, ema in others:
-            have = [entry.fqn for entry in ema._plan]
+            have = [entry.fqn for entry in ema.engine.plan]
             if have != want:
                 only_first = [k for k in want if k not in have]
                 only_this = [k for k in have if k not in want]
@@ -189,13 +189,13 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         handled per EMA. Peak extra memory: the reused upcast scratch (at most 64 MiB) for
         bf16 sources with the eager kernel; none otherwise.
         """
-        emas = list(self._emas.values())
-        for ema in emas:
-            ema._check_model_argument(model)
-            ema._sync_sources()
+        engines = [ema.engine for ema in self._emas.values()]
+        for engine in engines:
+            engine.check_model_argument(model)
+            engine.sync_sources()
         self._check_aligned()
-        decays = [ema._advance() for ema in emas]
-        for groups in zip(*(ema._groups for ema in emas), strict=True):
+        decays = [engine.advance() for engine in engines]
+        for groups in zip(*(engine.groups for engine in engines), strict=True):
             averaging = [
                 (g, 1.0 - d) for g, d in zip(groups, decays, strict=True) if d and g.averaged
             ]

@@ -178,6 +178,12 @@ class AveragingFunction:
         return {"schedule": self.kind, "name": self.name}
 
 
+def _callable_name(fn: Callable[..., Any]) -> str:
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"<function {module}.{qualname}>"
+
+
 def resolve_schedule(
     decay: float | _Unset,
     tau: float | _Unset | None,
@@ -221,7 +227,9 @@ def resolve_schedule(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EmaOptions:
-    """Everything besides the model and mesh that decides what ``update()`` does."""
+    """Everything besides the model and mesh that decides what the EMA holds and what
+    ``update()`` does: validated once here, then passed whole (to the plan, the counter,
+    the update groups and the updater)."""
 
     schedule: DecaySchedule
     """Per-step decay as a function of the averaging step (see :mod:`dtensor_ema.decay`), or
@@ -263,6 +271,17 @@ class EmaOptions:
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
     rounding (eager kernel only)."""
+    bucket_view: bool = False
+    """Keep this rank's EMA shards as views into one flat buffer per (device, dtype), in
+    gather order (``ModelEMA(parameters_as_bucket_view=...)``). Not part of the checkpoint
+    config."""
+    replicate_buffers: bool = False
+    """Keep plain float buffers whole on every rank, each averaging its own model's, as a
+    replicated EMA does. Not part of the checkpoint config."""
+    verify_replicas: bool = True
+    """Check at construction (and when tensors are added) that replicated parameters are
+    identical across their replicas (:mod:`dtensor_ema.replicas`). Not part of the
+    checkpoint config."""
 
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):
@@ -320,6 +339,13 @@ class EmaOptions:
         if self.exclude is not None and not callable(self.exclude):
             # A tuple, read more than once (a generator would be used up by the first read).
             object.__setattr__(self, "exclude", tuple(self.exclude))
+        for name, user_name in (
+            ("bucket_view", "parameters_as_bucket_view"),
+            ("replicate_buffers", "replicate_buffers"),
+            ("verify_replicas", "verify_replicas"),
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{user_name} must be a bool, got {getattr(self, name)!r}")
         if not (self.track in ("all", "trainable") or callable(self.track)):
             raise ValueError(
                 f"track must be 'all', 'trainable' or a predicate (fqn, tensor) -> bool, got "
@@ -359,38 +385,32 @@ class EmaOptions:
         """``"all"``, ``"trainable"`` or ``"predicate"``: how the tracked set was chosen."""
         return self.track if isinstance(self.track, str) else "predicate"
 
-    def copied_fqns(
-        self,
-        tensors: dict[str, torch.Tensor],
-        parameters: set[str],
-        untracked: Iterable[str] = (),
-    ) -> set[str]:
-        """Tracked float entries (``tensors``) copied instead of averaged. ``exclude``
-        applies within the tracked set.
+    def check_exclude(self, tracked: Iterable[str], untracked: Iterable[str] = ()) -> None:
+        """Refuse ``exclude`` names that are not tracked floating-point tensors (``exclude``
+        applies within the tracked set). A predicate is not checked.
 
         Raises:
-            ValueError: an excluded name that is not a tracked tensor (untracked ones
-                named as such).
+            ValueError: naming the unknown names (untracked ones named as such).
         """
-        if self.exclude is not None and not callable(self.exclude):
-            names = list(self.exclude)
-            unknown = [n for n in names if n not in tensors]
-        else:
-            unknown = []
-        if unknown:
-            skipped = set(untracked)
-            not_tracked = [n for n in unknown if n in skipped]
-            detail = (
-                f" ({not_tracked[:5]} are not tracked with track={self.track_label()!r}: "
-                "exclude applies within the tracked set)"
-                if not_tracked
-                else ""
-            )
-            raise ValueError(
-                f"exclude names not found among the EMA's tracked floating-point tensors: "
-                f"{unknown[:5]}{detail}; valid names look like {list(tensors)[:3]}"
-            )
-        return {k for k, v in tensors.items() if self.is_copied(k, v, k in parameters)}
+        if self.exclude is None or callable(self.exclude):
+            return
+        tracked = list(tracked)
+        known = set(tracked)
+        unknown = [n for n in self.exclude if n not in known]
+        if not unknown:
+            return
+        skipped = set(untracked)
+        not_tracked = [n for n in unknown if n in skipped]
+        detail = (
+            f" ({not_tracked[:5]} are not tracked with track={self.track_label()!r}: "
+            "exclude applies within the tracked set)"
+            if not_tracked
+            else ""
+        )
+        raise ValueError(
+            f"exclude names not found among the EMA's tracked floating-point tensors: "
+            f"{unknown[:5]}{detail}; valid names look like {tracked[:3]}"
+        )
 
     def is_copied(self, fqn: str, tensor: torch.Tensor, is_parameter: bool) -> bool:
         """Whether the tracked tensor ``fqn`` is copied from the model instead of averaged
@@ -402,6 +422,36 @@ class EmaOptions:
         if callable(self.exclude):
             return bool(self.exclude(fqn, tensor))
         return fqn in self.exclude
+
+    def agreement(self) -> dict[str, str]:
+        """Every option as text, for the ranks to compare at construction: each rank of the
+        world must build the EMA with the same values (a decay that differs between ranks
+        would stitch rows of two EMAs together). Predicates and functions are named by
+        their qualified name (``module.qualname``)."""
+        exclude = self.exclude
+        if callable(exclude):
+            exclude = _callable_name(exclude)
+        track = self.track if isinstance(self.track, str) else _callable_name(self.track)
+        schedule = dict(self.schedule.config())
+        values: dict[str, Any] = {"schedule": schedule.pop("schedule", type(self.schedule))}
+        values |= {("schedule function" if k == "name" else k): v for k, v in schedule.items()}
+        values |= {
+            "update_every": self.update_every,
+            "update_after_step": self.update_after_step,
+            "buffers": self.buffers,
+            "exclude": exclude,
+            "track": track,
+            "ema_dtype": self.ema_dtype,
+            "capturable": self.capturable,
+            "offload": self.offload,
+            "kernel": self.kernel,
+            "cuda_graph": self.cuda_graph,
+            "formula": self.formula,
+            "parameters_as_bucket_view": self.bucket_view,
+            "replicate_buffers": self.replicate_buffers,
+            "verify_replicas": self.verify_replicas,
+        }
+        return {k: str(v) for k, v in values.items()}
 
     def config(self, copied: set[str], untracked: Iterable[str] = ()) -> dict[str, Any]:
         """Plain values that must match for a checkpoint to resume on the same trajectory,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema._collectives import entering, is_mesh_first, mesh_agree
+from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mesh_agree
 from dtensor_ema.model_ema import ModelEMA
 
 __all__ = ["ADAPTER_FILES", "export_peft_adapter", "save_peft_adapter"]
@@ -80,9 +80,11 @@ def export_peft_adapter(
     Peak extra memory: on the writer one full CPU copy of the tracked tensors plus one
     bucket; on the others one bucket (a mesh without global rank 0, a pipeline stage:
     the full copy on every rank of it). Communication: one small all-reduce per mesh dim
-    before and after, plus the gathers.
+    before and after, plus the gathers, after
+    :func:`~dtensor_ema._collectives.agree_on_call` (which call, which EMA, which count).
     """
     with entering("export_peft_adapter", mesh=ema.mesh):
+        agree_on_call("export_peft_adapter", ema.engine.call_identity, mesh=ema.mesh)
         return _export(ema, Path(path), adapter_name, bucket_bytes)
 
 
@@ -228,7 +230,7 @@ def _untracked_adapter_tensors(ema: ModelEMA, peft_model: Any, adapter_name: str
     Peft decides which tensors form the adapter: it is asked to select from meta
     placeholders of every model tensor, and its picks are traced back by identity.
     """
-    plan = ema._plan
+    plan = ema.engine.plan
     shapes = {e.fqn: e.source.shape for e in plan}
     shapes.update((k, t.shape) for k, t in plan.untracked.items())
     placeholders = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}

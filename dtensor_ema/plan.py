@@ -34,7 +34,7 @@ including (with ``track="trainable"``) a trainable set that changed behind the E
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,86 +42,36 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
-    ReplicaLevel,
-    TensorLayout,
+    PlanEntry,
     agree_on_structure,
-    contiguous_stride,
-    cpu_mesh_like,
+    local_rows,
+    make_entry,
+    model_piece,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
+from dtensor_ema.options import EmaOptions
 from dtensor_ema.replicas import check_replicas
 from dtensor_ema.watch import ModuleWatch
 
 __all__ = [
     "EmaPlan",
-    "PlanEntry",
-    "TrackPredicate",
     "bucket_view_",
     "build_plan",
     "canonical_fqn",
     "check_live",
-    "default_ema_dtype",
-    "ema_local_from_full",
+    "is_averageable",
+    "model_device",
     "model_tensors",
+    "refuse_fsdp1",
     "reshard_fsdp",
     "unwrap_model",
 ]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-TrackPredicate = Callable[[str, torch.Tensor, bool], bool]
-"""``(canonical fqn, live tensor, is_parameter) -> tracked?`` for floating-point tensors
-(:meth:`dtensor_ema.options.EmaOptions.tracks`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _BuildOptions:
-    """How entries are made: kept so that :meth:`EmaPlan.track_` makes new ones alike."""
-
-    ema_dtype: torch.dtype | None
-    offload: bool
-    bucket_view: bool
-    replicate_buffers: bool
-
-
-@dataclass(slots=True)
-class PlanEntry:
-    """One averaged tensor: the model's tensor, this rank's views of it, and its EMA."""
-
-    fqn: str
-    source: torch.Tensor
-    source_piece: torch.Tensor
-    source_local: torch.Tensor
-    ema: torch.Tensor
-    ema_local: torch.Tensor
-    layout: TensorLayout
-    is_parameter: bool
-    signature: tuple[torch.Size, torch.dtype, torch.device]
-    """Global shape, dtype and device of the source when the plan was built."""
-    averaged: bool = True
-    """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
-
-    @property
-    def is_dtensor_source(self) -> bool:
-        return isinstance(self.source, DTensor)
-
-    @property
-    def mesh(self) -> DeviceMesh | None:
-        return self.ema.device_mesh if isinstance(self.ema, DTensor) else None
-
-    @property
-    def placements(self) -> tuple[Placement, ...]:
-        return tuple(self.ema.placements) if isinstance(self.ema, DTensor) else ()
-
-    @property
-    def levels(self) -> tuple[ReplicaLevel, ...]:
-        return self.layout.levels
 
 
 @dataclass(slots=True)
@@ -142,7 +92,8 @@ class EmaPlan:
     """Floating-point tensors the EMA does not hold: canonical fqn -> the model's live
     tensor (tied duplicates under ``aliases``), in state-dict order."""
     watch: ModuleWatch | None = None
-    build: _BuildOptions | None = None
+    options: EmaOptions | None = None
+    """The options the entries were made with (:meth:`track_` makes new ones alike)."""
     trainable: dict[str, bool] | None = None
     """With ``track="trainable"``: ``requires_grad`` of every float parameter when the
     tracked set was last decided (construction, :meth:`track_`, :meth:`untrack_`);
@@ -168,26 +119,32 @@ class EmaPlan:
     def sync(self, *, check_trainable: bool = True) -> bool:
         """Re-bind the cached views if the model re-registered or re-allocated tensors.
 
-        Local. Cost when nothing changed: one integer compare and one ``data_ptr`` per
-        tensor (with ``track="trainable"``, plus one ``requires_grad`` per parameter).
+        Local. Cost when nothing changed: one integer compare, one ``data_ptr`` per
+        tensor and one identity check per registered tensor and submodule
+        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals; with
+        ``track="trainable"``, plus one ``requires_grad`` per parameter).
         Returns ``True`` when views were re-bound (update groups must be rebuilt).
 
         Raises:
-            ValueError: names, global shapes, dtypes or devices changed, or tied weights
-                were untied, since the plan was built; with ``check_trainable``, the
+            ValueError: names, global shapes, dtypes or devices changed, tensors were
+                removed (or set to ``None``), or tied weights were untied, since the plan
+                was built; with ``check_trainable``, the
                 trainable set changed (:meth:`check_trainable`). The EMA is left untouched.
         """
         assert self.watch is not None
         if check_trainable:
             self.check_trainable()
-        if self.watch.epoch == self._seen_epoch and _pointers(self.entries) == self._pointers:
+        if (
+            self.watch.epoch == self._seen_epoch
+            and self.watch.intact()
+            and _pointers(self.entries) == self._pointers
+        ):
             return False
         current = model_tensors(self.module)
-        problems = []
+        problems = [f"{k}: missing from the model" for k in self.keys if k not in current]
         for fqn, signature in self._signatures.items():
             tensor = current.get(fqn)
             if tensor is None:
-                problems.append(f"{fqn}: missing from the model")
                 continue
             shape, dtype, device = signature
             if (tensor.shape, tensor.dtype, tensor.device) != (shape, dtype, device):
@@ -198,7 +155,6 @@ class EmaPlan:
         for entry in self.entries:
             tensor = current.get(entry.fqn)
             if tensor is None:
-                problems.append(f"{entry.fqn}: missing from the model")
                 continue
             shape, dtype, device = entry.signature
             if (tensor.shape, tensor.dtype) != (shape, dtype):
@@ -225,7 +181,7 @@ class EmaPlan:
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
-        self.followed = {k: v for k, v in current.items() if not v.is_floating_point()}
+        self.followed = {k: v for k, v in current.items() if not is_averageable(v)}
         self.untracked = {k: current[k] for k in self.untracked}
         self._parameters = [(k, current[k]) for k, _ in self._parameters]
         self.watch.rewatch()
@@ -237,8 +193,8 @@ class EmaPlan:
             if _local_data_ptr(tensor) == _local_data_ptr_of_piece(entry):
                 continue
             moved = True
-            entry.source_piece = _piece(tensor)
-            entry.source_local = _narrow(entry.source_piece, entry.layout)
+            entry.source_piece = model_piece(tensor)
+            entry.source_local = local_rows(entry.source_piece, entry.layout)
         self._pointers = _pointers(self.entries)
         return moved
 
@@ -309,21 +265,22 @@ class EmaPlan:
         error = self._check_names(names, tracked=False)
         mesh_agree(self.world, error, "adding tensors to the EMA")
         reshard_fsdp(self.module)
-        assert self.build is not None and self._builder is not None
+        assert self.options is not None and self._builder is not None
         parameter_ids = {id(p) for p in self.module.parameters()}
         new = [
-            _make_entry(
+            make_entry(
                 fqn,
                 self.untracked[fqn],
                 self._builder,
-                self.build,
+                self.options,
                 id(self.untracked[fqn]) in parameter_ids,
             )
             for fqn in names
         ]
         check_live(self.module, new)
         tracked = {e.fqn for e in self.entries} | set(names)
-        agree_on_structure(self.world, _structure(model_tensors(self.module), tracked))
+        structure = _structure(model_tensors(self.module), tracked)
+        agree_on_structure(self.world, structure, self.options.agreement())
         check_replicas(new, self.world)
         order = {k: i for i, k in enumerate(self.keys)}
         self.entries = sorted([*self.entries, *new], key=lambda e: order[e.fqn])
@@ -355,8 +312,10 @@ class EmaPlan:
                 "(create a new ModelEMA instead)"
             )
         mesh_agree(self.world, error, "dropping tensors from the EMA")
+        assert self.options is not None
         tracked = {e.fqn for e in self.entries} - set(names)
-        agree_on_structure(self.world, _structure(model_tensors(self.module), tracked))
+        structure = _structure(model_tensors(self.module), tracked)
+        agree_on_structure(self.world, structure, self.options.agreement())
         dropped = [e for e in self.entries if e.fqn in set(names)]
         self.entries = [e for e in self.entries if e.fqn not in set(names)]
         order = {k: i for i, k in enumerate(self.keys)}
@@ -371,6 +330,9 @@ class EmaPlan:
         entries = self.by_fqn()
         bad = []
         for fqn in names:
+            if not tracked and fqn in self.untracked and self.untracked[fqn].is_complex():
+                bad.append(f"{fqn!r}: {self.untracked[fqn].dtype}, complex (not averaged)")
+                continue
             if fqn in (entries if tracked else self.untracked):
                 continue
             if fqn in self.aliases:
@@ -392,9 +354,9 @@ class EmaPlan:
     def _decided(self) -> None:
         """After the tracked set changed: bucket views rebuilt, the pointers and the
         trainable snapshot taken again."""
-        assert self.build is not None
+        assert self.options is not None
         self.tracked_version += 1
-        if self.build.bucket_view:
+        if self.options.bucket_view:
             bucket_view_(self.entries)
         self._pointers = _pointers(self.entries)
         if self.trainable is not None:
@@ -459,15 +421,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         return model
 
 
-def default_ema_dtype(dtype: torch.dtype) -> torch.dtype:
-    """EMA dtype for a tensor of ``dtype``: float32 for fp16/bf16, unchanged otherwise.
-
-    A bf16 EMA with decay 0.9999 stops moving: ``(1 - d) * (p - ema)`` rounds to zero
-    against ``ema`` for any update smaller than ~1/256 of it.
-    """
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
-
-
 def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's live parameters and persistent buffers by canonical fqn, FSDP2
     parameters in sharded form. Local.
@@ -478,6 +431,61 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """
     reshard_fsdp(module)
     return live_tensors(module)
+
+
+def is_averageable(tensor: torch.Tensor) -> bool:
+    """Whether a model tensor is of the kind the EMA tracks, or else reads from the model as
+    untracked: real floating-point tensors, and complex ones (which are never averaged:
+    tracking one is refused, see :func:`build_plan`). Integer and bool buffers follow the
+    model."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _complex_refusal(names: list[str]) -> str:
+    return (
+        f"the EMA averages real floating-point tensors; {_listed(names)} are complex. "
+        "Leave them out of the tracked set, e.g. track=lambda fqn, t: not t.is_complex(): "
+        "untracked tensors are read from the model wherever a whole model is needed"
+    )
+
+
+def refuse_fsdp1(module: nn.Module) -> None:
+    """Refuse a model wrapped with FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``,
+    with or without ``use_orig_params``), whose parameters are flat shards (or per-rank
+    views of them) that no EMA layout can pair with the model's names. Local.
+
+    Raises:
+        ValueError: naming where FSDP1 wraps the model and the way out.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [
+        repr(name) if name else "the root"
+        for name, sub in module.named_modules()
+        if isinstance(sub, FullyShardedDataParallel)
+    ]
+    if wrapped:
+        raise ValueError(
+            f"the model is wrapped with FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, "
+            f"at {_listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
+            "the model's tensors. Shard it with FSDP2 instead: "
+            "torch.distributed.fsdp.fully_shard(module) per block, then the root; with "
+            "accelerate, set fsdp_version: 2 in the FSDP config; with Lightning, use "
+            "ModelParallelStrategy (FSDPStrategy is FSDP1) and fully_shard in "
+            "configure_model"
+        )
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter or buffer (where the EMA's counter
+    lives). Local.
+
+    Raises:
+        ValueError: the module has no parameters or buffers.
+    """
+    for tensor in model_tensors(module).values():
+        return tensor.device
+    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
 
 
 def reshard_fsdp(module: nn.Module) -> None:
@@ -506,7 +514,7 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         if tensor is None:
             stale.append(entry.fqn)
             continue
-        piece = _piece(tensor)
+        piece = model_piece(tensor)
         if piece.untyped_storage().data_ptr() != entry.source_piece.untyped_storage().data_ptr():
             stale.append(entry.fqn)
     if stale:
@@ -517,22 +525,12 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         )
 
 
-def build_plan(
-    module: nn.Module,
-    world: DeviceMesh | None,
-    *,
-    ema_dtype: torch.dtype | None = None,
-    offload: bool = False,
-    bucket_view: bool = False,
-    replicate_buffers: bool = False,
-    verify_replicas: bool = True,
-    track: TrackPredicate | None = None,
-    watch_trainable: bool = False,
-) -> EmaPlan:
+def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
     """Create the EMA tensors for ``module`` (already unwrapped).
 
     The EMA binds to ``module``'s live tensors (:func:`model_tensors`) and refuses any
-    entry that is not one (:func:`check_live`).
+    entry that is not one (:func:`check_live`). Each entry is made in one call
+    (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
 
     **Collective** when ``world`` has a dim of size > 1, so every rank of ``world`` must
     build its plan together: one all-gather of one integer per world mesh dim
@@ -546,30 +544,26 @@ def build_plan(
         world: the mesh whose ranks share the EMA (see
             :func:`~dtensor_ema.layout.resolve_world_mesh`), or ``None`` for plain,
             unsharded EMA tensors.
-        ema_dtype: dtype of every EMA tensor, or ``None`` for :func:`default_ema_dtype`.
-        offload: keep the EMA shards in host memory (pinned when the model is on CUDA) on
-            a CPU twin of each mesh.
-        bucket_view: make every ``ema_local`` a view into one flat buffer per (device,
-            dtype), laid out in gather order (see :func:`bucket_view_`).
-        replicate_buffers: keep plain float buffers whole on every rank (a plain tensor,
-            no mesh) instead of sharding them over ``world``: each rank then averages its
-            own model's buffers, as a replicated EMA does.
-        verify_replicas: run :func:`~dtensor_ema.replicas.check_replicas` (default). Off
-            only where the first update is known to copy the model (the check's
-            collectives are then skipped too).
-        track: which floating-point tensors get an entry (:data:`TrackPredicate`, decided
-            once per tensor, tied ones by their first name); ``None``: all of them. The
-            others go to ``untracked``; the ranks' tracked sets are part of the structure
-            fingerprint, so ranks that disagree are refused.
-        watch_trainable: record every float parameter's ``requires_grad`` so that
-            :meth:`EmaPlan.check_trainable` refuses a change (``track="trainable"``).
+        options: the EMA's options; the plan reads ``track`` (which floating-point
+            tensors get an entry, decided once per tensor, tied ones by their first name;
+            the others go to ``untracked``, and the ranks' tracked sets are part of the
+            structure fingerprint, so ranks that disagree are refused; ``"trainable"``
+            also records every float parameter's ``requires_grad`` so that
+            :meth:`EmaPlan.check_trainable` refuses a change), ``ema_dtype`` (``None``:
+            :func:`~dtensor_ema.layout.default_ema_dtype`), ``offload`` (EMA shards in host
+            memory, pinned for CUDA models, on a CPU twin of each mesh), ``bucket_view``
+            (every ``ema_local`` a view into one flat buffer per (device, dtype) in gather
+            order, :func:`bucket_view_`), ``replicate_buffers`` (plain float buffers whole
+            on every rank, each averaging its own model's) and ``verify_replicas``
+            (:func:`~dtensor_ema.replicas.check_replicas` and its collectives; off only
+            where the first update is known to copy the model).
 
     Raises:
         ValueError: the model has no tracked floating-point state, has tensors on the meta
-            device,
-            a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks track
-            different models, or replicated parameters differ across their replicas.
+            device, a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks
+            track different models, or replicated parameters differ across their replicas.
     """
+    refuse_fsdp1(module)
     tensors = model_tensors(module)
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
     if on_meta:
@@ -584,10 +578,10 @@ def build_plan(
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
     parameter_ids = {id(p) for p in module.parameters()}
-    options = _BuildOptions(ema_dtype, offload, bucket_view, replicate_buffers)
     builder = LayoutBuilder(world)
+    complex_tracked: list[str] = []
     for fqn, tensor in tensors.items():
-        if not torch.is_floating_point(tensor):
+        if not is_averageable(tensor):
             followed[fqn] = tensor
             continue
         if id(tensor) in seen:
@@ -595,10 +589,14 @@ def build_plan(
             continue
         seen[id(tensor)] = fqn
         is_parameter = id(tensor) in parameter_ids
-        if track is not None and not track(fqn, tensor, is_parameter):
+        if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
             untracked[fqn] = tensor
-            continue
-        entries.append(_make_entry(fqn, tensor, builder, options, is_parameter))
+        elif tensor.is_complex():
+            complex_tracked.append(f"{fqn} ({tensor.dtype})")
+        else:
+            entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
+    if complex_tracked:
+        raise ValueError(_complex_refusal(complex_tracked))
     if not entries:
         floats = [k for k in tensors if k not in followed and k not in aliases]
         if floats:
@@ -612,10 +610,12 @@ def build_plan(
             f"(state dict keys: {list(followed)[:5]})"
         )
     check_live(module, entries)
-    agree_on_structure(world, _structure(tensors, {e.fqn for e in entries}))
-    if verify_replicas:
+    structure = _structure(tensors, {e.fqn for e in entries})
+    agree_on_structure(world, structure, options.agreement())
+    if options.verify_replicas:
         check_replicas(entries, world)
-    if bucket_view:
+    options.check_exclude([e.fqn for e in entries], untracked)
+    if options.bucket_view:
         bucket_view_(entries)
     plan = EmaPlan(
         module=module,
@@ -626,50 +626,19 @@ def build_plan(
         aliases=aliases,
         untracked=untracked,
         watch=ModuleWatch(module),
-        build=options,
+        options=options,
     )
     plan._builder = builder
     plan._signatures = {k: (t.shape, t.dtype, t.device) for k, t in untracked.items()}
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()
-        if id(t) in parameter_ids and k not in aliases and t.is_floating_point()
+        if id(t) in parameter_ids and k not in aliases and is_averageable(t)
     ]
-    if watch_trainable:
+    if options.track == "trainable":
         plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
     plan._pointers = _pointers(entries)
     return plan
-
-
-def _make_entry(
-    fqn: str,
-    tensor: torch.Tensor,
-    builder: LayoutBuilder,
-    options: _BuildOptions,
-    is_parameter: bool,
-) -> PlanEntry:
-    """One entry: this rank's layout of ``tensor`` and a fresh EMA shard of its current
-    value. Local."""
-    dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
-    piece = _piece(tensor)
-    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
-    if options.replicate_buffers and plain_buffer:
-        layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
-    else:
-        layout = builder.layout(fqn, tensor, piece.shape)
-    source_local = _narrow(piece, layout)
-    ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
-    return PlanEntry(
-        fqn=fqn,
-        source=tensor,
-        source_piece=piece,
-        source_local=source_local,
-        ema=ema,
-        ema_local=ema.to_local() if isinstance(ema, DTensor) else ema,
-        layout=layout,
-        is_parameter=is_parameter,
-        signature=(tensor.shape, tensor.dtype, tensor.device),
-    )
 
 
 def _structure(tensors: Mapping[str, torch.Tensor], tracked: set[str]) -> dict[str, str]:
@@ -677,7 +646,7 @@ def _structure(tensors: Mapping[str, torch.Tensor], tracked: set[str]) -> dict[s
     fingerprint every rank of the world must share."""
     return {
         k: f"{tuple(t.shape)} {t.dtype}"
-        + ("" if k in tracked or not t.is_floating_point() else " untracked")
+        + ("" if k in tracked or not is_averageable(t) else " untracked")
         for k, t in tensors.items()
     }
 
@@ -763,86 +732,6 @@ def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
                 entry.ema = view
         flats.append(flat)
     return flats
-
-
-def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
-    """This rank's EMA rows of a full (global-shape) tensor, as a view. Local.
-
-    For a DTensor source, the rank's local piece is cut out at the global offset torch's
-    DTensor computes for the source's placements, then the replica split is applied.
-
-    Raises:
-        ValueError: ``full`` has another shape than the source, or the source's layout
-            has no contiguous local piece (``_StridedShard`` layouts torch places apart).
-    """
-    source = entry.source
-    if full.shape != source.shape:
-        raise ValueError(
-            f"{entry.fqn}: full tensor of shape {tuple(full.shape)}, expected {tuple(source.shape)}"
-        )
-    piece = full
-    if isinstance(source, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            source.shape, source.device_mesh, source.placements
-        )
-        if tuple(shape) != tuple(entry.source_piece.shape):
-            raise ValueError(
-                f"{entry.fqn}: cannot cut the local piece of placements {source.placements} "
-                "out of a full tensor; load it through torch.distributed.checkpoint instead"
-            )
-        for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
-            piece = piece.narrow(dim, start, length)
-    return _narrow(piece, entry.layout)
-
-
-def _piece(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
-    the whole (detached) tensor otherwise."""
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().detach()
-    return tensor.detach()
-
-
-def _narrow(piece: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
-    """The rows of ``piece`` this rank averages (a view)."""
-    if piece.dim() == 0 or (layout.offset == 0 and layout.length == piece.shape[0]):
-        return piece
-    return piece.narrow(0, layout.offset, layout.length)
-
-
-def _ema_tensor(
-    source: torch.Tensor,
-    source_local: torch.Tensor,
-    layout: TensorLayout,
-    dtype: torch.dtype,
-    offload: bool,
-) -> torch.Tensor:
-    """A fresh EMA shard, wrapped as a DTensor of the source's global shape."""
-    local = _fresh_copy(source_local, dtype, offload)
-    if layout.mesh is None:
-        return local
-    stride = source.stride() if isinstance(source, DTensor) else contiguous_stride(source.shape)
-    return DTensor.from_local(
-        local,
-        cpu_mesh_like(layout.mesh) if offload else layout.mesh,
-        layout.placements,
-        run_check=False,
-        shape=source.shape,
-        stride=stride,
-    )
-
-
-def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype, offload: bool = False) -> torch.Tensor:
-    """A contiguous copy in ``dtype`` that shares no memory with the model; in (pinned, for
-    CUDA sources) host memory with ``offload``."""
-    if not offload:
-        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-    out = torch.empty(
-        tensor.shape, dtype=dtype, device="cpu", pin_memory=tensor.device.type == "cuda"
-    )
-    return out.copy_(tensor)
 
 
 def _pointers(entries: list[PlanEntry]) -> list[int]:

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_ema._collectives import mesh_agree
 
 if TYPE_CHECKING:
-    from dtensor_ema.plan import PlanEntry
+    from dtensor_ema.layout import PlanEntry
 
 __all__ = ["bit_checksum", "check_replicas"]
 

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.layout import LayoutBuilder, resolve_world_mesh
-from dtensor_ema.plan import default_ema_dtype, model_tensors, unwrap_model
+from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, resolve_world_mesh
+from dtensor_ema.plan import model_tensors, unwrap_model
 
 __all__ = ["PlanBytes", "plan_bytes"]
 

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.options import TRACKING_CONFIG_KEYS
-from dtensor_ema.plan import EmaPlan, PlanEntry, ema_local_from_full
+from dtensor_ema.plan import EmaPlan
 
 __all__ = [
     "CONFIG",

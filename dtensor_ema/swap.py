@@ -18,8 +18,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from dtensor_ema.layout import PlanEntry
 from dtensor_ema.materialize import SplitPiece, iter_unsplit
-from dtensor_ema.plan import EmaPlan, PlanEntry, reshard_fsdp
+from dtensor_ema.plan import EmaPlan, reshard_fsdp
 
 __all__ = ["swapped_in"]
 

@@ -41,10 +41,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema.layout import ReplicaLevel, chunk_range, contiguous_stride
+from dtensor_ema.layout import PlanEntry, ReplicaLevel, chunk_range, contiguous_stride
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.plan import EmaPlan, PlanEntry
+from dtensor_ema.plan import EmaPlan
 from dtensor_ema.twin import (
     SharedSlots,
     clone_without_fsdp,

@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from dtensor_ema._collectives import check_all_ranks_enter
+from dtensor_ema.layout import PlanEntry
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.plan import EmaPlan, PlanEntry
+from dtensor_ema.plan import EmaPlan
 
 __all__ = [
     "SharedSlots",

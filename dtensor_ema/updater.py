@@ -1,6 +1,9 @@
 """Who applies an averaging step to the EMA's local shards, and when.
 
-Three updaters behind one interface (``submit``, ``wait``, ``rebind``, ``close``):
+The updaters share one interface (``run`` one ``update()`` call, ``submit`` a step,
+``wait``, ``rebind``, ``invalidate``, ``close``); :func:`dtensor_ema.engine.make_updater`
+is the one place that picks one (and wraps it in the CUDA-graph replay,
+:class:`dtensor_ema.cuda_graph.GraphedUpdater`):
 
 * :class:`InlineUpdater` applies each step at once, one fused call per
   :class:`~dtensor_ema.fused_update.UpdateGroup` (the default).
@@ -31,45 +34,49 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from dtensor_ema.fused_update import UpdateGroup, apply_groups_
+from dtensor_ema.counter import DeviceStep, UpdateCounter
+from dtensor_ema.fused_update import UpdateGroup, apply_groups_, lerp_step_
 
 __all__ = [
     "CUDA_OFFLOAD",
     "OFFLOAD_CHUNK_BYTES",
     "CapturableUpdater",
     "ChunkedOffloadUpdater",
-    "DeviceStep",
     "InlineUpdater",
     "OffloadUpdater",
     "Updater",
     "host_runs",
-    "make_updater",
     "offload_chunks",
 ]
 
 Done = Callable[[], None]
 
 
-class DeviceStep(NamedTuple):
-    """One capturable step: 0-dim device tensors, so nothing reads back to the host (a
-    named tuple, which ``torch.compile(fullgraph=True)`` traces without a graph break)."""
-
-    decay: torch.Tensor
-    """The decay of an averaging step (``0`` copies)."""
-    active: torch.Tensor
-    """``False`` on calls that ``update_every`` skips: the EMA stays unchanged."""
-
-
 class Updater(ABC):
     """Applies averaging steps to a list of update groups (the EMA's local shards)."""
+
+    checks_sources: bool = True
+    """Whether the caller re-binds the plan's views (``EmaEngine.sync_sources``) before
+    each :meth:`run`: one integer compare and one ``data_ptr`` per tensor on the host.
+    ``False`` for :class:`CapturableUpdater`, whose ``run`` compiles into one graph."""
 
     def __init__(self, groups: list[UpdateGroup]) -> None:
         self.groups = groups
         self._closed = False
+
+    def run(self, counter: UpdateCounter) -> None:
+        """One ``update()`` call: count it with ``counter`` and apply its step (now, or
+        behind the training step for offloaded updaters, which count it once applied)."""
+        self.ensure_open()
+        call = counter.host_step()
+        if call.step is None:  # a call update_every skips
+            counter.record(call.updates, None)
+            return
+        self.submit(call.step, lambda: counter.record(call.updates, call.decay))
 
     @abstractmethod
     def submit(self, step: Any, done: Done | None = None) -> None:
@@ -83,12 +90,26 @@ class Updater(ABC):
         self.wait()
         self.groups = groups
 
+    def invalidate(self) -> None:  # noqa: B027 (only a captured graph holds state to drop)
+        """Forget state derived from the EMA's values (a load wrote them in place)."""
+
     def close(self) -> None:
         """Apply what is pending and release the updater's resources. Idempotent."""
         self._closed = True
         self.wait()
 
-    def _check_open(self) -> None:
+    def buffer_nbytes(self) -> dict[str, int]:
+        """Bytes of the updater's own buffers by kind (``"staging_host_bytes"``,
+        ``"scratch_device_bytes"``); empty when it keeps none. Local."""
+        return {}
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def ensure_open(self) -> None:
+        """Raise ``RuntimeError`` once :meth:`close` was called."""
         if self._closed:
             raise RuntimeError("this ModelEMA was closed (close() or a with block ended)")
 
@@ -97,18 +118,25 @@ class InlineUpdater(Updater):
     """Applies each step at once: one fused call per group."""
 
     def submit(self, step: float, done: Done | None = None) -> None:
-        self._check_open()
+        self.ensure_open()
         apply_groups_(self.groups, step)
         if done is not None:
             done()
 
 
 class CapturableUpdater(Updater):
-    """Applies a :class:`DeviceStep`: weight ``1 - decay`` (averaged groups) or ``1``
-    (copied groups) on active calls, ``0`` on skipped ones; all on the device."""
+    """Applies a :class:`~dtensor_ema.counter.DeviceStep`: weight ``1 - decay`` (averaged
+    groups) or ``1`` (copied groups) on active calls, ``0`` on skipped ones; all on the
+    device. Its :meth:`run` counts on the device too (no host sync, compiles whole)."""
+
+    checks_sources = False
+
+    def run(self, counter: UpdateCounter) -> None:
+        self.ensure_open()
+        counter.device_step(self.submit)
 
     def submit(self, step: DeviceStep, done: Done | None = None) -> None:
-        self._check_open()
+        self.ensure_open()
         zero = torch.zeros_like(step.decay)
         for group in self.groups:
             weight = 1.0 - step.decay if group.averaged else torch.ones_like(step.decay)
@@ -152,9 +180,13 @@ class OffloadUpdater(Updater):
         ]
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
 
+    def buffer_nbytes(self) -> dict[str, int]:
+        staged = sum(t.numel() * t.element_size() for g in self._staging for t in g)
+        return {"staging_host_bytes": staged}
+
     def submit(self, step: float, done: Done | None = None) -> None:
         """Stage the sources now and apply ``step`` to the EMA shards in the background."""
-        self._check_open()
+        self.ensure_open()
         self.wait()
         event = None
         if self._stream is not None:
@@ -391,19 +423,18 @@ class ChunkedOffloadUpdater(Updater):
         scratch = self._scratch.get(("ema", dtype))
         upcast = self._scratch.get(("upcast", dtype))
         blocking = not self._cuda
+        step = 0.0 if copy else decay
         for chunk, chunk_runs in zip(chunks, runs, strict=True):
             device_ema = [scratch[o : o + b - a] for _, a, b, o in chunk]  # type: ignore[index]
             sources = [flat_src[i][a:b] for i, a, b, _ in chunk]
-            if copy:
-                torch._foreach_copy_(device_ema, sources)
-            else:
+            if not copy:
                 for key, h, o, n in chunk_runs:
                     scratch[o : o + n].copy_(storages[key][h : h + n], non_blocking=not blocking)  # type: ignore[index]
                 if upcast is not None:
                     staged = [upcast[o : o + b - a] for _, a, b, o in chunk]
                     torch._foreach_copy_(staged, sources)
                     sources = staged
-                torch._foreach_lerp_(device_ema, sources, 1.0 - decay)
+            lerp_step_(device_ema, sources, step)  # the kernel module's step, on the scratch
             for key, h, o, n in chunk_runs:
                 storages[key][h : h + n].copy_(scratch[o : o + n], non_blocking=not blocking)  # type: ignore[index]
         for ema, src in loose:  # not contiguous: whole tensors, temporaries
@@ -411,12 +442,16 @@ class ChunkedOffloadUpdater(Updater):
                 ema.copy_(src, non_blocking=not blocking)
                 continue
             on_device = ema.to(self.device, non_blocking=not blocking)
-            on_device.lerp_(src.to(dtype), 1.0 - decay)
+            lerp_step_([on_device], [src.to(dtype)], step)
             ema.copy_(on_device, non_blocking=not blocking)
+
+    def buffer_nbytes(self) -> dict[str, int]:
+        scratch = sum(t.numel() * t.element_size() for t in self._scratch.values())
+        return {"scratch_device_bytes": scratch}
 
     def submit(self, step: float, done: Done | None = None) -> None:
         """Launch the step (on the side stream on CUDA) and count it (``done``) at once."""
-        self._check_open()
+        self.ensure_open()
         if self._stream is None:
             for group, plan in zip(self.groups, self._plans, strict=True):
                 self._run(group, plan, step)
@@ -462,17 +497,4 @@ CUDA_OFFLOAD = "worker"
 ``"worker"`` (:class:`OffloadUpdater`, measured exact on an H100, +10.6 ms per GPT-2 step)
 until a GPU run proves ``"chunked"`` (:class:`ChunkedOffloadUpdater`, written since and
 never run on a GPU) exact; ``benchmarks/gpu_suite.py``'s offload section measures both.
-:func:`make_updater` reads it at each construction."""
-
-
-def make_updater(groups: list[UpdateGroup], *, capturable: bool, offload: bool) -> Updater:
-    """The updater for ``ModelEMA``'s ``capturable`` / ``offload`` options."""
-    if offload:
-        on_cuda = any(s.device.type == "cuda" for g in groups for s in g.source_locals)
-        chunked = CUDA_OFFLOAD == "chunked" and all(g.formula == "lerp" for g in groups)
-        if on_cuda and chunked:
-            return ChunkedOffloadUpdater(groups)
-        return OffloadUpdater(groups)
-    if capturable:
-        return CapturableUpdater(groups)
-    return InlineUpdater(groups)
+:func:`dtensor_ema.engine.make_updater` reads it at each construction."""

@@ -69,7 +69,7 @@ def test_cpu_model_auto_is_eager_and_required_raises() -> None:
     model = nn.Linear(3, 2)
     ema = ModelEMA(model, decay=0.9)
     assert ema.cuda_graph == (False, "the model is on cpu, not CUDA")
-    assert ema._graph is None
+    assert ema.engine.graph is None
     assert ModelEMA(model, cuda_graph=False).cuda_graph.reason == "cuda_graph=False"
     with pytest.raises(ValueError, match=r"cuda_graph=True.*the model is on cpu, not CUDA"):
         ModelEMA(model, cuda_graph=True)
@@ -216,7 +216,7 @@ def test_graph_path_equals_eager_and_reference(
     assert mismatches(_ema_values(graphed), _ema_values(eager)) == []
     assert mismatches(_ema_values(graphed), ref) == []
     assert len(fake_cuda) == 1 and fake_cuda[0].replays == 6
-    assert graphed._graph is not None and graphed._graph.captures == 1
+    assert graphed.engine.graph is not None and graphed.engine.graph.captures == 1
 
 
 def test_recapture_after_rebind_build_module_and_load(fake_cuda: list[FakeGraph]) -> None:
@@ -230,19 +230,19 @@ def test_recapture_after_rebind_build_module_and_load(fake_cuda: list[FakeGraph]
         for k, v in model.state_dict().items():
             ref[k].lerp_(v, 0.5)
 
-    assert ema._graph is not None
+    assert ema.engine.graph is not None
     step(1)
     step(2)
-    assert ema._graph.captures == 1
+    assert ema.engine.graph.captures == 1
     # Storage re-allocated in place of the same Parameter: only data_ptr tells.
     model.a.weight.data = model.a.weight.data.clone()
     step(3)
-    assert ema._graph.captures == 2
+    assert ema.engine.graph.captures == 2
     # A new Parameter registered (module surgery with the same shape).
     model.b.weight = nn.Parameter(model.b.weight.detach().clone() + 1.0)
     step(4)
     step(5)
-    assert ema._graph.captures == 3
+    assert ema.engine.graph.captures == 3
     assert mismatches(_ema_values(ema), ref) == []
     # A load re-captures; the loaded values and counter carry on.
     state = {
@@ -251,14 +251,14 @@ def test_recapture_after_rebind_build_module_and_load(fake_cuda: list[FakeGraph]
     state["ema"] = {k: v.detach().clone() for k, v in state["ema"].items()}
     ema.load_state_dict(state)
     step(6)
-    assert ema._graph.captures == 4
+    assert ema.engine.graph.captures == 4
     ema.load_full_state_dict({k: v.clone() for k, v in ref.items()}, updates=6)
     step(7)
-    assert ema._graph.captures == 5
+    assert ema.engine.graph.captures == 5
     # build_module moves nothing without a process group but re-caches the groups.
     ema.build_module()
     step(8)
-    assert ema._graph.captures == 6
+    assert ema.engine.graph.captures == 6
     assert ema.updates == 8
     assert mismatches(_ema_values(ema), ref) == []
 
@@ -277,7 +277,7 @@ def test_outer_capture_runs_the_host_path_then_the_graph_catches_up(
         _perturb(model, i)
         graphed.update()
         eager.update()
-    assert graphed._graph is not None and graphed._graph.captures == 1
+    assert graphed.engine.graph is not None and graphed.engine.graph.captures == 1
     assert fake_cuda[0].replays == 4  # calls 2, 6, 7, 8
     assert mismatches(_ema_values(graphed), _ema_values(eager)) == []
     assert graphed.updates == 8
@@ -295,7 +295,7 @@ def test_graph_path_refusals(fake_cuda: list[FakeGraph], monkeypatch: pytest.Mon
     # the reason.
     monkeypatch.setattr(graphs, "AUTO_REPLAY", True)
     bf16 = ModelEMA(model, ema_dtype=torch.bfloat16)
-    assert bf16._graph is None and "torch.bfloat16" in bf16.cuda_graph.reason
+    assert bf16.engine.graph is None and "torch.bfloat16" in bf16.cuda_graph.reason
     with pytest.raises(ValueError, match=r"cuda_graph=True.*schedule is not one of"):
         ModelEMA(model, schedule=lambda s: 0.5, cuda_graph=True)
     with pytest.raises(ValueError, match=r"cuda_graph=True.*offload=True"):
@@ -358,7 +358,7 @@ def test_a_failed_capture_applies_the_step_once_then_stays_eager(
     assert not graphed.cuda_graph.use and "capturing failed" in graphed.cuda_graph.reason
     assert graphed.updates == eager.updates == 4
     assert mismatches(_ema_values(graphed), _ema_values(eager)) == []
-    assert graphed._graph is not None and graphed._graph.captures == 0
+    assert graphed.engine.graph is not None and graphed.engine.graph.captures == 0
     if not required:
         assert [r.levelname for r in caplog.records if "failed" in r.getMessage()] == ["WARNING"]
     # A change of the tracked set does not forget the failure: it stays eager, no retry.

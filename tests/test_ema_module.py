@@ -350,7 +350,7 @@ def hsdp_body(rank: int, world_size: int) -> dict[str, Any]:
         "world_errors": world_errors,
         "placements": placements,
         "world_placements": world_placements,
-        "world_levels": sum(bool(e.levels) for e in ema_world._plan),
+        "world_levels": sum(bool(e.levels) for e in ema_world.engine.plan),
         "shared": _storage_shared(ema),
         "refused": refused,
     }

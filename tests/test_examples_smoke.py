@@ -312,9 +312,13 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
     """``examples/torchtitan_llama.py`` (torchtitan's entry point with ``--module
     dtensor_ema.integrations.torchtitan``) on CPU ranks, run through ``python -m
     titan_models`` (the suite's CPU switches, SDPA as a torchtitan override): the llama3
-    debugmodel on TP at W=2 with the validator and a checkpoint at step 2, resumed in one
-    process for step 3. (Every layout, and W=4 to 2 to 1, through torchtitan's own Trainer:
-    ``tests/test_integration_torchtitan.py``; here, the launcher.)"""
+    debugmodel on TP at W=2 with two EMAs (``--ema.decays 0.9,0.5``, the list flags as
+    documented), the validator and a checkpoint at step 2; resumed in one process for step
+    3 (the log says the EMA was restored, from step 2, with each EMA's updates); and
+    resumed with the Q/K/V projections unfused (a torchtitan override), refused at once
+    naming the fused/unfused mismatch and the model-only way out. (Every layout, and W=4
+    to 2 to 1, through torchtitan's own Trainer: ``tests/test_integration_torchtitan.py``;
+    here, the launcher.)"""
     import torch.distributed.checkpoint as dcp
     from titan_models import trainer_assets
 
@@ -333,7 +337,7 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
         "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
         "--checkpoint.enable", "--checkpoint.interval=2",
         "--checkpoint.exclude_from_loading", "dataloader",  # torchtitan reshards no dataloader
-        "--ema.decays", "0.9",
+        "--ema.decays", "0.9,0.5", "--ema.buffer_patterns", "*.no_such_buffer,*.nor_this",
     ]  # fmt: skip
     env = {
         "PYTHONPATH": str(ROOT / "tests"),
@@ -346,20 +350,47 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
     out = _run(
         [*launch, *flags, *w2, "--training.steps=2"], tmp_path, nproc=2, env_extra=env, timeout=600
     )
-    share = re.findall(r"EMA \['decay_0_9'\]: (\d+) elements on this rank \(1 model part", out)
+    names = r"EMA \['decay_0_9', 'decay_0_5'\]: "
+    share = re.findall(names + r"(\d+) elements on this rank per EMA \((\d+) in all over 2 EMAs; "
+                       r"1 model part\)", out)  # fmt: skip
     assert len(share) == 2, out[-3000:]
-    ema_losses = re.findall(r"validate step (\d+): EMA loss decay_0_9 +([\d.]+)", out)
+    assert all(int(total) == 2 * int(each) for each, total in share), share
+    ema_losses = re.findall(r"validate step (\d+): EMA loss decay_0_9 +([\d.]+)  decay_0_5", out)
     assert [s for s, _ in ema_losses][:1] == ["1"] and ("2", ema_losses[-1][1]) in ema_losses
     checkpoint = out_dir / "checkpoint"
     keys = dcp.FileSystemReader(str(checkpoint / "step-2")).read_metadata().state_dict_metadata
-    assert any(k.startswith("ema.decay_0_9.ema.layers.0.") for k in keys), sorted(keys)[:20]
+    assert any(k.startswith("ema.decay_0_5.ema.layers.0.") for k in keys), sorted(keys)[:20]
+    assert "restored" not in out  # a fresh start
 
-    out = _run(
-        [*launch, *[f.replace("freq=2", "freq=1") for f in flags], "--training.steps=3"],
-        tmp_path, nproc=1, env_extra=env, timeout=600,
-    )  # fmt: skip
+    resume = [f.replace("freq=2", "freq=1") for f in flags]
+    out = _run([*launch, *resume, "--training.steps=3"], tmp_path, nproc=1, env_extra=env,
+               timeout=600)  # fmt: skip
     assert "Training starts at step 3" in out, out[-3000:]
-    total = re.findall(r"EMA \['decay_0_9'\]: (\d+) elements on this rank", out)
-    assert len(total) == 1 and int(total[0]) == sum(int(n) for n in share), (total, share)
+    restored = re.findall(r"EMA restored from (\S+) \(step (\d+)\): (.*)", out)
+    assert restored == [
+        (str(checkpoint / "step-2"), "2", "decay_0_9 2 updates, decay_0_5 2 updates")
+    ], (restored, out[-3000:])
+    total = re.findall(names + r"(\d+) elements on this rank per EMA", out)
+    assert len(total) == 1 and int(total[0]) == sum(int(n) for n, _ in share), (total, share)
     assert re.search(r"validate step 3: EMA loss decay_0_9", out), out[-3000:]
     assert (checkpoint / "step-3" / ".metadata").is_file()
+
+    # The same checkpoint into the unfused model: refused before anything is loaded.
+    unfused = [
+        f.replace("titan_models.sdpa_on_cpu", "titan_models.sdpa_on_cpu,titan_models.unfused_qkv")
+        for f in resume
+    ]
+    out = _run([*launch, *unfused, "--training.steps=4", "--checkpoint.load_step=2"], tmp_path,
+               nproc=1, env_extra=env, timeout=600, expect_ok=False)  # fmt: skip
+    refusal = re.search(
+        r"ValueError: checkpoint (\S+): its EMA 'decay_0_9' holds the Q/K/V projections fused "
+        r"\((\S+)\), this model has them unfused",
+        out,
+    )
+    assert refusal, out[-3000:]
+    assert refusal.groups() == (
+        str(checkpoint / "step-2"),
+        "layers.0.attention.qkv_linear.wqkv.weight",
+    ), refusal.groups()
+    assert "--checkpoint.initial_load_path <checkpoint folder>/step-N/ema/<name>" in out
+    assert "Training starts" not in out

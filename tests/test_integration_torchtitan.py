@@ -9,18 +9,33 @@ torchtitan needs live in ``titan_models`` (test setup, never the library).
 * W=4 (one spawn): llama3 HSDP 2x2 (an ``async_mode="async"`` checkpoint at step 2, the
   final one at step 3 model-only), llama3 FSDP2 2 x TP 2 (HF export of the EMA and of the raw
   weights; the final checkpoint model-only in HF format), llama3 PP 2 x FSDP2 2 (one EMA
-  per stage over the stage's mesh), deepseek_v3 (MoE, ``expert_bias_E`` averaged through
-  ``buffer_patterns``) HSDP 2x2, FSDP2 2 x TP 2 and FSDP2 4 with EP 2 (the experts' EMA on
-  the ``ep`` mesh).
+  per stage over the stage's mesh; HF export: each stage's part gathered, one file from
+  rank 0), deepseek_v3 (MoE, ``expert_bias_E`` averaged through ``buffer_patterns``) HSDP
+  2x2 with EP 2, FSDP2 2 x TP 2 with EP 2 (the experts' EMA on the ``ep`` mesh) and PP 2 x
+  FSDP2 2, each with a full checkpoint at step 2.
 * W=2 (one spawn): llama3 FSDP2 resumed from the W=4 HSDP step-2 checkpoint, then a
-  model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2; and
+  model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2 resumed from
+  the W=4 FSDP2 x TP x EP step-2 checkpoint (each resume logged once, on rank 0); and
   ``TorchtitanEMA`` in a hand-written loop under DDP and FSDP2 (each rank holds half of the
   EMA bytes, torchtitan's clone all of them under DDP; DCP ``save``/``load`` under the key
   ``ema`` into a fresh object resumes bit for bit).
-* One process: the W=4 checkpoint's EMA into a plain model's EMA (no process group), the
-  EMA written beside the model-only final checkpoint, and the HF export into
-  ``transformers``' Llama; ``TorchtitanEMA.step(current_step)`` against torchtitan's
-  development EMA math; ``buffer_patterns``; pipeline stages.
+* One process: the W=4 checkpoints' EMAs into a plain model's EMA (no process group:
+  llama3 HSDP, deepseek_v3 HSDP x EP and PP x FSDP2), the EMA written beside the model-only
+  final checkpoint, the HF exports (into ``transformers``' Llama; under PP against
+  ``to_hf`` of the reference); ``TorchtitanEMA.step(current_step)`` against torchtitan's
+  development EMA math; ``buffer_patterns``; ``load_state_dict(common_subset=True)``;
+  pipeline stages.
+* The command line (``torchtitan.train`` forked as ``python -m`` runs it, and its
+  ``ConfigManager``): ``--help``, the ``--ema`` list flags, the warnings, and the
+  refusals (a name that is no config, a config whose family did not import, torchtitan's
+  own EMA on as well).
+
+Context parallelism does not run on torchtitan's CPU path: with SDPA (FlexAttention has no
+CPU backward) its default ``spmd_types`` backend refuses at build ("spmd_types + CP is not
+supported with ScaledDotProductAttention or VarlenAttention. Use FlexAttention + CP or
+disable CP.", ``full_dtensor`` alike), and on ``partial_dtensor`` the first forward fails
+in its CP wrapper of SDPA ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+does not have a sharding strategy registered.").
 
 Checks: every EMA equals, bit for bit, a reference written here (torchtitan's EMA rule,
 ``lerp`` on full tensors) fed the trained weights (by an optimizer post-hook of the test's
@@ -33,7 +48,9 @@ W=2 and in one process; the HF export gives ``transformers``' logits close to to
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -207,6 +224,71 @@ def test_torchtitan_ema_buffer_patterns_and_disabled() -> None:
         TorchtitanEMA(config, model_parts=[])
 
 
+def test_torchtitan_ema_load_state_dict_common_subset() -> None:
+    """``load_state_dict(..., common_subset=True)`` as ``ModelEMA``'s: a state saved with
+    another tracked set (other ``buffer_patterns``, a parameter frozen then and one frozen
+    now) loads the tensors both hold bit for bit, leaves this EMA's others as they were,
+    loads the counter; without it, refused naming the difference; EMA names must match
+    and at least one tensor must be common. And the fused/unfused QKV check of the
+    trainer's checkpoint load, on fqns."""
+    from dtensor_ema.integrations.torchtitan.trainer import _qkv_mismatch
+
+    model = _titan()
+    model.register_buffer("running_bias", torch.zeros(4))
+    model.norm.weight.requires_grad_(False)  # frozen when saved: not in the state
+    saved_config = TorchtitanEMA.Config(enable=True, decays=[0.5], buffer_patterns=["running_*"])
+    before = TorchtitanEMA(saved_config, model_parts=[model])
+    with torch.no_grad():
+        for t in [*model.parameters(), model.running_bias]:
+            t.add_(1.0)
+    before.step(1)
+    saved = {
+        name: {**state, "ema": {k: v.detach().clone() for k, v in state["ema"].items()}}
+        for name, state in before.state_dict().items()
+    }
+    assert "running_bias" in saved["decay_0_5"]["ema"]
+    assert "norm.weight" not in saved["decay_0_5"]["ema"]
+
+    model.norm.weight.requires_grad_(True)
+    model.tok_embeddings.weight.requires_grad_(False)  # frozen now: the saved one is ignored
+    with torch.no_grad():
+        for t in model.parameters():
+            t.add_(1.0)
+    now = TorchtitanEMA(TorchtitanEMA.Config(enable=True, decays=[0.5]), model_parts=[model])
+    mine = {k: v.detach().clone() for k, v in now["decay_0_5"].ema_tensors().items()}
+    with pytest.raises(ValueError, match=r"resuming would not continue.*common_subset=True"):
+        now.load_state_dict(saved)
+    now.load_state_dict(saved, common_subset=True)
+    got = {k: v.detach().clone() for k, v in now["decay_0_5"].ema_tensors().items()}
+    common = set(got) & set(saved["decay_0_5"]["ema"])
+    assert "norm.weight" not in common and "layers.0.attention.wo.weight" in common
+    assert _differ(got, {k: saved["decay_0_5"]["ema"][k] for k in common}) == []
+    assert _differ(got, {k: v for k, v in mine.items() if k not in common}) == []
+    assert now["decay_0_5"].updates == 1
+
+    other_config = TorchtitanEMA.Config(enable=True, decays=[0.9])
+    other_names = TorchtitanEMA(other_config, model_parts=[model])
+    with pytest.raises(ValueError, match="checkpoint EMAs"):
+        other_names.load_state_dict(saved, common_subset=True)
+    disjoint = {"decay_0_5": {**saved["decay_0_5"], "ema": {"elsewhere.weight": torch.zeros(2)}}}
+    with pytest.raises(ValueError, match="share no tensor"):
+        now.load_state_dict(disjoint, common_subset=True)
+    assert _differ(now["decay_0_5"].ema_tensors(), got) == []  # refused: unchanged
+
+    fused = {"layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.wo.weight"}
+    unfused = {f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")}
+    unfused.add("layers.0.attention.wo.weight")
+    assert _qkv_mismatch(fused, unfused) == (
+        "layers.0.attention.qkv_linear.wqkv.weight",
+        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
+    )
+    assert _qkv_mismatch(unfused, fused) == (
+        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
+        "layers.0.attention.qkv_linear.wqkv.weight",
+    )
+    assert _qkv_mismatch(fused, fused) is None and _qkv_mismatch(fused, {"x"}) is None
+
+
 def test_torchtitan_ema_pipeline_stages_save_one_layout(tmp_path: Path) -> None:
     """Two pipeline stages (torchtitan's own ``_split_module``) in one process, trained as a
     chain: each stage's EMAs equal the reference; the saved state does not depend on the
@@ -370,6 +452,162 @@ def test_export_hf_refuses_what_to_hf_would_drop(tmp_path: Path) -> None:
     assert back.keys() == full.keys()
     wv = "layers.1.attention.qkv_linear.wv.weight"  # not permuted: the cast values
     assert torch.equal(back[wv], full[wv].to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ the command line
+TESTS = Path(__file__).resolve().parent
+OURS = ["--module", "dtensor_ema.integrations.torchtitan"]
+NO_EFFECT = "initial_load_model_only=True has no effect"
+
+_ENTRY = """
+import runpy, sys
+hidden = [m for m in sys.argv.pop(1).split(",") if m]
+for name in [n for n in sys.modules if n.split(".")[0] in hidden]:
+    del sys.modules[name]
+for name in hidden:  # as if the package were not installed
+    sys.modules[name] = None
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
+
+
+def _titan_cli(
+    tmp_path: Path, entry: str, *args: str, hide: tuple[str, ...] = ()
+) -> tuple[int, str]:
+    """``python -m <entry> args`` (torchtitan's ``torchtitan.train`` or its
+    ``torchtitan.config.manager``), forked from the rank server with this checkout and
+    ``tests/`` on the path, the packages ``hide`` made unimportable; ``(exit code, output)``
+    with the whitespace and ``--help``'s box borders collapsed."""
+    import os
+
+    from dist_harness import run_script
+
+    script = tmp_path / "entry.py"
+    script.write_text(_ENTRY)
+    env = dict(os.environ, COLUMNS="200", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS)])
+    code, out, _ = run_script(
+        [str(script), ",".join(hide), entry, *args], tmp_path, env, merge_output=True
+    )
+    return code, " ".join(out.replace("│", " ").split())
+
+
+def test_command_line_help_and_list_flags(tmp_path: Path) -> None:
+    """``--help`` states the real default (one EMA ``hlf_0_05``) and the comma-separated
+    list convention of torchtitan's own ``list[str]`` flags for every ``--ema`` list flag,
+    and warns no more often than torchtitan's own ``--help``; torchtitan's config printer
+    (``python -m torchtitan.config.manager``) parses those flags as documented too."""
+    config = ["--config", "llama3_debugmodel"]
+    code, ours = _titan_cli(tmp_path, "torchtitan.train", *OURS, *config, "--help")
+    assert code == 0, ours[-3000:]
+    assert "The sharded EMA, on by default: one EMA, ``hlf_0_05``" in ours, ours[-3000:]
+    assert "--ema.decays 0.999 " not in ours.replace("--ema.decays 0.999,", "")
+    for flag in ("decays", "half-life-fractions", "buffer-patterns"):
+        assert f"--ema.{flag} A,B,C,..." in ours, (flag, ours[-3000:])
+    assert "--checkpoint.exclude-from-loading A,B,C,..." in ours  # torchtitan's own rule
+    code, theirs = _titan_cli(tmp_path, "torchtitan.train", "--module", "llama3", *config, "--help")
+    assert code == 0, theirs[-3000:]
+    counts = (ours.count(NO_EFFECT), theirs.count(NO_EFFECT))
+    assert counts[0] == counts[1] >= 1, counts
+
+    flags = ["--ema.decays", "0.9,0.5", "--ema.buffer_patterns", "*.a,*.b"]
+    code, parsed = _titan_cli(tmp_path, "torchtitan.config.manager", *OURS, *config, *flags,
+                              "--ema.half_life_fractions", "0.1,0.2")  # fmt: skip
+    assert code == 0, parsed[-3000:]  # torchtitan's config printer parses them the same way
+    assert "decays=[0.9, 0.5], half_life_fractions=[0.1, 0.2]" in parsed, parsed[-3000:]
+    assert "buffer_patterns=['*.a', '*.b']" in parsed, parsed[-3000:]
+
+
+def test_parsing_flags_and_warnings_as_torchtitan() -> None:
+    """torchtitan's ``ConfigManager.parse_args`` (what ``torchtitan.train`` runs on the
+    command line): the ``--ema`` list flags take one comma-separated value each, as
+    documented; the space-separated form is refused as torchtitan refuses it for its own
+    list flags; and the parse, with the copy ``config.build()`` makes, logs each of
+    torchtitan's config warnings as often for our module as for torchtitan's own
+    (``with_ema`` re-runs no config's checks)."""
+    import logging
+    from dataclasses import replace as dataclass_replace
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import logger as titan_logger
+
+    config = ["--config", "llama3_debugmodel"]
+    flags = ["--ema.decays", "0.9,0.5", "--ema.half_life_fractions", "0.1,0.2",
+             "--ema.buffer_patterns", "*.a,*.b"]  # fmt: skip
+    parsed = ConfigManager().parse_args([*OURS, *config, *flags])
+    assert parsed.ema.decays == [0.9, 0.5] and parsed.ema.half_life_fractions == [0.1, 0.2]
+    assert parsed.ema.buffer_patterns == ["*.a", "*.b"]
+    assert ConfigManager().parse_args([*OURS, *config, "--ema.decays", ""]).ema.decays == []
+    for spaced in (["--ema.decays", "0.9", "0.5"], ["--ema.buffer_patterns", "*.a", "*.b"]):
+        with pytest.raises(SystemExit):
+            ConfigManager().parse_args([*OURS, *config, *spaced])
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    def warnings(module: list[str]) -> list[str]:
+        messages.clear()
+        handler = Keep()
+        titan_logger.addHandler(handler)
+        try:
+            config = ConfigManager().parse_args([*module, "--config", "llama3_debugmodel"])
+            dataclass_replace(config)  # what Configurable.build() does before building
+        finally:
+            titan_logger.removeHandler(handler)
+        return sorted(messages)
+
+    ours, theirs = warnings(OURS), warnings(["--module", "llama3"])
+    assert any(NO_EFFECT in m for m in theirs), theirs
+    assert ours == theirs
+
+
+def test_command_line_refusals(tmp_path: Path) -> None:
+    """What ``torchtitan.train`` says to a config name that is not a config
+    (``with_ema``: torchtitan's list of available configs holds the configs only), to a
+    config whose family's registry did not import (``flux_debugmodel`` without
+    ``transformers``: which import failed), and to a config with torchtitan's own EMA on
+    as well (``ema_weights``, refused before anything is built)."""
+    from dtensor_ema.integrations.torchtitan import config_registry
+
+    code, out = _titan_cli(tmp_path, "torchtitan.train", *OURS, "--config", "with_ema")
+    assert code != 0 and "Config function 'with_ema' not found" in out, out[-3000:]
+    listed = out.split("Available config functions: ", 1)[1]
+    names = set(re.findall(r"'(\w+)'", listed[: listed.index("]")]))
+    assert names == set(config_registry.SOURCES), sorted(names ^ set(config_registry.SOURCES))
+
+    code, out = _titan_cli(tmp_path, "torchtitan.train", *OURS, "--config", "flux_debugmodel",
+                           hide=("transformers",))  # fmt: skip
+    assert code != 0, out[-3000:]
+    assert "ImportError: config 'flux_debugmodel' is unavailable: " in out, out[-3000:]
+    assert "torchtitan.models.flux.config_registry" in out and "transformers" in out
+    assert "not found" not in out
+
+    both = ["--module", "titan_their_ema", "--config", "llama3_debugmodel"]
+    code, out = _titan_cli(tmp_path, "torchtitan.train", *both)
+    assert code != 0, out[-3000:]
+    refusal = "ValueError: two EMAs are enabled: torchtitan's own (ema_weights.enable"
+    assert refusal in out, out[-3000:]
+    assert "--ema_weights.no-enable keeps dtensor_ema's, --ema.no-enable keeps" in out
+    assert "init_distributed" not in out.split("Traceback", 1)[-1]  # before anything is built
+
+
+def test_two_emas_refused_by_the_config_alone() -> None:
+    """The refusal is the trainer's first act (no process group needed); either EMA alone
+    is accepted by the check (torchtitan's own with ``ema.enable`` off)."""
+    from titan_their_ema import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    with pytest.raises(ValueError, match="two EMAs are enabled"):
+        config.build()
+    from dtensor_ema.integrations.torchtitan.trainer import _refuse_two_emas
+
+    config.ema.enable = False
+    _refuse_two_emas(config)
+    config.ema.enable, config.ema_weights.enable = True, False
+    _refuse_two_emas(config)
 
 
 # ------------------------------------------------------------------ hand-written loop, W=2
@@ -666,50 +904,94 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer.close()
     out["llama_tp"] = run
 
-    # llama3 PP 2 x FSDP2 2: one EMA per stage, over the stage's own 2-rank mesh.
-    config = _config(base / "pp", "llama3", pp=2, shard=2, steps=2)
+    # llama3 PP 2 x FSDP2 2: one EMA per stage, over the stage's own 2-rank mesh; the HF
+    # export gathers each stage's part, rank 0 writes one file.
+    config = _config(base / "pp", "llama3", pp=2, shard=2, steps=2, checkpoint_every=2)
     config.ema.decays = [0.9]
+    config.checkpoint.last_save_model_only = False  # a full one at step 2, with the EMA
     trainer = build_cpu_trainer(config)
     run = _train(trainer)
-    run.pop("reference")
+    reference = run.pop("reference")
     run["ema_mesh"] = [e.mesh.size() for emas in trainer.ema.parts for e in emas.values()]
+    run["hf_file"] = str(trainer.export_hf(base / "pp" / "hf_ema"))
+    torch.save(reference.emas["decay_0_9"], base / "pp" / f"reference{rank}.pt")
     trainer.close()
     out["llama_pp"] = run
 
-    # deepseek_v3 (MoE) HSDP 2x2, FSDP2 2 x TP 2 and FSDP2 4 with EP 2 (the experts on
-    # torchtitan's efsdp x ep meshes, all-to-all token dispatch), the expert bias averaged.
-    moe_layouts = {
-        "hsdp": {"replicate": 2, "shard": 2},
-        "tp": {"shard": 2, "tp": 2},
-        "ep": {"shard": 4, "ep": 2},
+    # deepseek_v3 (MoE), the expert bias averaged: HSDP 2x2 with EP 2 and FSDP2 2 x TP 2 with
+    # EP 2 (the experts on torchtitan's efsdp x ep meshes, all-to-all token dispatch), and
+    # PP 2 x FSDP2 2; each saves a full checkpoint at step 2 (resumed at W=2 and in one
+    # process).
+    moe_layouts: dict[str, dict[str, int]] = {
+        "hsdp_ep": {"replicate": 2, "shard": 2, "ep": 2},
+        "tp_ep": {"shard": 2, "tp": 2, "ep": 2},
+        "pp": {"pp": 2, "shard": 2},
     }
     for layout, degrees in moe_layouts.items():
-        out[f"moe_{layout}"] = _moe_run(base / f"moe_{layout}", steps=2, **degrees)
+        out[f"moe_{layout}"] = _moe_run(
+            base / f"moe_{layout}", steps=2, validate=layout != "pp", checkpoint=True, **degrees
+        )
     dist.barrier()
     return out
 
 
-def _moe_run(root: Path, steps: int, **degrees: int) -> dict[str, Any]:
+def _moe_run(
+    root: Path, steps: int, validate: bool = True, checkpoint: bool = False, **degrees: int
+) -> dict[str, Any]:
     """deepseek_v3 (MoE) on torchtitan's trainer: one EMA (decay 0.9) with the expert bias
-    averaged, validated at the last step; the shared checks, the validation and the mesh
-    dims of the experts' EMA."""
-    config = _config(root, "deepseek_v3", steps=steps, validate_every=steps, **degrees)
+    averaged, validated at the last step (``validate``); the shared checks, the validation
+    and the mesh dims of the experts' EMA. With ``checkpoint``, a full checkpoint at the
+    last step and each rank's reference EMA in ``root/reference<rank>.pt``."""
+    config = _config(root, "deepseek_v3", steps=steps, validate_every=steps if validate else None,
+                     checkpoint_every=steps if checkpoint else None, **degrees)  # fmt: skip
     config.ema.decays = [0.9]
     config.ema.buffer_patterns = list(MOE_BUFFERS)
+    config.checkpoint.last_save_model_only = False
     trainer = build_cpu_trainer(config)
     run = _train(trainer)
-    run["validation"] = _check_validation(trainer)
-    run.pop("reference")
+    if validate:
+        run["validation"] = _check_validation(trainer)
+    reference = run.pop("reference")
+    if checkpoint:
+        torch.save(reference.emas["decay_0_9"], root / f"reference{dist.get_rank()}.pt")
     run["expert_meshes"] = sorted(
         {
             str(e.device_mesh.mesh_dim_names)
             for emas in trainer.ema.parts
             for k, e in emas["decay_0_9"].ema_tensors().items()
-            if "experts" in k
+            if ".routed_experts." in k  # not the shared experts (dense, no EP)
         }
     )
     trainer.close()
     return run
+
+
+class _Restored(logging.Handler):
+    """Keeps the trainer module's "EMA restored" log lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "EMA restored" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+def _load_logged(trainer: Any) -> list[str]:
+    """``trainer.checkpointer.load()`` (what ``train()`` does first); the "EMA restored"
+    lines this rank logged."""
+    handler = _Restored()
+    titan_log = logging.getLogger("dtensor_ema.integrations.torchtitan.trainer")
+    level = titan_log.level
+    titan_log.addHandler(handler)
+    titan_log.setLevel(logging.INFO)  # torchtitan's init_logger sets it in torchtitan.train
+    try:
+        trainer.checkpointer.load()
+    finally:
+        titan_log.removeHandler(handler)
+        titan_log.setLevel(level)
+    return handler.lines
 
 
 # ------------------------------------------------------------------ W=2
@@ -730,9 +1012,10 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer = build_cpu_trainer(config)
     reference = TrainerReference(trainer)
     saved = torch.load(Path(w4_root) / "hsdp" / "reference.pt")
-    trainer.checkpointer.load()  # what train() does first; checked before training on
+    restored = _load_logged(trainer)  # checked before training on
     keys = reference.keys
     run: dict[str, Any] = {
+        "restored_log": restored,
         "loaded_step": trainer.step,
         "loaded": {
             n: _differ(_trainer_ema_full(trainer, n, keys), saved["ema"][2][n]) for n in trainer.ema
@@ -782,8 +1065,34 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer.close()
     out["llama_resume"] = run
 
-    # deepseek_v3 (MoE) FSDP2.
-    out["moe_fsdp"] = _moe_run(base / "moe", steps=3, shard=2)
+    # deepseek_v3 (MoE) FSDP2: resume the W=4 FSDP2 x TP x EP run's step-2 checkpoint.
+    w4_moe = Path(w4_root) / "moe_tp_ep"
+    config = _config(base / "moe", "deepseek_v3", shard=2, steps=3, validate_every=3,
+                     checkpoint_every=10)  # fmt: skip
+    config.ema.decays = [0.9]
+    config.ema.buffer_patterns = list(MOE_BUFFERS)
+    config.checkpoint.initial_load_path = str(w4_moe / "outputs" / "checkpoint" / "step-2")
+    config.checkpoint.initial_load_model_only = False
+    config.checkpoint.exclude_from_loading = ["dataloader"]
+    trainer = build_cpu_trainer(config)
+    reference = TrainerReference(trainer)
+    saved = torch.load(w4_moe / "reference0.pt")
+    run = {"restored_log": _load_logged(trainer), "loaded_step": trainer.step}
+    run["loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", reference.keys), saved)
+    reference.emas = {"decay_0_9": {k: v.clone() for k, v in saved.items()}}
+    calls = _logged(trainer)
+    trainer.train()
+    full = _trainer_ema_full(trainer, "decay_0_9", reference.keys)
+    run["differ"] = {"decay_0_9": _differ(full, reference.emas["decay_0_9"])}
+    run["moved"] = {"decay_0_9": _differ(full, saved) != []}
+    run["fired"] = reference.fired
+    run["local_numel"] = sum(e["decay_0_9"].local_numel() for e in trainer.ema.parts)
+    run["model_numel"] = sum(v.numel() for v in saved.values())
+    run["stage"] = 0
+    run["validation"] = _check_validation(trainer)
+    run["validation_logs"] = [(s, m) for s, m in calls if any("ema_loss" in k for k in m)]
+    trainer.close()
+    out["moe_resume"] = run
 
     out["hand_loop"] = _hand_loop(world_size, str(base / "hand"))
     return out
@@ -853,13 +1162,17 @@ def test_w4_ema_bit_exact_on_every_layout(w4: tuple[Path, list[dict[str, Any]]])
     _assert_run(results, "llama_hsdp", [1, 2, 3])
     _assert_run(results, "llama_tp", [2, 3])
     _assert_run(results, "llama_pp", [1, 2])
-    _assert_run(results, "moe_hsdp", [1, 2])
-    _assert_run(results, "moe_tp", [1, 2])
-    _assert_run(results, "moe_ep", [1, 2])
-    assert all("'ep'" in r["moe_ep"]["expert_meshes"][0] for r in results), results[0]["moe_ep"]
+    _assert_run(results, "moe_hsdp_ep", [1, 2])
+    _assert_run(results, "moe_tp_ep", [1, 2])
+    _assert_run(results, "moe_pp", [1, 2])
+    for key in ("moe_hsdp_ep", "moe_tp_ep"):
+        meshes = [r[key]["expert_meshes"] for r in results]  # an ep dim (the EMA's own name)
+        has_ep = [m and all(re.search(r"'(ema_)?ep(_\d+)?'", dims) for dims in m) for m in meshes]
+        assert all(has_ep), (key, meshes)
+    assert [r["moe_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert [r["llama_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert all(r["llama_pp"]["ema_mesh"] == [2] for r in results)  # the stage's 2 ranks
-    assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp"]["keys"])
+    assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp_ep"]["keys"])
 
 
 @pytest.mark.distributed
@@ -867,9 +1180,8 @@ def test_w4_validator_logs_the_ema_loss(w4: tuple[Path, list[dict[str, Any]]]) -
     _, results = w4
     _assert_validation(results, "llama_hsdp", 3)
     _assert_validation(results, "llama_tp", 3)
-    _assert_validation(results, "moe_hsdp", 2)
-    _assert_validation(results, "moe_tp", 2)
-    _assert_validation(results, "moe_ep", 2)
+    _assert_validation(results, "moe_hsdp_ep", 2)
+    _assert_validation(results, "moe_tp_ep", 2)
 
 
 @pytest.mark.distributed
@@ -888,8 +1200,19 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
     assert refused[0] and refused == [refused[0]] * len(w2), refused
     assert "Hugging Face format failed on rank 0: " in refused[0], refused[0]
     _assert_validation(w2, "llama_resume", 3)
-    _assert_run(w2, "moe_fsdp", [1, 2, 3])
-    _assert_validation(w2, "moe_fsdp", 3)
+    for run_key in ("llama_resume", "moe_resume"):  # logged once, on rank 0, per load
+        logs = [result[run_key]["restored_log"] for result in w2]
+        assert logs[1:] == [[]] * (len(w2) - 1), logs
+        assert len(logs[0]) == 1 and "(step 2): " in logs[0][0], logs
+    assert w2[0]["llama_resume"]["restored_log"][0].endswith(
+        "(step 2): decay_0_9 2 updates, decay_0_5 2 updates"
+    )
+    assert w2[0]["moe_resume"]["restored_log"][0].endswith("(step 2): decay_0_9 2 updates")
+    # deepseek_v3 saved at W=4 on FSDP2 x TP x EP, resumed at W=2 on FSDP2.
+    for result in w2:
+        assert result["moe_resume"]["loaded_step"] == 2 and result["moe_resume"]["loaded"] == []
+    _assert_run(w2, "moe_resume", [3])
+    _assert_validation(w2, "moe_resume", 3)
 
 
 # ------------------------------------------------------------------ one process
@@ -914,11 +1237,14 @@ def test_one_process_loads_the_w4_checkpoints(w4: tuple[Path, list[dict[str, Any
 
     final = dcp.FileSystemReader(str(folder / "step-3")).read_metadata().state_dict_metadata
     assert "tok_embeddings.weight" in final and not any(k.startswith("ema") for k in final)
-    from dtensor_ema.integrations.torchtitan.trainer import _holds
+    from dtensor_ema.integrations.torchtitan.trainer import _saved_ema
 
-    assert _holds(str(folder / "step-2"), "ema") and not _holds(str(folder / "step-3"), "ema")
-    assert _holds(str(folder / "step-3" / "ema" / "decay_0_9"), "tok_embeddings.weight")
-    assert _holds(str(root / "not-a-checkpoint"), "ema")  # no local folder: the load decides
+    saved_emas = _saved_ema(str(folder / "step-2"))
+    assert saved_emas is not None and sorted(saved_emas) == ["decay_0_5", "decay_0_9"]
+    assert saved_emas["decay_0_9"] == set(saved["ema"][2]["decay_0_9"])  # the EMA's own fqns
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in saved_emas["decay_0_9"]
+    assert _saved_ema(str(folder / "step-3")) == {}  # model-only: no EMA
+    assert _saved_ema(str(root / "not-a-checkpoint")) is None  # no local folder: the load decides
     assert results[0]["llama_hsdp"]["ema_folder"] == str(folder / "step-3" / "ema" / "decay_0_9")
     for name in ("decay_0_9", "decay_0_5"):
         state = model.state_dict()  # torchtitan's hook: fresh wq/wk/wv tensors to load into
@@ -926,6 +1252,60 @@ def test_one_process_loads_the_w4_checkpoints(w4: tuple[Path, list[dict[str, Any
         model.load_state_dict(state)  # its pre-hook fuses them into wqkv
         weights = {canonical_fqn(n): p.detach() for n, p in model.named_parameters()}
         assert _differ(weights, saved["ema"][3][name]) == [], name
+
+
+def _merged_references(folder: Path) -> dict[str, torch.Tensor]:
+    """The reference EMA of every rank of a W=4 run (each stage's ranks saved theirs)."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        merged.update(torch.load(folder / f"reference{rank}.pt"))
+    return merged
+
+
+@pytest.mark.distributed
+def test_pp_export_hf_writes_one_file(w4: tuple[Path, list[dict[str, Any]]]) -> None:
+    """``EMATrainer.export_hf`` under PP 2 x FSDP2 2: rank 0 alone returns a file, which
+    holds both stages' EMA, equal bit for bit to ``to_hf`` of the reference EMA; and the
+    run's step-2 checkpoint (each stage wrote its part) loads into one process's EMA."""
+    from safetensors.torch import load_file
+    from torchtitan.models.llama3 import model_registry
+
+    root, results = w4
+    files = [r["llama_pp"]["hf_file"] for r in results]
+    assert files[1:] == ["None"] * 3 and files[0].endswith("model.safetensors"), files
+    want = _merged_references(root / "pp")
+    model = _plain_llama()
+    assert {canonical_fqn(n) for n, _ in model.named_parameters()} == set(want)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(want[canonical_fqn(name)])
+    spec = model_registry("debugmodel")
+    expected = spec.state_dict_adapter(spec.model, None).to_hf(model.state_dict())
+    written = load_file(files[0])
+    assert written.keys() == expected.keys()
+    assert [k for k in written if not torch.equal(written[k], expected[k])] == []
+
+    ema = TorchtitanEMA(TorchtitanEMA.Config(enable=True, decays=[0.9]), model_parts=[model])
+    dcp.load({"ema": ema}, checkpoint_id=str(root / "pp" / "outputs" / "checkpoint" / "step-2"))
+    assert _differ(ema["decay_0_9"].ema_tensors(), want) == [] and ema["decay_0_9"].updates == 2
+
+
+@pytest.mark.distributed
+def test_one_process_loads_the_moe_checkpoints(w4: tuple[Path, list[dict[str, Any]]]) -> None:
+    """No process group: the deepseek_v3 EMA saved at W=4 on HSDP x EP and on PP x FSDP2
+    (two stages, one layout in the checkpoint) loads bit for bit into a plain model's EMA."""
+    from titan_models import deepseek_v3_debugmodel
+
+    root, _ = w4
+    config = TorchtitanEMA.Config(enable=True, decays=[0.9], buffer_patterns=MOE_BUFFERS)
+    for layout in ("moe_hsdp_ep", "moe_pp"):
+        ema = TorchtitanEMA(config, model_parts=[deepseek_v3_debugmodel(layers=2)])
+        step2 = root / layout / "outputs" / "checkpoint" / "step-2"
+        dcp.load({"ema": ema}, checkpoint_id=str(step2))
+        want = _merged_references(root / layout)
+        assert _differ(ema["decay_0_9"].ema_tensors(), want) == [], layout
+        assert set(ema["decay_0_9"].ema_tensors()) == set(want), layout
+        assert ema["decay_0_9"].updates == 2
 
 
 @pytest.mark.distributed

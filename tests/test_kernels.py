@@ -124,8 +124,8 @@ def scenario(device: str, mesh: Any, spawned: bool = False) -> dict[str, Any]:
     expected = _reference(states, _ramp, 1)
     slow_reference = expected if spawned else _reference(states, lambda c: _ramp(c) ** 2, 2)
     out = {
-        "kernels": sorted({g.kernel for g in single._groups}),
-        "groups": len(single._groups),
+        "kernels": sorted({g.kernel for g in single.engine.groups}),
+        "groups": len(single.engine.groups),
         "single": _mismatches(_full(single), expected),
         "multi_fast": _mismatches(_full(multi["fast"]), _reference(states, lambda n: 0.5, 1)),
         "multi_slow": _mismatches(_full(multi["slow"]), slow_reference),
@@ -141,7 +141,7 @@ def _rank_body(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh(DEVICE_TYPE, (world_size,))
     out = scenario(DEVICE_TYPE, mesh, spawned=True)
     ema = ModelEMA(MixedModel().to(DEVICE_TYPE), mesh=mesh)
-    out["empty_shards"] = sum(1 for e in ema._plan if e.ema_local.numel() == 0)
+    out["empty_shards"] = sum(1 for e in ema.engine.plan if e.ema_local.numel() == 0)
     return out
 
 
@@ -212,8 +212,8 @@ def test_compile_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) ->
             ema.update()
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         later = ModelEMA(model, kernel="compiled")  # the device is known broken: eager at once
-    assert {g.kernel for g in ema._groups if g.averaged} == {"eager"}  # switched on failure
-    assert {g.kernel for g in later._groups} == {"eager"}
+    assert {g.kernel for g in ema.engine.groups if g.averaged} == {"eager"}  # switched on failure
+    assert {g.kernel for g in later.engine.groups} == {"eager"}
     assert _mismatches(_full(ema), _reference(states, _ramp, 1)) == []
 
 
@@ -236,9 +236,10 @@ def test_kernel_option_is_validated() -> None:
         ModelEMA(model, kernel="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"sets \['kernel'\], which all EMAs share"):
         MultiModelEMA(model, {"a": {"kernel": "eager"}})
-    assert {g.kernel for g in ModelEMA(model, kernel="auto")._groups} == {"eager"}  # CPU default
+    auto = ModelEMA(model, kernel="auto")
+    assert {g.kernel for g in auto.engine.groups} == {"eager"}  # CPU default
     bf16_ema = ModelEMA(model, kernel="compiled", ema_dtype=torch.bfloat16)
-    assert {g.kernel for g in bf16_ema._groups} == {"eager"}  # not covered: stays eager
+    assert {g.kernel for g in bf16_ema.engine.groups} == {"eager"}  # not covered: stays eager
 
 
 def test_compiled_capturable_update_inside_the_callers_compile() -> None:

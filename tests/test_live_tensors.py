@@ -174,7 +174,7 @@ def test_compiled_submodule_is_tracked_by_canonical_name() -> None:
 def test_guard_refuses_an_entry_that_is_not_live() -> None:
     model = Net(wrap=False)
     ema = ModelEMA(model, decay=DECAY, tau=None)
-    entries = list(ema._plan)
+    entries = list(ema.engine.plan)
     check_live(model, entries)  # the real plan passes
     stale = copy.copy(entries[0])
     stale.source = entries[0].source.detach().clone()  # a copy, as a state-dict hook returns

@@ -18,7 +18,7 @@ import torch
 from models import mismatches
 from torch import nn
 
-import dtensor_ema.model_ema as model_ema
+import dtensor_ema.engine as engine
 from dtensor_ema import ModelEMA
 from dtensor_ema import updater as updaters
 from dtensor_ema.updater import (
@@ -115,7 +115,7 @@ def test_chunked_offload_equals_inline_and_reference(
     moves whole; ``fc.bias`` is copied; the first call copies (update_after_step)."""
     made: list[ChunkedOffloadUpdater] = []
 
-    def chunked(groups: Any, *, capturable: bool, offload: bool) -> Any:
+    def chunked(groups: Any, *, capturable: bool, offload: bool, **_: Any) -> Any:
         assert offload and not capturable
         made.append(ChunkedOffloadUpdater(groups, chunk_bytes=28))
         return made[-1]
@@ -124,7 +124,7 @@ def test_chunked_offload_equals_inline_and_reference(
     model.conv.to(memory_format=torch.channels_last)
     opts: dict[str, Any] = {"decay": 0.8, "tau": 2.0, "update_after_step": 1}
     inline = ModelEMA(model, exclude=["fc.bias"], **opts)
-    monkeypatch.setattr(model_ema, "make_updater", chunked)
+    monkeypatch.setattr(engine, "make_updater", chunked)
     offloaded = ModelEMA(
         model, exclude=["fc.bias"], offload=True, parameters_as_bucket_view=bucket_view, **opts
     )
@@ -152,7 +152,7 @@ def test_chunked_offload_equals_inline_and_reference(
 
 def test_cpu_models_keep_the_worker_thread_and_chunk_size_is_checked() -> None:
     ema = ModelEMA(nn.Linear(3, 2), offload=True)
-    assert isinstance(ema._updater, OffloadUpdater)
+    assert isinstance(ema.engine.updater, OffloadUpdater)
     ema.close()
     with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1, got 0"):
         ChunkedOffloadUpdater([], chunk_bytes=0)
@@ -171,7 +171,7 @@ def test_cuda_offload_uses_the_path_last_proven_on_a_gpu(monkeypatch: pytest.Mon
         return [SimpleNamespace(source_locals=[source], formula=formula)]
 
     def pick(*args: Any) -> str:
-        updaters.make_updater(groups(*args), capturable=False, offload=True)
+        engine.make_updater(groups(*args), capturable=False, offload=True)
         return made.pop()
 
     assert updaters.CUDA_OFFLOAD == "worker"

@@ -186,7 +186,7 @@ def test_offload_keeps_shards_on_host_and_applies_updates_in_order() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     offloaded = ModelEMA(model, decay=0.8, tau=3, offload=True)
     host = ModelEMA(model, decay=0.8, tau=3)
-    assert isinstance(offloaded._updater, OffloadUpdater)  # the worker thread is in use
+    assert isinstance(offloaded.engine.updater, OffloadUpdater)  # the worker thread is in use
     for step in range(STEPS):
         train_step("edge", model, optimizer, step)
         offloaded.update()

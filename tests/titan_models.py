@@ -15,7 +15,8 @@ torchtitan's own ``Trainer`` needs more (:func:`use_cpu_trainer`, :func:`trainer
 that copied it (then its ``init_distributed`` starts gloo, not NCCL), ``device_module``
 (``torch.cuda`` at import) pointed at ``torch.cpu`` (``set_device``, barriers), a memory
 monitor without CUDA's statistics, the FSDP2 sum reduction applied inside torchtitan's own
-FSDP setup, SDPA as a torchtitan ``--override.imports`` override, CUDA graphs off, fp32
+FSDP setup, SDPA as a torchtitan ``--override.imports`` override (and an unfused-QKV one for
+the tests of a resume across QKV settings), CUDA graphs off, fp32
 parameters, and the tokenizer and ``c4_test`` dataset that the wheel does not ship (written
 here: a word-level tokenizer and a few lines of generated text). ``python -m titan_models
 SCRIPT ARGS`` (under ``torchrun``) runs a script with these switches on.
@@ -260,8 +261,12 @@ def use_cpu_trainer() -> None:
         titan_fsdp.disable_fsdp_gradient_division = _sum_on_gloo(
             titan_fsdp.disable_fsdp_gradient_division
         )
+    from torchtitan.models.common.attention import FusedQKVLinear
+
     with contextlib.suppress(ValueError):  # registered already
         override(target=FlexAttention.Config, description="CPU: SDPA")(sdpa_on_cpu)
+    with contextlib.suppress(ValueError):
+        override(target=FusedQKVLinear.Config, description="unfused Q/K/V")(unfused_qkv)
 
 
 def _sum_on_gloo(disable_division: Any) -> Any:
@@ -288,6 +293,22 @@ def sdpa_on_cpu(config: Any) -> Any:
 
     del config
     return ScaledDotProductAttention.Config()
+
+
+def unfused_qkv(config: Any) -> Any:
+    """A torchtitan ``@override`` of every ``FusedQKVLinear.Config`` (registered by
+    :func:`use_cpu_trainer`): the unfused ``QKVLinear`` of the same shapes (``wq``, ``wk``,
+    ``wv``; default init), as a model built with ``fuse_qkv=False`` has. Activate it with
+    ``--override.imports titan_models.unfused_qkv``."""
+    from torchtitan.models.common.attention import QKVLinear
+    from torchtitan.models.common.linear import Linear
+
+    dim, head_dim = config.wqkv.in_features, config.head_dim
+    return QKVLinear.Config(
+        head_dim=head_dim,
+        wq=Linear.Config(in_features=dim, out_features=config.n_heads * head_dim),
+        wkv=Linear.Config(in_features=dim, out_features=config.n_kv_heads * head_dim),
+    )
 
 
 WORDS = 300
@@ -334,6 +355,7 @@ def cpu_trainer_config(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    cp: int = 1,
     seq_len: int = 16,
     batch: int = 2,
     validate_every: int | None = None,
@@ -369,6 +391,7 @@ def cpu_trainer_config(
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = replicate, shard
     p.tensor_parallel_degree, p.pipeline_parallel_degree = tp, pp
     p.expert_parallel_degree = ep
+    p.context_parallel_degree = cp
     if pp > 1:
         p.pipeline_parallel_schedule = "1F1B"
         p.pipeline_parallel_microbatch_size = 1

@@ -156,7 +156,7 @@ class EmaReplica:
         :meth:`materialize` fills (tied: several). Local; records the tracked set."""
         ema = self.engine.ema_tensors()
         untracked = set(self.engine.untracked)
-        self._tracked_version = self.engine._plan.tracked_version
+        self._tracked_version = self.engine.engine.plan.tracked_version
         values: dict[int, torch.Tensor] = {}
         names: dict[int, list[str]] = {}
         for fqn, tensor in named.items():
@@ -199,7 +199,7 @@ class EmaReplica:
         gathered copy: the EMA changed. Local; no-op (one integer compare) while the
         tracked set is the one the module was built for. Every entry point of this class,
         and the module's forward and ``state_dict()``, call it first."""
-        if self._module is None or self.engine._plan.tracked_version == self._tracked_version:
+        if self._module is None or self.engine.engine.plan.tracked_version == self._tracked_version:
             return
         named = dict(self.engine.model.state_dict(keep_vars=True))
         values, self._gathered = self._slot_values(named)

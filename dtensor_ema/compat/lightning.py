@@ -74,6 +74,7 @@ from dtensor_ema.integrations._common import (
     is_rank0,
 )
 from dtensor_ema.reader import CheckpointError, open_checkpoint
+from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES
 
 __all__ = ["CURRENT_PREFIX", "EMAWeightAveraging", "WeightAveraging"]
 
@@ -153,7 +154,7 @@ class WeightAveraging(Callback):
         if average is None:
             average = self._build(pl_module)
         elif average.engine.updates == 0 and self._pending is None:
-            if any(average.engine._plan.trainable_changes()):
+            if any(average.engine.engine.plan.trainable_changes()):
                 # track="trainable" and a callback set up after this one froze some (e.g.
                 # BaseFinetuning.freeze_before_training): nothing averaged yet, so choose
                 # the tensors again instead of keeping the frozen ones' bytes.
@@ -309,7 +310,7 @@ class WeightAveraging(Callback):
         ``current_model_state.<fqn>``; ``checkpoint["current_model_state"]`` names them.
         """
         assert self._average_model is not None
-        ema = self._average_model.engine.state_dict()["ema"]
+        ema = self._average_model.engine.state_dict()[EMA_TENSORS]
         clash = [k for k in model_state if k.startswith(CURRENT_PREFIX)]
         if clash:
             raise ValueError(f"the module's state_dict already has keys {clash[:3]}")
@@ -330,7 +331,7 @@ class WeightAveraging(Callback):
         assert self._average_model is not None
         engine = self._average_model.engine
         ema_state = engine.state_dict()
-        average = {k: torch.empty_like(v) for k, v in ema_state["ema"].items()}
+        average = {k: torch.empty_like(v) for k, v in ema_state[EMA_TENSORS].items()}
         raw = {k: torch.empty_like(v) for k, v in pl_module.state_dict().items()}
         dest = {CURRENT_PREFIX + k: v for k, v in raw.items()} | average
         checkpoint = open_checkpoint(path)  # .metadata read safely: a crafted one raises
@@ -342,7 +343,7 @@ class WeightAveraging(Callback):
                 f"{path} (a different model, or a checkpoint without them): {e}"
             ) from e
         engine.load_state_dict(
-            {"ema": average, "updates": n_averaged, "config": ema_state["config"]}
+            {EMA_TENSORS: average, UPDATES: n_averaged, CONFIG: ema_state[CONFIG]}
         )
         pl_module.load_state_dict(raw)
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import UNSET, EmaOptions, resolve_schedule
+from dtensor_ema.state import EMA_TENSORS
 
 __all__ = [
     "EvalSwap",
@@ -29,9 +30,6 @@ __all__ = [
 ]
 
 _NOT_OPTIONS = ("self", "model", "mesh")
-
-
-_CONSTRUCTION_FLAGS = ("parameters_as_bucket_view", "replicate_buffers", "verify_replicas")
 
 
 def check_ema_options(options: dict[str, Any]) -> None:
@@ -54,17 +52,14 @@ def check_ema_options(options: dict[str, Any]) -> None:
     updates = given.pop("updates", 0)
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
         raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-    for name in _CONSTRUCTION_FLAGS:  # shape the plan, not the update: not EmaOptions fields
-        value = given.pop(name, False)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+    bucket_view = given.pop("parameters_as_bucket_view", False)  # EmaOptions' bucket_view
     schedule = resolve_schedule(
         given.pop("decay", UNSET),
         given.pop("tau", UNSET),
         given.pop("half_life", None),
         given.pop("schedule", None),
     )
-    EmaOptions(schedule=schedule, **given)
+    EmaOptions(schedule=schedule, bucket_view=bucket_view, **given)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -169,7 +164,7 @@ def full_ema_tensors(ema: ModelEMA, *, rank0_only: bool = True) -> dict[str, tor
     """
     keep = is_rank0() or not rank0_only
     out: dict[str, torch.Tensor] = {}
-    for fqn, tensor in ema.state_dict()["ema"].items():
+    for fqn, tensor in ema.state_dict()[EMA_TENSORS].items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             out[fqn] = full.detach().to("cpu", copy=True)
@@ -186,10 +181,10 @@ def follow_trainable(ema: ModelEMA, say: Callable[[str], None]) -> bool:
     **Collective** over the EMA's mesh when the set changed (``add_tensors``'s); local
     otherwise (one ``requires_grad`` read per float parameter). Every rank sees the same
     flips when the same callback made them. Peak extra memory: the new shards."""
-    now, frozen = ema._plan.trainable_changes()
+    now, frozen = ema.engine.plan.trainable_changes()
     if not (now or frozen):
         return False
-    tracked = ema._plan.by_fqn()
+    tracked = ema.engine.plan.by_fqn()
     new = [k for k in now if k not in tracked]
     ema.add_tensors(new)
     say(

@@ -52,6 +52,7 @@ from dtensor_ema.integrations._common import (
 )
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.reader import CheckpointError, open_checkpoint
+from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES
 
 __all__ = ["EMA_KEY_PREFIX", "EMACallback"]
 
@@ -278,8 +279,8 @@ class EMACallback(Callback):
         ema_state = self._ema.state_dict()
         return {
             "version": _STATE_VERSION,
-            "updates": ema_state["updates"],
-            "config": ema_state["config"],
+            UPDATES: ema_state[UPDATES],
+            CONFIG: ema_state[CONFIG],
             "last_step": self._last_step,
             "started": self._started,
         }
@@ -308,7 +309,7 @@ class EMACallback(Callback):
         state = checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})
         model_state = checkpoint.get("state_dict", {})
         if any(isinstance(v, DTensor) for v in model_state.values()):
-            for fqn, tensor in self._ema.state_dict()["ema"].items():
+            for fqn, tensor in self._ema.state_dict()[EMA_TENSORS].items():
                 key = EMA_KEY_PREFIX + fqn
                 if key in model_state:
                     raise ValueError(f"the module's state_dict already has a key {key!r}")
@@ -316,7 +317,7 @@ class EMACallback(Callback):
             state["format"] = "dcp"
         else:
             state["format"] = "full"
-            state["ema"] = full_ema_tensors(self._ema)
+            state[EMA_TENSORS] = full_ema_tensors(self._ema)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -348,11 +349,11 @@ class EMACallback(Callback):
         if state is None:
             return
         ema = self.ema
-        saved = {"updates": state["updates"], "config": state["config"]}
+        saved = {UPDATES: state[UPDATES], CONFIG: state[CONFIG]}
         if state.get("format") == "dcp":
-            saved["ema"] = self._read_sharded(ema)
+            saved[EMA_TENSORS] = self._read_sharded(ema)
         elif state.get("format") == "full":
-            saved["ema"] = state["ema"]
+            saved[EMA_TENSORS] = state[EMA_TENSORS]
         else:
             raise ValueError(
                 f"EMACallback({self.name!r}): checkpoint has EMA format "
@@ -371,7 +372,7 @@ class EMACallback(Callback):
                 f"EMACallback({self.name!r}): the checkpoint's EMA is sharded (DCP) but the "
                 f"checkpoint path {self._ckpt_path!r} is not a directory"
             )
-        fresh = {fqn: torch.empty_like(t) for fqn, t in ema.state_dict()["ema"].items()}
+        fresh = {fqn: torch.empty_like(t) for fqn, t in ema.state_dict()[EMA_TENSORS].items()}
         checkpoint = open_checkpoint(self._ckpt_path)  # .metadata read safely
         try:
             checkpoint.load(

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
 from dtensor_ema.multi import MultiModelEMA
-from dtensor_ema.state import validate_state
+from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES, validate_state
 
 __all__ = ["TorchtitanEMA"]
 
@@ -315,23 +315,34 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
             states = [emas[name].state_dict() for emas in self.parts]
             tensors: dict[str, Any] = {}
             for state in states:
-                tensors.update(state["ema"])
+                tensors.update(state[EMA_TENSORS])
             out[name] = {
-                "updates": states[0]["updates"],
-                "config": self._resume_config(),
-                "ema": tensors,
+                UPDATES: states[0][UPDATES],
+                CONFIG: self._resume_config(),
+                EMA_TENSORS: tensors,
             }
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], *, common_subset: bool = False
+    ) -> None:
         """Restore every EMA of every part from :meth:`state_dict` output (a DCP load's
         included). An empty ``state_dict`` (a checkpoint saved without EMA) restarts each
         EMA from the model's current weights, as torchtitan does. Local. Everything is
         checked before anything is written.
 
+        Args:
+            state_dict: the state.
+            common_subset: accept a state saved with another tracked set of the same model
+                (other ``buffer_patterns``, parameters frozen or unfrozen since), as
+                :meth:`dtensor_ema.ModelEMA.load_state_dict` does: load the tensors both
+                hold, leave this EMA's others as they are (the counters are loaded); at
+                least one tensor must be common. The EMA names must still match.
+
         Raises:
             ValueError: the EMA names, ``config`` or tensors differ from this object's
-                (each message names them).
+                (each message names them; with ``common_subset``, the names or the
+                shapes/dtypes of common tensors differ, or no tensor is common).
             KeyError: a state lacks ``"ema"`` or ``"updates"``.
         """
         if not self.parts:
@@ -344,35 +355,58 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         plan: list[tuple[ModelEMA, dict[str, Any]]] = []
         for name in self.names:
             saved = state_dict[name]
-            for key in ("ema", "updates"):
+            for key in (EMA_TENSORS, UPDATES):
                 if key not in saved:
                     raise KeyError(f"EMA {name!r}: the checkpoint state has no {key!r} entry")
-            config = saved.get("config")
-            if config is not None and config != self._resume_config():
-                raise ValueError(
-                    f"EMA {name!r}: saved with {config}, this run has "
-                    f"{self._resume_config()}; resuming would not continue the saved average"
-                )
+            self._check_resume_config(name, saved.get(CONFIG), common_subset)
             known: set[str] = set()
+            common = 0
             for emas in self.parts:
                 ema = emas[name]
                 ours = ema.state_dict()
-                known |= set(ours["ema"])
+                known |= set(ours[EMA_TENSORS])
+                tensors = {k: v for k, v in saved[EMA_TENSORS].items() if k in ours[EMA_TENSORS]}
+                common += len(tensors)
+                if common_subset:  # the others keep their values: load them onto themselves
+                    tensors = {k: tensors.get(k, v) for k, v in ours[EMA_TENSORS].items()}
                 part_state = {
-                    "updates": saved["updates"],
-                    "config": ours["config"],
-                    "ema": {k: v for k, v in saved["ema"].items() if k in ours["ema"]},
+                    UPDATES: saved[UPDATES],
+                    CONFIG: ours[CONFIG],
+                    EMA_TENSORS: tensors,
                 }
                 try:
                     validate_state(part_state, ours)
                 except (KeyError, ValueError) as e:
                     raise type(e)(f"EMA {name!r}: {e}") from e
                 plan.append((ema, part_state))
-            unexpected = sorted(set(saved["ema"]) - known)
-            if unexpected:
-                raise ValueError(f"EMA {name!r}: unexpected fqns {unexpected[:5]}")
+            unexpected = sorted(set(saved[EMA_TENSORS]) - known)
+            if unexpected and not common_subset:
+                raise ValueError(
+                    f"EMA {name!r}: unexpected fqns {unexpected[:5]} (load the tensors both "
+                    "hold with common_subset=True)"
+                )
+            if not common:
+                raise ValueError(f"EMA {name!r}: the checkpoint and this EMA share no tensor")
         for ema, part_state in plan:
             ema.load_state_dict(part_state)
+
+    def _check_resume_config(self, name: str, config: str | None, common_subset: bool) -> None:
+        """Refuse a saved ``config`` (:meth:`_resume_config`) this run does not continue:
+        other EMAs, or (unless ``common_subset``) other ``buffer_patterns``."""
+        if config is None or config == self._resume_config():
+            return
+        if common_subset:
+            try:
+                emas = json.loads(config).get("emas")
+            except (ValueError, AttributeError):
+                emas = None
+            if emas == self.names:
+                return
+        raise ValueError(
+            f"EMA {name!r}: saved with {config}, this run has "
+            f"{self._resume_config()}; resuming would not continue the saved average"
+            + ("" if common_subset else " (other buffer_patterns: common_subset=True)")
+        )
 
     def _key(self, name: str | None) -> str:
         """``name``, or the first EMA's, checked; raises as the public methods document."""

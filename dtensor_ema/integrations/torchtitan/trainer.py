@@ -16,18 +16,29 @@ torchtitan builds, parallelizes and initializes the model parts, it:
   of its ``states`` (:class:`EMACheckpointManager`): DCP, so a checkpoint reshards to any
   other layout, ``async_mode`` included; a model-only load (``initial_load_model_only``,
   a seed checkpoint, HF weights) or a checkpoint without EMA re-copies the loaded model
-  into the EMA; with ``last_save_model_only`` (torchtitan's default) the final checkpoint
-  holds the model only, so the EMA is written beside it, in the same format, under
-  ``step-N/ema/<name>``;
+  into the EMA; a resume is logged once on rank 0; the entry keeps the EMA's own
+  parameter names, so a resume into the other fused/unfused QKV setting is refused at once
+  (see :class:`EMACheckpointManager`); with ``last_save_model_only`` (torchtitan's
+  default) the final checkpoint holds the model only, so the EMA is written beside it, in
+  the same format, under ``step-N/ema/<name>``;
 * evaluates through it in torchtitan's own validator (:class:`EMAValidator`): the EMA loss
   is logged under ``validation_metrics/ema_loss/<name>`` beside ``validation_metrics/loss``;
-* exports it (or the raw weights) in Hugging Face format (:meth:`EMATrainer.export_hf`).
+* exports it (or the raw weights) in Hugging Face format (:meth:`EMATrainer.export_hf`),
+  also with pipeline parallelism (each stage's part gathered, rank 0 writes one file).
+
+Importing it registers one parsing rule in torchtitan's ``ConfigManager`` registry: a
+``list[float]`` flag (``--ema.decays``, ``--ema.half_life_fractions``) takes one
+comma-separated value, as torchtitan's own ``list[str]`` rule does for every list flag it
+has (``--checkpoint.exclude_from_loading dataloader,optimizer``,
+``--ema.buffer_patterns "*.a,*.b"``). torchtitan 0.3.0 has no ``list[float]`` field of its
+own, so no other flag changes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -37,15 +48,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpointer import MODEL, CheckpointManager
+from torchtitan.components.checkpointer import MODEL, TRAIN_STATE, CheckpointManager
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.validate import Validator
+from torchtitan.config.manager import custom_registry
 from torchtitan.trainer import Trainer
 
 from dtensor_ema._collectives import agree, group_of
+from dtensor_ema.integrations._common import is_rank0
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.hf import check_to_hf_keys, export_hf
 from dtensor_ema.reader import open_checkpoint
+from dtensor_ema.state import EMA_TENSORS
 
 __all__ = ["EMA", "EMACheckpointManager", "EMATrainer", "EMAValidator", "stage_mesh", "with_ema"]
 
@@ -56,6 +70,52 @@ EMA = "ema"
 
 EMA_LOSS = "validation_metrics/ema_loss"
 """Prefix of the validator's EMA metrics: ``validation_metrics/ema_loss/<name>``."""
+
+THEIR_EMA = "ema_weights"
+"""The field of torchtitan's development ``Trainer.Config`` that holds its own EMA
+(``EMAOptimizersContainer``, checkpoint entry ``ema_optimizer``)."""
+
+
+def _float_list_rule(type_info: Any) -> Any:
+    """torchtitan's comma-separated list convention (its ``list_str_rule``) for
+    ``list[float]``: one value, ``"0.999,0.9999"``; an empty value is the empty list."""
+    if type_info.type != list[float]:
+        return None
+    import tyro
+
+    def parse(args: list[str]) -> list[float]:
+        items = [item.strip() for item in args[0].split(",")]
+        try:
+            return [float(item) for item in items if item]
+        except ValueError:
+            raise ValueError(
+                f"expected comma-separated numbers such as 0.999,0.9999, got {args[0]!r}"
+            ) from None
+
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="A,B,C,...",
+        instance_from_str=parse,
+        is_instance=lambda value: (
+            isinstance(value, list) and all(isinstance(v, float | int) for v in value)
+        ),
+        str_from_instance=lambda value: [",".join(f"{v:g}" for v in value)],
+    )
+
+
+def _register_float_list_rule() -> None:
+    """Add :func:`_float_list_rule` to torchtitan's ``ConfigManager`` registry; also to the
+    copy ``python -m torchtitan.config.manager`` (torchtitan's config printer) runs as
+    ``__main__``, which parses with its own registry."""
+    registries = [custom_registry]
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == "torchtitan.config.manager":
+        registries.append(main.custom_registry)  # type: ignore[union-attr]
+    for registry in registries:
+        registry.primitive_rule(_float_list_rule)
+
+
+_register_float_list_rule()  # once per process: the module runs once
 
 
 class _Captured:
@@ -140,7 +200,12 @@ class EMACheckpointManager(CheckpointManager):
     * after a load that restored no EMA (model-only: ``initial_load_model_only``, the step-0
       seed checkpoint, HF weights; a checkpoint saved without EMA; ``ema`` in
       ``exclude_from_loading``), the EMA restarts from the loaded weights
-      (:meth:`TorchtitanEMA.reset`);
+      (:meth:`TorchtitanEMA.reset`); after one that restored it, rank 0 logs so once (from
+      which step, each EMA's ``updates``);
+    * the ``ema`` entry holds ``ema.<name>.{updates,config,ema.<fqn>}`` with the EMA's own
+      parameter names (a fused ``wqkv`` stays fused, unlike the model entry's
+      ``wq``/``wk``/``wv``): a resume across the fused/unfused QKV settings is refused
+      before anything is loaded (the way out: the model-only ``ema/<name>`` folder);
     * with ``last_save_model_only`` (torchtitan's default), the final checkpoint holds the
       model only: each EMA is then written beside it the same way (DCP, or HF with
       ``last_save_in_hf``; ``export_dtype``) under ``<folder>/step-N/ema/<name>``, swapped
@@ -169,26 +234,50 @@ class EMACheckpointManager(CheckpointManager):
     ) -> None:
         """torchtitan's load of ``state_dict`` from ``checkpoint_id``; then, when it held no
         EMA (no ``ema`` entry asked for, HF weights, or none in the checkpoint's metadata:
-        a warning), the EMA restarts from the loaded weights. Collective (DCP's load).
+        a warning), the EMA restarts from the loaded weights; when it held one, rank 0 logs
+        that the EMA was restored, from which step, with each EMA's ``updates``.
+        Collective (DCP's load).
 
         Raises:
+            ValueError: before anything is loaded, when the checkpoint's EMA keeps the
+                attention's Q/K/V projections fused (``wqkv``) and this model has them
+                unfused (``wq``/``wk``/``wv``), or the other way round: the ``ema`` entry
+                holds the EMA's own parameters, so it loads only into a model with the same
+                QKV setting (the message names the way out: the model-only
+                ``step-N/ema/<name>`` folder, in torchtitan's keys).
             CheckpointError: the checkpoint's ``.metadata`` would run code when unpickled
                 (read by dtensor_ema's restricted reader before torchtitan's plain DCP).
         """
         ema = self.states.get(EMA)
         reseed = ema is not None and (from_hf or EMA not in state_dict)
-        if ema is not None and not reseed and not _holds(checkpoint_id, EMA):
-            logger.warning(
-                "checkpoint %s holds no EMA: the EMA restarts from its model weights",
-                checkpoint_id,
-            )
-            state_dict = {k: v for k, v in state_dict.items() if k != EMA}
-            reseed = True
-        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        if reseed:
+        if ema is not None and not reseed:
             assert isinstance(ema, TorchtitanEMA)
+            saved = _saved_ema(checkpoint_id)
+            if saved is not None and not saved:
+                logger.warning(
+                    "checkpoint %s holds no EMA: the EMA restarts from its model weights",
+                    checkpoint_id,
+                )
+                state_dict = {k: v for k, v in state_dict.items() if k != EMA}
+                reseed = True
+            elif saved is not None:
+                _refuse_qkv_mismatch(ema, saved, checkpoint_id)
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        if ema is None:
+            return
+        assert isinstance(ema, TorchtitanEMA)
+        if reseed:
             ema.reset()
             logger.info("EMA restarted from the weights loaded from %s", checkpoint_id)
+        elif is_rank0():
+            trainer = self.states.get(TRAIN_STATE) if TRAIN_STATE in state_dict else None
+            step = getattr(trainer, "step", None)
+            logger.info(
+                "EMA restored from %s (step %s): %s",
+                checkpoint_id,
+                "unknown" if step is None else step,
+                ", ".join(f"{n} {ema.parts[0][n].updates} updates" for n in ema.names),
+            )
 
     def _save_last_step(self, curr_step: int) -> None:
         super()._save_last_step(curr_step)
@@ -227,6 +316,11 @@ class EMATrainer(Trainer):
     (``config.build()``); run ``train()`` as torchtitan does. ``self.ema`` is the
     :class:`~dtensor_ema.integrations.torchtitan.TorchtitanEMA`. Construction is
     collective (torchtitan's, then the EMA's over each part's mesh).
+
+    Raises:
+        ValueError: the config also enables torchtitan's own EMA (``ema_weights.enable``,
+            on torchtitan's development ``Trainer.Config``): refused before anything is
+            built, naming the flag that turns either off.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -236,9 +330,12 @@ class EMATrainer(Trainer):
         subclasses of them."""
 
         ema: TorchtitanEMA.Config = field(default_factory=lambda: TorchtitanEMA.Config(enable=True))
-        """The EMA (on by default: ``--ema.decays 0.999``, ``--ema.half_life_fractions``,
-        ``--ema.start_step``, ``--ema.update_every_n_steps``, ``--ema.buffer_patterns``...;
-        ``--ema.no_enable`` turns it off)."""
+        """The sharded EMA, on by default: one EMA, ``hlf_0_05`` (``decay = 2 ** (-1 /
+        (0.05 * num_updates))``, torchtitan's default). List flags take one
+        comma-separated value, as torchtitan's own: ``--ema.decays 0.999,0.9999`` (one EMA
+        per decay, in place of the half-life fractions), ``--ema.half_life_fractions
+        0.05,0.1``, ``--ema.buffer_patterns "*.expert_bias_E"``; ``--ema.no-enable`` turns
+        it off."""
         validator: EMAValidator.Config = field(default_factory=EMAValidator.Config)
         checkpoint: EMACheckpointManager.Config = field(default_factory=EMACheckpointManager.Config)
 
@@ -253,6 +350,7 @@ class EMATrainer(Trainer):
     validator: EMAValidator
 
     def __init__(self, config: Config) -> None:
+        _refuse_two_emas(config)
         super().__init__(config)
         self.ema = TorchtitanEMA(
             config.ema, model_parts=self.model_parts, mesh=stage_mesh(self.parallel_dims)
@@ -263,12 +361,17 @@ class EMATrainer(Trainer):
         self.checkpointer.attach_ema(self.ema)
         if config.validator.enable:
             self.validator.ema = self.ema
-        total = sum(ema.local_numel() for emas in self.ema.parts for ema in emas.values())
+        each = sum(emas[self.ema.names[0]].local_numel() for emas in self.ema.parts)
+        count = len(self.ema.names)
         logger.info(
-            "EMA %s: %d elements on this rank (%d model part(s))",
+            "EMA %s: %d elements on this rank per EMA (%d in all over %d EMA%s; %d model part%s)",
             self.ema.names,
-            total,
+            each,
+            each * count,
+            count,
+            "" if count == 1 else "s",
             len(self.ema.parts),
+            "" if len(self.ema.parts) == 1 else "s",
         )
 
     def _step_ema(self, *args: Any, **kwargs: Any) -> None:
@@ -287,36 +390,54 @@ class EMATrainer(Trainer):
         ``state_dict_adapter`` (:func:`~dtensor_ema.integrations.torchtitan.export_hf`).
 
         **Collective**: every rank calls it; the weights are gathered to rank 0, on the CPU,
-        and rank 0 writes (returns the file; other ranks ``None``); then one flag
+        and rank 0 writes one file (returns it; other ranks ``None``); then one flag
         all-reduce, so that a failed write raises on every rank, with rank 0's message.
-        Peak extra memory on rank 0: one full copy of the weights in host memory, plus
-        ``to_hf``'s copies; other ranks: one bucket (EMA) or one gathered tensor (``raw``)
-        at a time.
+        With pipeline parallelism each stage's weights are gathered over the stage's own
+        mesh, then the stages' first ranks (the ``pp`` group of rank 0) send them to rank 0
+        (``gather_object``). Peak extra memory on rank 0: one full copy of the weights in
+        host memory (with pipeline parallelism, plus the other stages' parts as received
+        bytes), plus ``to_hf``'s copies; other ranks: one bucket (EMA) or one gathered
+        tensor (``raw``) at a time, except with pipeline parallelism on the stages without
+        rank 0, where every rank gathers its stage's full weights in host memory (and its
+        first rank pickles them once more to send them).
 
         Raises:
-            NotImplementedError: pipeline parallelism (each stage would hold part of the
-                weights), or a model spec without ``state_dict_adapter``.
+            NotImplementedError: a model spec without ``state_dict_adapter``.
             ValueError: ``to_hf`` would drop keys (on every rank).
             OSError: rank 0 could not write ``path`` (on every rank).
         """
-        if self.parallel_dims.pp_enabled:
-            raise NotImplementedError(
-                "export_hf with pipeline parallelism: each stage holds part of the weights; "
-                "use checkpoint.last_save_model_only (the EMA is saved beside the final "
-                "checkpoint) and convert that"
-            )
         spec = self.config.model_spec
         assert spec is not None
         if spec.state_dict_adapter is None:
             raise NotImplementedError(f"model {spec.name} has no state_dict_adapter (no HF format)")
         adapter = spec.state_dict_adapter(self.model_config, self.config.hf_assets_path)
+        dims = self.parallel_dims
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        pp_group = dims.get_mesh("pp").get_group() if dims.pp_enabled else None
+        # With PP, the stage holding rank 0 gathers to rank 0; the other stages gather to
+        # every rank of the stage, whose first ranks (in rank 0's pp group) send it on.
+        with_rank0 = pp_group is None or dims.get_mesh("pp").get_local_rank() == 0
+        sender = pp_group is not None and 0 in dist.get_process_group_ranks(pp_group)
+        state: dict[str, Any] = {}
         if raw:
-            state = _full_model_state(self.model_parts[0])
+            keep = rank == 0 or (sender and not with_rank0)
+            for part in self.model_parts:
+                state.update(_full_model_state(part, keep=keep))
         else:
-            state = self.ema.get_ema_state_dict(name, only_rank0_receives=True, cpu_offload=True)
+            state = self.ema.get_ema_state_dict(
+                name, only_rank0_receives=with_rank0, cpu_offload=True
+            )
+        if pp_group is not None and sender:
+            received: list[Any] | None = (
+                [None] * dist.get_world_size(pp_group) if rank == 0 else None
+            )
+            dist.gather_object(None if rank == 0 else state, received, group=pp_group, group_dst=0)
+            if received is not None:
+                for part_state in received:
+                    state.update(part_state or {})
         out = None
         error: Exception | None = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank == 0:
             try:
                 out = export_hf(state, adapter, path, dtype=dtype)
             except Exception as e:  # the other ranks must not wait for rank 0 forever
@@ -351,9 +472,32 @@ def with_ema(
             "torchtitan's own Trainer only. For this model, build TorchtitanEMA in its "
             "trainer by hand (docs/trainers.md#torchtitan)"
         )
-    values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
-    values["ema"] = TorchtitanEMA.Config(enable=True) if ema is None else ema
-    return EMATrainer.Config(**values)
+    out: EMATrainer.Config = _checked_copy(
+        config, EMATrainer.Config, ema=TorchtitanEMA.Config(enable=True) if ema is None else ema
+    )
+    out.validator = _retype(out.validator, EMAValidator.Config, "validator")
+    out.checkpoint = _retype(out.checkpoint, EMACheckpointManager.Config, "checkpoint")
+    return out
+
+
+def _refuse_two_emas(config: Any) -> None:
+    """Refuse a config with both EMAs on: dtensor_ema's (``ema``) and torchtitan's own
+    (``ema_weights``, on its development ``Trainer.Config``). Local, before anything is
+    built.
+
+    Raises:
+        ValueError: both are enabled, saying which flag turns either off.
+    """
+    theirs = getattr(config, THEIR_EMA, None)
+    if config.ema.enable and getattr(theirs, "enable", False):
+        raise ValueError(
+            f"two EMAs are enabled: torchtitan's own ({THEIR_EMA}.enable: a replicated copy "
+            "of every trainable parameter, checkpoint entry 'ema_optimizer') and "
+            "dtensor_ema's (ema.enable, on by default with --module "
+            "dtensor_ema.integrations.torchtitan: 1/W of the weights per rank); two EMAs "
+            f"by accident double the EMA memory. Turn one off: --{THEIR_EMA}.no-enable "
+            "keeps dtensor_ema's, --ema.no-enable keeps torchtitan's"
+        )
 
 
 def stage_mesh(parallel_dims: Any) -> DeviceMesh | None:
@@ -394,8 +538,19 @@ def _retype(value: Any, cls: type, section: str) -> Any:
             f"{section} is a {type(value).__qualname__}; EMATrainer takes torchtitan's "
             f"{base.__qualname__} there (it becomes {cls.__qualname__})"
         )
-    source: Any = value
-    return cls(**{f.name: getattr(source, f.name) for f in fields(source) if f.init})
+    return _checked_copy(value, cls)
+
+
+def _checked_copy(source: Any, cls: type[Any], **values: Any) -> Any:
+    """A ``cls`` holding ``source``'s field values (shared, not copied), then ``values``,
+    built without running ``__post_init__`` again: ``source``'s own checks ran when it was
+    built, and running them twice would repeat torchtitan's warnings."""
+    out = object.__new__(cls)
+    for f in fields(source):
+        setattr(out, f.name, getattr(source, f.name))
+    for name, value in values.items():
+        setattr(out, name, value)
+    return out
 
 
 def _check_keys(sd_adapter: Any, states: dict[str, Any]) -> None:
@@ -411,29 +566,82 @@ def _check_keys(sd_adapter: Any, states: dict[str, Any]) -> None:
         logger.warning("could not check that to_hf keeps every EMA key: %r", error)
 
 
-def _holds(checkpoint_id: str, key: str) -> bool:
-    """Whether the DCP checkpoint at ``checkpoint_id`` has entries under ``key``, from its
-    metadata read by :func:`dtensor_ema.reader.open_checkpoint` (no code run); ``True``
-    where there is no local checkpoint folder to read (a remote path): the load decides.
+def _saved_ema(checkpoint_id: str) -> dict[str, set[str]] | None:
+    """The EMAs of the DCP checkpoint at ``checkpoint_id`` (``name -> fqns`` of its ``ema``
+    entry; ``{}`` when it has none), from its metadata read by
+    :func:`dtensor_ema.reader.open_checkpoint` (no code run); ``None`` where there is no
+    local checkpoint folder to read (a remote path): the load decides.
 
     Raises:
-        CheckpointError: ``.metadata`` would run code when unpickled (before torchtitan's
-            plain DCP load reads it).
+        CheckpointError: ``.metadata`` would run code when unpickled.
     """
     try:
         checkpoint = open_checkpoint(checkpoint_id)
     except FileNotFoundError:
-        return True
-    return key in checkpoint.top_level_keys()
+        return None
+    out: dict[str, set[str]] = {}
+    for key in checkpoint.entries_under((EMA,)):
+        parts = str(key).split(".", 3)
+        if len(parts) == 4 and parts[2] == EMA_TENSORS:
+            out.setdefault(parts[1], set()).add(parts[3])
+        elif len(parts) >= 2:
+            out.setdefault(parts[1], set())
+    return out
 
 
-def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+_FUSED, _UNFUSED = "wqkv", ("wq", "wk", "wv")
+
+
+def _qkv_mismatch(saved: set[str], ours: set[str]) -> tuple[str, str] | None:
+    """``(saved fqn, our fqn)`` of one attention projection that one side keeps fused
+    (torchtitan's ``FusedQKVLinear``: ``<prefix>wqkv.weight``) and the other unfused
+    (``<prefix>wq.weight``, ``wk``, ``wv``); ``None`` when there is none."""
+    for fused_side, unfused_side in ((saved, ours), (ours, saved)):
+        for fqn in sorted(fused_side - unfused_side):
+            prefix, _, leaf = fqn.rpartition(".")
+            module_prefix, _, module = prefix.rpartition(".")
+            if module != _FUSED:
+                continue
+            split = [f"{module_prefix}.{w}.{leaf}" for w in _UNFUSED]
+            if all(k in unfused_side for k in split):
+                pair = (fqn, ", ".join(split))
+                return pair if fused_side is saved else (pair[1], pair[0])
+    return None
+
+
+def _refuse_qkv_mismatch(
+    ema: TorchtitanEMA, saved: dict[str, set[str]], checkpoint_id: str
+) -> None:
+    """Raise ``ValueError`` when the checkpoint's EMA and this model disagree on fused QKV."""
+    for name in ema.names:
+        if name not in saved:
+            continue
+        ours = {k for emas in ema.parts for k in emas[name].state_dict()[EMA_TENSORS]}
+        found = _qkv_mismatch(saved[name], ours)
+        if found is None:
+            continue
+        theirs, mine = found
+        fused_here = mine.endswith(("wqkv.weight", "wqkv.bias"))
+        raise ValueError(
+            f"checkpoint {checkpoint_id}: its EMA {name!r} holds the Q/K/V projections "
+            f"{'unfused' if fused_here else 'fused'} ({theirs}), this model has them "
+            f"{'fused' if fused_here else 'unfused'} ({mine}). The checkpoint's 'ema' entry "
+            "keeps the EMA's own parameters (a fused wqkv stays fused), so it resumes only "
+            "into a model with the same QKV setting. Resume with the checkpoint's setting, "
+            "or start from the EMA's weights in torchtitan's keys (wq/wk/wv, which load "
+            "into either setting): the model-only folder the final save writes, "
+            "--checkpoint.initial_load_path <checkpoint folder>/step-N/ema/<name> with "
+            "--checkpoint.initial_load_model_only and a new --checkpoint.folder (the EMA "
+            "then restarts from those weights)"
+        )
+
+
+def _full_model_state(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
     """The model's ``state_dict()`` (its hooks applied, as torchtitan's checkpoints see it)
-    as full CPU tensors on rank 0, empty elsewhere. Collective: one ``full_tensor()`` per
-    DTensor, over its mesh, in the same order on every rank; a rank holds one gathered
+    as full CPU tensors where ``keep``, empty elsewhere. Collective: one ``full_tensor()``
+    per DTensor, over its mesh, in the same order on every rank; a rank holds one gathered
     tensor at a time beyond what the model's hooks return. (torch's
     ``get_model_state_dict`` cannot: it looks the hook-made keys up as attributes.)"""
-    keep = not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
