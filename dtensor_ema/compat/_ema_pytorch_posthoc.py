@@ -252,7 +252,7 @@ class PostHocEMA(nn.Module):
         first = self.calls == 0
         due = self.calls % self.update_every == 0
         t = self.calls + 2  # ema-pytorch's beta at call s is the power schedule at t = s + 1
-        self._engine._update_at(self.calls + 1, t if due else None, t if first else 1)
+        self._engine.update_at(self.calls + 1, t if due else None, t if first else 1)
         self.calls += 1
         every = self.checkpoint_every_num_steps
         if every != "manual" and self.calls % every == 0:

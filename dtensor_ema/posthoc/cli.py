@@ -24,8 +24,8 @@ from dtensor_ema.phema_math import profile_density, sigma_rel_to_gamma
 from dtensor_ema.posthoc.snapshots import list_snapshots
 from dtensor_ema.posthoc.synthesis import (
     Term,
-    _merge_terms,
     merge_snapshots,
+    merge_terms,
     plan_synthesis,
     synthesize,
 )
@@ -157,7 +157,7 @@ def _merge(args: argparse.Namespace) -> None:
     _note_untracked(list_snapshots(args.snapshot_dir)[-1].untracked)
     plot = args.plot or _default_plot(args.out, "weights")
     if plot is not None:
-        terms = _merge_terms(
+        terms = merge_terms(
             args.snapshot_dir, last=args.last, weights=weights, sigma_rel=args.sigma_rel
         )
         _plot_weights(terms, Path(plot))

@@ -289,13 +289,16 @@ class PostHocEMA:
             self.snapshot()
 
     @torch.no_grad()
-    def _update_at(self, steps: int, t: int | None = None, delta: int = 1) -> None:
+    def update_at(self, steps: int, t: int | None = None, delta: int = 1) -> None:
         """Count update call ``steps``; with ``t``, also update at that explicit time. Local.
 
         For facades whose clock is not :meth:`update`'s (ema-pytorch counts calls, averages
         on every ``update_every``-th one with ``beta = (1 - 1/(calls + 1)) ** (gamma + 1)``,
         and names snapshots by calls): the decay is ``power_beta(gamma, t, delta)``
         (``delta == t`` copies the model). Takes no snapshot.
+
+        Raises:
+            ValueError: ``delta`` not in ``(0, t]``; nothing changed.
         """
         if t is not None:
             power_beta(0.0, t, delta)  # validates 0 < delta <= t before anything changes

@@ -52,7 +52,14 @@ from dtensor_ema.posthoc.snapshots import Snapshot, check_compatible, dtype_from
 from dtensor_ema.reader import Checkpoint, CheckpointError, open_checkpoint
 from dtensor_ema.state_file import check_destination, write_state_file
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Term", "merge_snapshots", "plan_synthesis", "synthesize"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Term",
+    "merge_snapshots",
+    "merge_terms",
+    "plan_synthesis",
+    "synthesize",
+]
 
 DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
 """Bytes of float64 accumulator per bucket."""
@@ -149,13 +156,19 @@ def plan_synthesis(
     return terms, error
 
 
-def _merge_terms(
+def merge_terms(
     snapshot_dir: str | os.PathLike[str],
     *,
     last: int | None,
     weights: Mapping[int, float] | None,
     sigma_rel: float | None,
 ) -> list[Term]:
+    """The terms :func:`merge_snapshots` combines (its arguments' meaning), from the
+    manifests alone. Local.
+
+    Raises:
+        ValueError: as for :func:`merge_snapshots`.
+    """
     if (last is None) == (weights is None):
         raise ValueError("pass exactly one of last=K (uniform average) or weights={step: w}")
     available = list_snapshots(snapshot_dir)
@@ -352,7 +365,7 @@ def merge_snapshots(
             untracked ``sigma_rel``, or snapshots of different models.
         CheckpointError: as for :func:`synthesize`.
     """
-    terms = _merge_terms(snapshot_dir, last=last, weights=weights, sigma_rel=sigma_rel)
+    terms = merge_terms(snapshot_dir, last=last, weights=weights, sigma_rel=sigma_rel)
     group = _group(process_group)
     (target,) = _targets(out, format, ["merged"], group)
     state = combine(
