@@ -21,14 +21,14 @@ from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mes
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.reader import existing_checkpoint, open_checkpoint
 from dtensor_ema.state import EMA_TENSORS
+from dtensor_ema.state_file import SUFFIXES, check_destination, write_state_file
 
-__all__ = ["DEFAULT_EXPORT_BUCKET_BYTES", "convert_checkpoint", "export_ema"]
+__all__ = ["DEFAULT_EXPORT_BUCKET_BYTES", "SUFFIXES", "convert_checkpoint", "export_ema"]
 
 DEFAULT_EXPORT_BUCKET_BYTES = 64 * 1024 * 1024
 """Gathered bytes per all-gather during export: bounds the transient buffers of every rank."""
 
 _EMA_TENSORS = EMA_TENSORS
-_TMP_SUFFIX = ".partial"
 
 
 def export_ema(
@@ -87,7 +87,7 @@ def export_ema(
 def _export(ema: ModelEMA, path: Path, bucket_bytes: int) -> None:
     mesh = ema.mesh
     writer = is_mesh_first(mesh)
-    error: Exception | None = _check_destination(path) if writer else None
+    error: Exception | None = check_destination(path) if writer else None
     if path.suffix == ".safetensors" and error is None:
         try:
             import safetensors.torch  # noqa: F401
@@ -109,7 +109,7 @@ def _export(ema: ModelEMA, path: Path, bucket_bytes: int) -> None:
         metadata["from_model"] = json.dumps(ema.untracked)
     if writer:
         try:
-            _write_file(state, path, metadata)
+            write_state_file(state, path, metadata)
         except (OSError, RuntimeError, ValueError) as e:
             error = e
     del state
@@ -155,7 +155,7 @@ def convert_checkpoint(
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (nothing
             was run), a checksum differs (``verify=True``), or DCP failed.
     """
-    error = _check_destination(Path(path))
+    error = check_destination(Path(path))
     if error is not None:
         raise error
     checkpoint = open_checkpoint(existing_checkpoint(Path(checkpoint_dir)))
@@ -188,58 +188,5 @@ def convert_checkpoint(
         for k, v in state[key].items()
         if k != _EMA_TENSORS
     }
-    _write_file(tensors, Path(path), saved)
+    write_state_file(tensors, Path(path), saved)
     return tensors
-
-
-SUFFIXES = (".pt", ".pth", ".safetensors")
-"""File suffixes :func:`export_ema` and :func:`convert_checkpoint` write: ``torch.save`` for
-``.pt``/``.pth``, safetensors for ``.safetensors``."""
-
-
-def _check_destination(path: Path) -> ValueError | FileNotFoundError | None:
-    """A known suffix and an existing parent directory, else the error (nothing is created)."""
-    if path.suffix not in SUFFIXES:
-        return ValueError(
-            f"cannot export to {path}: unknown suffix {path.suffix!r}; use one of {SUFFIXES} "
-            "(.pt/.pth are written with torch.save, .safetensors with safetensors)"
-        )
-    if not path.parent.is_dir():
-        return FileNotFoundError(
-            f"cannot export to {path}: the directory {path.parent} does not exist (create it "
-            "first; export does not create directories)"
-        )
-    return None
-
-
-def _write_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write ``state`` to ``path`` by way of a temporary sibling (never a torn file)."""
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        unique, aliases = _dedup_shared(state)
-        meta = {"format": "pt", **{f"dtensor_ema.{k}": v for k, v in metadata.items()}}
-        if aliases:
-            meta["dtensor_ema.tied"] = json.dumps(aliases)
-        save_file(unique, str(tmp), metadata=meta)
-    else:
-        torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _dedup_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors refuses tensors that share memory: keep the first name of each."""
-    seen: dict[tuple[int, int], str] = {}
-    unique: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for k, v in state.items():
-        ident = (
-            (v.untyped_storage().data_ptr(), int(v.storage_offset())) if v.numel() else (id(v), 0)
-        )
-        if ident in seen:
-            aliases[k] = seen[ident]
-        else:
-            seen[ident] = k
-            unique[k] = v.contiguous()
-    return unique, aliases

@@ -8,6 +8,10 @@ their bytes per rank. :func:`export_peft_adapter` gathers them to one rank and w
 its ``base_model_name_or_path`` are peft's), with the EMA's weights in place of the
 training weights. ``PeftModel.from_pretrained(base_model, path)`` loads it.
 ``export_ema(ema, path, format="peft")`` calls it.
+
+:func:`save_peft_adapter` writes the same directory from a state dict in one process: the
+EMA that :func:`~dtensor_ema.synthesize` rebuilds from the snapshots of
+``PostHocEMA(peft_model, track="trainable")``, or any ``fqn -> tensor`` dict of the adapter.
 """
 
 from __future__ import annotations
@@ -16,16 +20,18 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mesh_agree
 from dtensor_ema.model_ema import ModelEMA
 
-__all__ = ["ADAPTER_FILES", "export_peft_adapter"]
+__all__ = ["ADAPTER_FILES", "export_peft_adapter", "save_peft_adapter"]
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 """What :func:`export_peft_adapter` writes into its directory (peft's file names)."""
@@ -106,16 +112,89 @@ def _export(
     state = ema.get_ema_state_dict(
         only_rank0_receives=global_first, cpu_offload=True, bucket_bytes=bucket_bytes
     )
-    updates = ema.updates
+    info = {"dtensor_ema.updates": str(ema.updates)}
     written: dict[str, torch.Tensor] | None = None
     if writer:
         try:
-            written = _write(peft_model, adapter_name, state, path, updates)
+            written = _write(peft_model, adapter_name, state, path, info)
         except (OSError, RuntimeError, ValueError) as e:
             error = e
     del state
     mesh_agree(mesh, error, f"writing the EMA adapter to {path}")
     return written
+
+
+def save_peft_adapter(
+    peft_model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    adapter_name: str = "default",
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write ``state``'s values of ``adapter_name``'s tensors as a PEFT adapter directory.
+    Local (one process; no communication).
+
+    For an EMA that is a state dict rather than a live :class:`~dtensor_ema.ModelEMA`: the
+    result of :func:`~dtensor_ema.synthesize` or :func:`~dtensor_ema.merge_snapshots` on
+    the snapshots of ``PostHocEMA(peft_model, track="trainable")``. ``state`` is keyed like
+    ``peft_model.state_dict()`` (extra keys, such as base weights, are ignored) and must
+    hold every tensor of the adapter, as full tensors (a distributed synthesis returns
+    ``Shard(0)`` DTensors: call ``full_tensor()`` on every rank, then write from one).
+    Writes what :func:`export_peft_adapter` writes (peft's own ``save_pretrained``;
+    :data:`ADAPTER_FILES`; the tensors in ``state``'s dtypes), with ``metadata`` added to
+    the safetensors metadata (``dtensor_ema.tensors = "adapter"`` always).
+    ``PeftModel.from_pretrained(base_model, path)`` loads it.
+
+    Returns:
+        The ``key -> tensor`` dict that was written (peft's keys).
+
+    Raises:
+        ImportError: ``peft`` or ``safetensors`` is not installed.
+        TypeError: ``peft_model`` is not a ``PeftModel``, or ``state`` holds DTensors.
+        ValueError: an unknown ``adapter_name``, or adapter tensors missing from ``state``
+            (naming them).
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+
+    Peak extra memory: one copy of the adapter's tensors (peft's selection, re-read once to
+    add the metadata).
+    """
+    model = _peft_model(peft_model, adapter_name)
+    sharded = [k for k, v in state.items() if isinstance(v, DTensor)]
+    if sharded:
+        raise TypeError(
+            f"save_peft_adapter needs full tensors, got DTensors {sharded[:3]}: call "
+            "full_tensor() on each (on every rank), then save from one rank"
+        )
+    needed = _adapter_fqns(model, adapter_name)
+    missing = [k for k in needed if k not in state]
+    if missing:
+        raise ValueError(
+            f"state lacks {len(missing)} tensors of adapter {adapter_name!r}: {missing[:5]}; "
+            "it must hold every adapter tensor (snapshots of PostHocEMA(model, "
+            "track='trainable') do, while the adapter trains)"
+        )
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"cannot write the adapter to {target}: the directory {target.parent} does not exist"
+        )
+    chosen = {k: state[k] for k in needed}
+    return _write(model, adapter_name, chosen, target, dict(metadata or {}))
+
+
+def _adapter_fqns(peft_model: Any, adapter_name: str) -> list[str]:
+    """Model keys of ``adapter_name``'s tensors, in state-dict order. Local.
+
+    Peft decides which tensors form the adapter: it is asked to select from meta
+    placeholders of every model tensor, and its picks are traced back by identity.
+    """
+    shapes = {k: v.shape for k, v in peft_model.state_dict(keep_vars=True).items()}
+    placeholders = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    owner = {id(v): k for k, v in placeholders.items()}
+    selected = _adapter_keys(peft_model, adapter_name, placeholders)
+    picked = {owner.get(id(v)) for v in selected.values()}
+    return [k for k in placeholders if k in picked]
 
 
 def _peft_model(model: nn.Module, adapter_name: str) -> Any:
@@ -169,7 +248,7 @@ def _write(
     adapter_name: str,
     state: dict[str, torch.Tensor],
     path: Path,
-    updates: int,
+    info: dict[str, str],
 ) -> dict[str, torch.Tensor]:
     """Peft's ``save_pretrained`` into a temporary sibling, metadata added, files moved in."""
     from safetensors import safe_open
@@ -190,7 +269,7 @@ def _write(
             metadata = dict(f.metadata() or {})
         metadata.update(
             {
-                "dtensor_ema.updates": str(updates),
+                **info,
                 "dtensor_ema.tensors": "adapter",
                 "dtensor_ema.adapter_name": adapter_name,
             }

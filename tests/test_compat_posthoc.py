@@ -63,7 +63,21 @@ OPTIONS: dict[str, tuple[dict[str, Any], list[tuple[float | None, float | None, 
         ),
         [(0.08, None, None)],
     ),
+    # ema-pytorch's ignore_names / ignore_startswith_names: those tensors (frozen here, as
+    # one ignores them) are neither averaged, stored, nor summed
+    "ignore": (
+        dict(
+            sigma_rels=(0.05, 0.1),
+            update_every=2,
+            checkpoint_every_num_steps=4,
+            ignore_names={"body.1.weight"},
+            ignore_startswith_names={"body.3."},
+        ),
+        [(0.12, None, None)],
+    ),
 }
+IGNORED = {"body.1.weight", "body.3.weight", "body.3.bias"}
+"""What the ``ignore`` option leaves out (and freezes before training)."""
 
 
 class Net(nn.Module):
@@ -89,7 +103,11 @@ def _floats(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Te
     }
 
 
-def _layout(layout: str, world: int) -> tuple[nn.Module, nn.Module, nn.Module]:
+def _layout(
+    layout: str,
+    world: int,
+    frozen: set[str] = frozenset(),  # type: ignore[assignment]
+) -> tuple[nn.Module, nn.Module, nn.Module]:
     """``(model trained, model the drop-in tracks, plain model the real EMA tracks)``.
 
     ``none``: one plain model for all three. ``ddp``: the real EMA watches DDP's replica.
@@ -98,6 +116,8 @@ def _layout(layout: str, world: int) -> tuple[nn.Module, nn.Module, nn.Module]:
     :func:`_mirror_` sets to the sharded model's full weights after every step.
     """
     net = Net()
+    for name, p in net.named_parameters():
+        p.requires_grad_(name not in frozen)
     if layout == "none":
         return net, net, net
     if layout == "ddp":
@@ -125,7 +145,7 @@ def _body(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
     layouts = ["none"] if not world else ["ddp", "fsdp2"]
     out: dict[str, dict[str, Any]] = {layout: {} for layout in layouts}
     for layout, (name, (options, requests)) in itertools.product(layouts, OPTIONS.items()):
-        model, tracked, mirror = _layout(layout, world)
+        model, tracked, mirror = _layout(layout, world, IGNORED if name == "ignore" else set())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ours_dir = Path(root) / f"ours-{layout}-{name}"
         real_dir = Path(root) / f"real-{layout}-{name}-rank{rank}"
@@ -256,6 +276,14 @@ def _read_snapshot(path: Path, key: str, like: dict[str, torch.Tensor]) -> dict[
     return state[key]
 
 
+def _kept(real: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """ema-pytorch's tensors that ours stores: all but the ignored ones."""
+    if name != "ignore":
+        return real
+    assert real.keys() >= IGNORED  # ema-pytorch's model and files hold them
+    return {k: v for k, v in real.items() if k not in IGNORED}
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
@@ -270,7 +298,7 @@ def test_profiles_bit_exact(runs: dict[str, dict[str, Any]], cell: str, name: st
     assert run["step"][0] == run["step"][1] == STEPS
     for ours, real in zip(run["ours"], run["real"], strict=True):
         assert all(torch.isfinite(v).all() for v in real.values())
-        assert _equal(ours, real)
+        assert _equal(ours, _kept(real, name))
     for ours, real in zip(run["forwards"], run["real_forwards"], strict=True):
         assert torch.equal(ours, real)
 
@@ -289,7 +317,7 @@ def test_checkpoint_tensors_bit_exact(
     assert len(real_files) == 2 * len(ours)
     for f in real_files:
         index, step = map(int, f.stem.split("."))
-        real = _floats(torch.load(f, weights_only=True), "ema_model.")
+        real = _kept(_floats(torch.load(f, weights_only=True), "ema_model."), name)
         assert all(v.dtype == torch.float16 for v in real.values())
         assert _equal(_read_snapshot(ours[step], f"p{index}", real), real), f.name
 
@@ -333,6 +361,7 @@ def test_synthesized_matches(runs: dict[str, dict[str, Any]], cell: str, name: s
         ref, bound = _reference(run, g, step)
         assert math.isfinite(bound) and all(torch.isfinite(v).all() for v in ref.values())
         seen_followed = "seen" in OPTIONS[name][0].get("param_or_buffer_names_no_ema", ())
+        assert set(ours) == set(_kept(ref, name))  # ignored tensors: not synthesized
         compared = {k: v for k, v in ours.items() if not (seen_followed and k == "seen")}
         assert _equal(compared, {k: ref[k] for k in compared})
         for k in compared:
@@ -376,7 +405,6 @@ def test_engine_takes_exact_gammas(tmp_path: Path) -> None:
     "kwargs, match",
     [
         (dict(sigma_rels=(0.05, 0.1), ema_model=Net), "ema_model"),
-        (dict(sigma_rels=(0.05, 0.1), ignore_names={"seen"}), "ignore_names"),
         (dict(sigma_rels=(0.05, 0.1), frozen=True), "frozen"),
         (dict(), "sigma_rels or gammas"),
         (dict(gammas=(5.0,)), "at least 2"),

@@ -7,10 +7,20 @@ Two spawns: W=2 writes snapshots and a PostHocEMA checkpoint; W=3 runs everythin
 reference (a power-function EMA with plain ``lerp_`` on full tensors) runs in this process
 on the same model trajectory: step ``s`` adds a seeded random delta to every float tensor
 (computed in full and sliced for sharded parameters) and 1 to integer buffers.
+
+Issue 34 (post-hoc EMA of what you train): a GPT-2 LoRA under DDP with
+``track="trainable"`` at W=1 (a third spawn) and the uneven W=3: profiles bit for bit, each
+rank's snapshot chunks exactly its ``1/W`` of the adapters, distributed synthesis equal to
+one process, and the synthesized adapter loading with ``PeftModel.from_pretrained``.
+Issue 35: crafted snapshot folders (built here before the spawns) refused on every rank at
+W=1 and W=2, nothing written.
 """
 
 from __future__ import annotations
 
+import math
+import re
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +29,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from crafted import checkpoints_under, refused_globals
+from crafted_snapshots import (
+    copy_run,
+    edit_manifest,
+    foreign_data,
+    link_outside,
+    shrink_chunk,
+)
 from dist_harness import run_ranks
 from models import make_model
 from torch import nn
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -93,6 +111,107 @@ def _full_emas(ph: PostHocEMA) -> list[dict[str, torch.Tensor]]:
     return [ph.profile(s).get_ema_state_dict() for s in SIGMAS]
 
 
+# ----------------------------------------------------------------- issue 34: LoRA, track=
+LORA_STEPS = 6
+
+
+@torch.no_grad()
+def perturb_trainable_(model: nn.Module, step: int) -> None:
+    """Each trainable parameter gets a seeded delta (the same at any W)."""
+    for fqn, p in model.named_parameters():
+        if p.requires_grad:
+            g = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(fqn.encode()))
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _lora_run(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """PostHocEMA(DDP(GPT-2 LoRA), track="trainable"), snapshots every 3 updates; the
+    distributed synthesis of sigma_rel 0.08, whose full tensors rank 0 saves as a PEFT
+    adapter."""
+    from models import peft_lora
+
+    from dtensor_ema.peft_export import save_peft_adapter
+
+    model = peft_lora("gpt2")
+    snaps = root / f"lora_w{world}"
+    ph = PostHocEMA(DDP(model), SIGMAS, snapshot_every=3, snapshot_dir=snaps, track="trainable")
+    for step in range(1, LORA_STEPS + 1):
+        perturb_trainable_(model, step)
+        ph.update()
+    out: dict[str, Any] = {"emas": _full_emas(ph), "untracked": ph.untracked}
+    out["local_nbytes"] = [ph.profile(s).local_nbytes() for s in SIGMAS]
+    sd = synthesize(snaps, 0.08)
+    out["synth_local_numel"] = sum(
+        v.to_local().numel() for v in sd.values() if isinstance(v, DTensor)
+    )
+    try:  # the sharded result must be gathered first
+        save_peft_adapter(model, sd, root / f"lora_refused_w{world}_rank{rank}")
+        out["sharded_refused"] = "written"
+    except TypeError as e:
+        out["sharded_refused"] = str(e)
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+    out["synth"] = full
+    if rank == 0:
+        save_peft_adapter(model, full, root / f"lora_adapter_w{world}")
+    dist.barrier()
+    return out
+
+
+# ----------------------------------------------------------------- issue 35: crafted folders
+BAD = ("another run's data", "rows in no chunk", "profile key", "altered t", "folder outside")
+
+
+def bad_root(root: Path) -> Path:
+    """Where the crafted folders live: beside ``root``, so that the checks of everything
+    written under ``root`` (the restricted unpickler's) never meet them."""
+    return root.with_name(root.name + "_bad")
+
+
+def craft_bad_snapshots(root: Path) -> None:
+    """``<bad_root>/bad/<case>``: copies of a clean one-process run, each with one thing
+    wrong."""
+    root = bad_root(root)
+    root.mkdir()
+    clean = root / "bad_clean"
+    ph = PostHocEMA(make_model("edge"), SIGMAS, snapshot_every=4, snapshot_dir=clean)
+    for step in range(1, 9):
+        perturb_(ph.emas.model, step)
+        ph.update()
+    other = PostHocEMA(nn.Linear(3, 2), SIGMAS, snapshot_dir=root / "bad_other")
+    for _ in range(8):
+        other.update()
+    foreign = other.snapshot()
+    last = "step-000000000008"
+    (root / "bad").mkdir()
+    (root / "bad_outside").mkdir()
+    runs = {case: copy_run(clean, root / "bad" / case) for case in BAD}
+    foreign_data(runs["another run's data"] / last, foreign)
+    shrink_chunk(runs["rows in no chunk"] / last, "p0.odd", 8)
+    edit_manifest(runs["profile key"] / last, lambda m: m["profiles"][1].update(key="followed"))
+    edit_manifest(runs["altered t"] / last, lambda m: m.update(t=9), sealed=False)
+    link_outside(runs["folder outside"], root / "bad_outside", last)
+
+
+def _refusals(rank: int, world: int, root: Path) -> dict[str, str]:
+    """``synthesize`` (distributed, writing DCP) of every crafted folder: what it raised."""
+    root = bad_root(root)
+    out: dict[str, str] = {}
+    for case in BAD:
+        target = root / f"bad_out_w{world}_{case.replace(' ', '_')}"
+        try:
+            synthesize(root / "bad" / case, 0.08, out=target)
+            out[case] = "returned"
+        except Exception as e:  # every rank must raise, none may hang
+            out[case] = f"{type(e).__name__}: {e}"
+        out[f"{case} wrote"] = str(target.exists())
+    dist.barrier()
+    return out
+
+
+def _body_w1(rank: int, world: int, root: str) -> dict[str, Any]:
+    return {"lora": _lora_run(rank, world, Path(root)), "bad": _refusals(rank, world, Path(root))}
+
+
 def _body_w2(rank: int, world: int, root: str) -> dict[str, Any]:
     root_path = Path(root)
     model = make_model("edge")
@@ -117,6 +236,7 @@ def _body_w2(rank: int, world: int, root: str) -> dict[str, Any]:
         ph_hsdp.update()
     out["hsdp"] = _full_emas(ph_hsdp)
     out["hsdp_local"] = ph_hsdp.profile(0.05).local_numel()
+    out["bad"] = _refusals(rank, world, root_path)
     return out
 
 
@@ -164,6 +284,7 @@ def _body_w3(rank: int, world: int, root: str) -> dict[str, Any]:
     out["ema_loaded"] = ema.get_ema_state_dict()
     merged = merge_snapshots(root_path / "snaps_w2", last=3)
     out["merged"] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in merged.items()}
+    out["lora"] = _lora_run(rank, world, root_path)
     dist.barrier()
     return out
 
@@ -171,9 +292,11 @@ def _body_w3(rank: int, world: int, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("phema_dist")
+    craft_bad_snapshots(root)
+    w1 = run_ranks(_body_w1, 1, root, str(root))
     w2 = run_ranks(_body_w2, 2, root, str(root))
     w3 = run_ranks(_body_w3, 3, root, str(root))
-    return {"root": root, "w2": w2, "w3": w3}
+    return {"root": root, "w1": w1, "w2": w2, "w3": w3}
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -270,3 +393,137 @@ def test_snapshots_of_every_layout_are_read_with_the_restricted_unpickler(
     parents = {d.parent.name for d in directories}
     assert parents >= {"snaps_w2", "snaps_hsdp", "snaps_fsdp"}, parents
     assert {str(d): refused_globals(d) for d in directories} == {str(d): set() for d in directories}
+
+
+# ----------------------------------------------------------------- issue 34: LoRA, track=
+def _lora_refs(gammas: tuple[float, ...]) -> tuple[list[str], list[str], list[dict]]:
+    from models import peft_lora
+
+    model = peft_lora("gpt2")
+    adapter = [k for k, p in model.named_parameters() if p.requires_grad]
+    seen: set[int] = set()
+    floats = []  # tied duplicates once (GPT-2's lm_head.weight is wte.weight)
+    for k, v in model.state_dict(keep_vars=True).items():
+        if v.is_floating_point() and id(v) not in seen:
+            floats.append(k)
+        seen.add(id(v))
+    refs: list[dict[str, torch.Tensor]] = [{} for _ in gammas]
+    for step in range(1, LORA_STEPS + 1):
+        perturb_trainable_(model, step)
+        for gamma, ref in zip(gammas, refs, strict=True):
+            beta = (1 - 1 / step) ** (gamma + 1)
+            for k, p in model.named_parameters():
+                if k in adapter:
+                    ref.setdefault(k, p.detach().clone()).lerp_(p.detach(), 1 - beta)
+    return adapter, [k for k in floats if k not in adapter], refs
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_lora_profiles_bit_exact_and_only_the_adapters(runs: dict[str, Any], world: int) -> None:
+    gammas = runs["w2"][0]["gammas"]
+    adapter, untracked, refs = _lora_refs(gammas)
+    for result in runs[f"w{world}"]:
+        lora = result["lora"]
+        assert lora["untracked"] == untracked
+        for got, ref in zip(lora["emas"], refs, strict=True):
+            assert list(got) == adapter
+            _assert_equal(got, ref, f"LoRA W={world}")
+
+
+def _rows(n: int, world: int, rank: int) -> int:
+    """Rows of a dim-0 split of ``n`` rows that rank ``rank`` of ``world`` holds."""
+    c = math.ceil(n / world)
+    offset = min(rank * c, n)
+    return max(0, min(n, offset + c) - offset)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_lora_snapshots_hold_one_wth_of_the_adapters_per_rank(
+    runs: dict[str, Any], world: int
+) -> None:
+    """Each rank's data file holds exactly its rows of each adapter tensor, for both
+    profiles (read from the snapshot's own ``.metadata``), and its EMA that many bytes."""
+    adapter, _, refs = _lora_refs(runs["w2"][0]["gammas"])
+    want = [
+        2 * sum(_rows(v.shape[0], world, r) * v[0].numel() * 4 for v in refs[0].values())
+        for r in range(world)
+    ]
+    total = 2 * sum(v.numel() * 4 for v in refs[0].values())
+    assert sum(want) == total
+    snaps = sorted((runs["root"] / f"lora_w{world}").glob("step-*"))
+    assert [s.name for s in snaps] == ["step-000000000003", "step-000000000006"]
+    for snap in snaps:
+        metadata = dcp.FileSystemReader(str(snap)).read_metadata()  # our own file
+        assert set(metadata.state_dict_metadata) == {f"p{i}.{k}" for i in range(2) for k in adapter}
+        per_rank = [0] * world
+        for fqn, md in metadata.state_dict_metadata.items():
+            for chunk in md.chunks:
+                index = MetadataIndex(fqn, chunk.offsets)
+                writer = re.match(r"__(\d+)_", metadata.storage_data[index].relative_path)
+                assert writer is not None
+                per_rank[int(writer.group(1))] += chunk.sizes.numel() * 4
+        assert per_rank == want, (snap.name, per_rank, want)
+    for rank, result in enumerate(runs[f"w{world}"]):
+        assert sum(result["lora"]["local_nbytes"]) == want[rank]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_lora_distributed_synthesis_and_peft_adapter(runs: dict[str, Any], world: int) -> None:
+    import peft
+    from models import transformers_base
+
+    snaps = runs["root"] / f"lora_w{world}"
+    single = synthesize(snaps, 0.08)
+    adapter, _, refs = _lora_refs(runs["w2"][0]["gammas"])
+    assert list(single) == adapter
+    _assert_equal(synthesize(snaps, SIGMAS[1]), refs[1], "tracked profile")
+    total = sum(v.numel() for v in single.values())
+    for rank, result in enumerate(runs[f"w{world}"]):
+        _assert_equal(result["lora"]["synth"], single, f"W={world} synthesize")
+        assert result["lora"]["sharded_refused"].startswith(
+            "save_peft_adapter needs full tensors, got DTensors"
+        ), result["lora"]["sharded_refused"]
+        assert not (runs["root"] / f"lora_refused_w{world}_rank{rank}").exists()
+        assert result["lora"]["synth_local_numel"] <= math.ceil(total / world) * 2
+    loaded = peft.PeftModel.from_pretrained(
+        transformers_base("gpt2"), str(runs["root"] / f"lora_adapter_w{world}")
+    )
+    _assert_equal(loaded.state_dict(), single, "adapter loaded by PeftModel.from_pretrained")
+
+
+# ----------------------------------------------------------------- issue 35: crafted folders
+REFUSED = {
+    "another run's data": (
+        "CheckpointError",
+        r"step-000000000008: its data has no entry 'p\d\.[\w.]+', which its manifest names",
+    ),
+    "rows in no chunk": (
+        "CheckpointError",
+        r"'p0\.odd'.* rows 8-12",
+    ),
+    "profile key": (
+        "SnapshotError",
+        r"profiles\[1\]\['key'\] must be 'p1' \(where profile 1 is stored\), got 'followed'",
+    ),
+    "altered t": ("SnapshotError", "its checksum does not match its content"),
+    "folder outside": ("SnapshotError", "is a symlink to .*, outside the snapshot directory"),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", BAD)
+def test_crafted_snapshots_refused_on_every_rank(
+    runs: dict[str, Any], world: int, case: str
+) -> None:
+    """Every rank raises (none hangs, none returns ``torch.empty`` values), nothing is
+    written; at W=2 the data checks are agreed, so both ranks raise the same message."""
+    kind, pattern = REFUSED[case]
+    seen = {result["bad"][case] for result in runs[f"w{world}"]}
+    assert len(seen) == 1, seen  # the same message on every rank
+    (message,) = seen
+    agreed = world > 1 and kind == "CheckpointError"
+    assert message.startswith(f"{kind}: "), message
+    if agreed:
+        assert "reading the snapshots' metadata failed on ranks [0, 1]" in message, message
+    assert re.search(pattern, message), message
+    assert all(result["bad"][f"{case} wrote"] == "False" for result in runs[f"w{world}"])

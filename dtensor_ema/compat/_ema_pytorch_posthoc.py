@@ -22,11 +22,20 @@ ema-pytorch 0.8.3's (``tests/test_compat_posthoc.py``):
   float32 rounding (a few ulps), and ours do not depend on the file system's listing order.
   :func:`dtensor_ema.synthesize` on the same folder gives EDM2's own reconstruction.
 
+``ignore_names`` (exact names) and ``ignore_startswith_names`` (plain string prefixes of
+the names) leave tensors out as ema-pytorch does (neither averaged nor copied, nor summed by
+``synthesize_ema_model``), as the engine's ``track=`` predicate: an ignored tensor is not
+stored at all (snapshots and memory hold the other tensors only, ``1/W`` per rank) and is
+read from the model wherever a whole model is needed. ``param_or_buffer_names_no_ema``
+names that are also ignored are ignored, as in ema-pytorch.
+
 Deliberate differences: integer buffers follow the model (ema-pytorch keeps their
-construction values); ``ema_models[i].ema_model`` and the synthesized model are sharded
-EMA modules (their forward is collective); ``ema_model``, ``ignore_names``,
-``ignore_startswith_names`` and ``frozen=True`` are refused (``ValueError``);
-``state_dict()`` is the engine's (sharded, for ``dcp.save``).
+construction values); ignored tensors in ``ema_models[i].ema_model`` are the model's live
+ones (ema-pytorch's copy keeps their values of the first update, and its checkpoints store
+them; for the frozen tensors one ignores, the same values); ``ema_models[i].ema_model`` and
+the synthesized model are sharded EMA modules (their forward is collective); ``ema_model``
+and ``frozen=True`` are refused (``ValueError``); ``state_dict()`` is the engine's
+(sharded, for ``dcp.save``).
 """
 
 from __future__ import annotations
@@ -42,21 +51,32 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema._collectives import group_of
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import TrackSpec
 from dtensor_ema.phema_math import profile_inner
 from dtensor_ema.phema_math import sigma_rel_to_gamma as _newton_gamma
 from dtensor_ema.posthoc import PostHocEMA as _Engine
 from dtensor_ema.posthoc import Term, list_snapshots
 from dtensor_ema.posthoc.synthesis import combine
 
-__all__ = ["KarrasEMA", "PostHocEMA", "sigma_rel_to_gamma"]
+__all__ = ["KarrasEMA", "NotIgnored", "PostHocEMA", "sigma_rel_to_gamma"]
 
-_REFUSED: dict[str, Any] = {
-    "ema_model": None,
-    "ignore_names": set(),
-    "ignore_startswith_names": set(),
-    "frozen": False,
-}
+_REFUSED: dict[str, Any] = {"ema_model": None, "frozen": False}
 _IGNORED = ("allow_different_devices", "move_ema_to_online_device")
+
+
+class NotIgnored:
+    """``track=`` for ema-pytorch's ``ignore_names`` (exact names) and
+    ``ignore_startswith_names`` (string prefixes): keeps every other tensor. A class, not a
+    closure, so the EMA still pickles. Shared by both ema-pytorch drop-ins."""
+
+    def __init__(self, names: frozenset[str], prefixes: tuple[str, ...]) -> None:
+        self.names, self.prefixes = names, prefixes
+
+    def __call__(self, fqn: str, tensor: torch.Tensor) -> bool:
+        return self.keeps(fqn)
+
+    def keeps(self, fqn: str) -> bool:
+        return fqn not in self.names and not (self.prefixes and fqn.startswith(self.prefixes))
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
@@ -141,12 +161,21 @@ class PostHocEMA(nn.Module):
         if refused:
             raise ValueError(
                 f"dtensor_ema.compat.ema_pytorch.PostHocEMA does not support {refused}: the "
-                "sharded EMA builds its modules from the model and averages every float tensor"
+                "sharded EMA builds its modules from the model and averages every float "
+                "tensor it tracks"
             )
         for k in _IGNORED:
             kwargs.pop(k, None)  # the EMA lives where the model's shards live
         update_every = kwargs.pop("update_every", 100)
         no_ema = kwargs.pop("param_or_buffer_names_no_ema", set())
+        self.ignore_names = set(kwargs.pop("ignore_names", set()))
+        self.ignore_startswith_names = set(kwargs.pop("ignore_startswith_names", set()))
+        for name, names in (
+            ("ignore_names", self.ignore_names),
+            ("ignore_startswith_names", self.ignore_startswith_names),
+        ):
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"{name} must be a set of strings, got {sorted(map(repr, names))}")
         if kwargs:
             raise TypeError(f"PostHocEMA got unexpected keyword arguments {sorted(kwargs)}")
         if (sigma_rels is None) == (gammas is None):
@@ -177,13 +206,17 @@ class PostHocEMA(nn.Module):
         self.checkpoint_dtype = checkpoint_dtype
         self._model = [model]
         self._mesh = mesh
-        self._no_ema = set(no_ema) or None
+        self._kept = NotIgnored(
+            frozenset(self.ignore_names), tuple(sorted(self.ignore_startswith_names))
+        )
+        self._no_ema = {n for n in no_ema if self._kept.keeps(n)} or None
         self.calls = 0
         self._engine = _Engine(
             model,
             snapshot_dir=self.checkpoint_folder,
             mesh=mesh,
             exclude=self._no_ema,
+            track=self._track(),
             snapshot_dtype=checkpoint_dtype,
             gammas=self.gammas,
         )
@@ -194,6 +227,9 @@ class PostHocEMA(nn.Module):
     @property
     def model(self) -> nn.Module:
         return self._model[0]
+
+    def _track(self) -> TrackSpec:
+        return self._kept if self._kept.names or self._kept.prefixes else "all"
 
     @property
     def engine(self) -> _Engine:
@@ -216,7 +252,7 @@ class PostHocEMA(nn.Module):
         first = self.calls == 0
         due = self.calls % self.update_every == 0
         t = self.calls + 2  # ema-pytorch's beta at call s is the power schedule at t = s + 1
-        self._engine._update_at(self.calls + 1, t if due else None, t if first else 1)
+        self._engine.update_at(self.calls + 1, t if due else None, t if first else 1)
         self.calls += 1
         every = self.checkpoint_every_num_steps
         if every != "manual" and self.calls % every == 0:
@@ -288,7 +324,9 @@ class PostHocEMA(nn.Module):
         group = group_of(None)
         state = combine(terms, group=group)
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-        engine = ModelEMA(self.model, self._mesh, decay=0.0, exclude=self._no_ema)
+        engine = ModelEMA(
+            self.model, self._mesh, decay=0.0, exclude=self._no_ema, track=self._track()
+        )
         engine.load_full_state_dict(full)
         del full
         return KarrasEMA(engine, gamma, None)

@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dtensor_ema.compat._ema_pytorch_posthoc import PostHocEMA
+from dtensor_ema.compat._ema_pytorch_posthoc import NotIgnored, PostHocEMA
 from dtensor_ema.compat._replica import (
     EmaReplica,
     facade_getstate,
@@ -70,20 +70,6 @@ _REFUSED: dict[str, Any] = {
     "forward_method_names": (),
     "lazy_init_ema": False,
 }
-
-
-class _NotIgnored:
-    """``track=`` for ema-pytorch's ``ignore_names``/``ignore_startswith_names`` (a class,
-    not a closure, so the EMA still pickles)."""
-
-    def __init__(self, names: frozenset[str], prefixes: tuple[str, ...]) -> None:
-        self.names, self.prefixes = names, prefixes
-
-    def __call__(self, fqn: str, tensor: torch.Tensor) -> bool:
-        return self.keeps(fqn)
-
-    def keeps(self, fqn: str) -> bool:
-        return fqn not in self.names and not (self.prefixes and fqn.startswith(self.prefixes))
 
 
 class EMA(nn.Module):
@@ -134,7 +120,7 @@ class EMA(nn.Module):
                 f"dtensor_ema.compat.ema_pytorch.EMA does not support {refused}: the sharded "
                 "EMA builds its module from the model"
             )
-        kept = _NotIgnored(frozenset(ignore_names), tuple(ignore_startswith_names))
+        kept = NotIgnored(frozenset(ignore_names), tuple(ignore_startswith_names))
         if kept.names or kept.prefixes:
             if "track" in engine:
                 raise ValueError(

@@ -12,13 +12,14 @@ The formulas are in :mod:`dtensor_ema.phema_math`.
 """
 
 from dtensor_ema.posthoc.ema import PostHocEMA, PowerDecay
-from dtensor_ema.posthoc.snapshots import Snapshot, list_snapshots
+from dtensor_ema.posthoc.snapshots import Snapshot, SnapshotError, list_snapshots
 from dtensor_ema.posthoc.synthesis import Term, merge_snapshots, plan_synthesis, synthesize
 
 __all__ = [
     "PostHocEMA",
     "PowerDecay",
     "Snapshot",
+    "SnapshotError",
     "Term",
     "list_snapshots",
     "merge_snapshots",

@@ -24,8 +24,8 @@ from dtensor_ema.phema_math import profile_density, sigma_rel_to_gamma
 from dtensor_ema.posthoc.snapshots import list_snapshots
 from dtensor_ema.posthoc.synthesis import (
     Term,
-    _merge_terms,
     merge_snapshots,
+    merge_terms,
     plan_synthesis,
     synthesize,
 )
@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (errors print one line, status 2: bad
-    arguments, missing or mismatched snapshots, a snapshot refused as unsafe or corrupted)."""
+    arguments, missing or mismatched snapshots, a snapshot refused as unsafe or corrupted;
+    a malformed or altered manifest prints ``error: <file>: <what is wrong>``)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "list":
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _synthesize(args)
         else:
             _merge(args)
-    except (FileNotFoundError, ValueError, ImportError, CheckpointError) as e:
+    except (OSError, ValueError, ImportError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -95,9 +96,10 @@ def _list(args: argparse.Namespace) -> None:
     for s in list_snapshots(args.snapshot_dir):
         profiles = ", ".join(f"{p['sigma_rel']:g}" for p in s.profiles)
         dtypes = sorted({v["dtype"] for v in s.tensors.values()})
+        untracked = f" ({len(s.untracked)} untracked)" if s.untracked else ""
         print(
             f"{s.path.name}  t={s.t:g} ({s.manifest['time']})  sigma_rel=[{profiles}]  "
-            f"{len(s.tensors)} tensors  {', '.join(dtypes)}"
+            f"{len(s.tensors)} tensors{untracked}  {', '.join(dtypes)}"
         )
 
 
@@ -126,6 +128,7 @@ def _synthesize(args: argparse.Namespace) -> None:
             print(f"wrote {path}")
     else:
         print("no --out given: nothing written")
+    _note_untracked(plans[0][1][-1].snapshot.untracked)
     plot = args.plot or _default_plot(args.out, "profiles")
     if plot is not None:
         _plot_profiles(plans, Path(plot))
@@ -151,12 +154,21 @@ def _merge(args: argparse.Namespace) -> None:
         progress=not args.no_progress,
     )
     print(f"wrote {path}")
+    _note_untracked(list_snapshots(args.snapshot_dir)[-1].untracked)
     plot = args.plot or _default_plot(args.out, "weights")
     if plot is not None:
-        terms = _merge_terms(
+        terms = merge_terms(
             args.snapshot_dir, last=args.last, weights=weights, sigma_rel=args.sigma_rel
         )
         _plot_weights(terms, Path(plot))
+
+
+def _note_untracked(untracked: list[str]) -> None:
+    if untracked:
+        print(
+            f"the snapshots track part of the model: {len(untracked)} untracked tensors (e.g. "
+            f"{untracked[:3]}) are not in the output; load it with strict=False"
+        )
 
 
 def _default_plot(out: str | None, what: str) -> str | None:

@@ -34,7 +34,7 @@ from dtensor_ema._collectives import quiet_single_process as _quiet_single_proce
 from dtensor_ema._collectives import rank_of as _rank
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
-from dtensor_ema.options import ExcludeSpec
+from dtensor_ema.options import ExcludeSpec, TrackSpec
 from dtensor_ema.phema_math import (
     check_sigma_rel,
     gamma_to_sigma_rel,
@@ -106,6 +106,16 @@ class PostHocEMA:
         mesh: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
         buffers: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
         exclude: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
+        track: which floating-point tensors the profiles hold, as for
+            :class:`~dtensor_ema.ModelEMA`: ``"all"`` (default), ``"trainable"`` (a LoRA
+            model's adapters), or a predicate ``(fqn, tensor) -> bool``. Snapshots then
+            hold the tracked tensors only (``1/W`` of their bytes per rank; integer buffers
+            are followed only when every float tensor is tracked), the manifest lists the
+            ``untracked`` ones, and :func:`~dtensor_ema.synthesize` returns the tracked
+            tensors (export a PEFT adapter with
+            :func:`~dtensor_ema.peft_export.save_peft_adapter`). Change the set with
+            ``ph.emas.add_tensors``/``drop_tensors``; snapshots on both sides of a change are
+            not synthesized together.
         ema_dtype: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
         snapshot_dtype: dtype the snapshots store floating-point tensors in (``bfloat16`` or
             ``float16`` halve the files); default: each EMA tensor's own dtype.
@@ -129,7 +139,7 @@ class PostHocEMA:
     every rank.
 
     Peak extra memory: one EMA shard per profile (``len(sigma_rels) / W`` of the model's
-    floats, in ``ema_dtype``); an asynchronous snapshot holds one more copy of the shards
+    tracked floats, in ``ema_dtype``); an asynchronous snapshot holds one more copy of the shards
     (in ``snapshot_dtype``) until it is written.
 
     Raises:
@@ -148,6 +158,7 @@ class PostHocEMA:
         *,
         buffers: Literal["average", "copy"] = "average",
         exclude: ExcludeSpec = None,
+        track: TrackSpec = "all",
         ema_dtype: torch.dtype | None = None,
         snapshot_dtype: torch.dtype | None = None,
         async_save: bool = False,
@@ -207,6 +218,7 @@ class PostHocEMA:
             mesh,
             buffers=buffers,
             exclude=exclude,
+            track=track,
             ema_dtype=ema_dtype,
         )
 
@@ -225,6 +237,12 @@ class PostHocEMA:
     def time_unit(self) -> Literal["steps", "samples"] | None:
         """``"steps"`` or ``"samples"`` once the first update decided; ``None`` before."""
         return self._time
+
+    @property
+    def untracked(self) -> list[str]:
+        """The model's floating-point tensors the profiles do not hold (``track=``), in
+        state-dict order: not in the snapshots, nor in what they synthesize."""
+        return self.emas["p0"].untracked
 
     def profile(self, sigma_rel: float) -> ModelEMA:
         """The :class:`~dtensor_ema.ModelEMA` tracking ``sigma_rel`` (evaluate it with
@@ -271,13 +289,16 @@ class PostHocEMA:
             self.snapshot()
 
     @torch.no_grad()
-    def _update_at(self, steps: int, t: int | None = None, delta: int = 1) -> None:
+    def update_at(self, steps: int, t: int | None = None, delta: int = 1) -> None:
         """Count update call ``steps``; with ``t``, also update at that explicit time. Local.
 
         For facades whose clock is not :meth:`update`'s (ema-pytorch counts calls, averages
         on every ``update_every``-th one with ``beta = (1 - 1/(calls + 1)) ** (gamma + 1)``,
         and names snapshots by calls): the decay is ``power_beta(gamma, t, delta)``
         (``delta == t`` copies the model). Takes no snapshot.
+
+        Raises:
+            ValueError: ``delta`` not in ``(0, t]``; nothing changed.
         """
         if t is not None:
             power_beta(0.0, t, delta)  # validates 0 < delta <= t before anything changes
@@ -373,7 +394,7 @@ class PostHocEMA:
         if _rank(group) == 0:
             try:
                 snap.commit(self.snapshot_dir, name, manifest)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: a manifest off its own schema
                 error = e
         _agree(group, error, f"committing snapshot {self.snapshot_dir / name}")
         return self.snapshot_dir / name
@@ -401,10 +422,15 @@ class PostHocEMA:
                         "model_dtype": str(model_sd[fqn].dtype) if fqn in model_sd else None,
                     }
             state[f"p{i}"] = profile
+        untracked = self.untracked
+        # Integer buffers complete a whole state dict; with part of the model untracked the
+        # output is not whole anyway, and a LoRA run's snapshots hold the adapters only.
         followed = {
             k: v.detach().clone() if copy else v.detach()
             for k, v in model_sd.items()
-            if not v.is_floating_point() and not isinstance(v, torch.distributed.tensor.DTensor)
+            if not untracked
+            and not v.is_floating_point()
+            and not isinstance(v, torch.distributed.tensor.DTensor)
         }
         if followed:
             state["followed"] = followed
@@ -425,6 +451,8 @@ class PostHocEMA:
             "aliases": aliases,
             "model_keys": list(model_sd),
             "world_size": dist.get_world_size(world) if world is not None else 1,
+            "track": self.emas["p0"].options.track_label(),
+            "untracked": untracked,
         }
         return state, manifest
 

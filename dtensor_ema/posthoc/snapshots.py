@@ -16,30 +16,82 @@ deletes; every earlier snapshot stays valid. Readers accept a directory only if 
 ``manifest.json`` and DCP's ``.metadata``.
 
 Inside the checkpoint, profile ``i``'s tensors live under ``p<i>`` (``{"p0": {fqn: tensor},
-...}``) and the integer buffers the EMA does not average (BatchNorm's
-``num_batches_tracked``) under ``followed``.
+...}``) and, when every float tensor of the model is tracked, the integer buffers the EMA
+does not average (BatchNorm's ``num_batches_tracked``) under ``followed``.
+
+Reading is strict (:func:`read_manifest`): a snapshot folder must be a plain
+``step-<12 digits>`` entry of the directory being read (a symlink may not lead out of it,
+nor may ``manifest.json`` or ``.metadata`` lead out of the snapshot folder), its manifest
+must match :data:`FORMAT`'s schema field by field, name the folder's own step, and carry
+the SHA-256 of its content (``checksum``), so a hand-edited ``t`` or profile is refused.
+Every problem raises :class:`SnapshotError` (``"<file>: <what is wrong>"``) before any
+tensor is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["FORMAT", "MANIFEST", "Snapshot", "check_compatible", "list_snapshots"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "Snapshot",
+    "SnapshotError",
+    "check_compatible",
+    "list_snapshots",
+    "manifest_checksum",
+    "read_manifest",
+]
 
 MANIFEST = "manifest.json"
-FORMAT = "dtensor_ema.posthoc/1"
+FORMAT = "dtensor_ema.posthoc/2"
+"""The manifest format this version writes and reads (``/2``: checksummed, with the tracked
+set; ``/1`` manifests, from before, are refused)."""
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
+METADATA_FILE = ".metadata"
 _NAME = re.compile(r"^step-(\d+)$")
+_CHECKSUM = re.compile(r"^sha256:[0-9a-f]{64}$")
+_SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
+_TRACK = ("all", "trainable", "predicate")
+_FIELDS = frozenset(
+    {
+        "format",
+        "step",
+        "t",
+        "time",
+        "profiles",
+        "tensors",
+        "followed",
+        "aliases",
+        "model_keys",
+        "world_size",
+        "track",
+        "untracked",
+        "checksum",
+    }
+)
+
+
+class SnapshotError(ValueError):
+    """A snapshot folder or its ``manifest.json`` is malformed, altered, or leads outside
+    the directory being read. The message is ``"<file>: <what is wrong>"``."""
+
+    def __init__(self, file: Path | str, what: str | None = None) -> None:
+        super().__init__(str(file) if what is None else f"{file}: {what}")
+        self.file = file
+        self.what = what
 
 
 def snapshot_name(step: int) -> str:
@@ -49,7 +101,7 @@ def snapshot_name(step: int) -> str:
 
 def dtype_from_str(name: str) -> torch.dtype:
     """``"torch.float32"`` -> ``torch.float32``."""
-    value = getattr(torch, name.removeprefix("torch."), None)
+    value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in a snapshot manifest")
     return value
@@ -57,7 +109,7 @@ def dtype_from_str(name: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One complete snapshot: its directory and its parsed manifest."""
+    """One complete snapshot: its directory and its parsed, validated manifest."""
 
     path: Path
     manifest: dict[str, Any]
@@ -79,15 +131,38 @@ class Snapshot:
 
     @property
     def tensors(self) -> dict[str, dict[str, Any]]:
-        """``fqn -> {"shape", "dtype" (stored), "ema_dtype", "model_dtype"}``."""
+        """``fqn -> {"shape", "dtype" (stored), "ema_dtype", "model_dtype"}``: the tracked
+        tensors, tied duplicates once."""
         return dict(self.manifest["tensors"])
+
+    @property
+    def untracked(self) -> list[str]:
+        """The model's float tensors the EMA did not track (``track=``): not in the
+        snapshot, nor in what :func:`~dtensor_ema.synthesize` returns."""
+        return list(self.manifest["untracked"])
+
+
+# ----------------------------------------------------------------------------- writing
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the manifest's content without its ``checksum`` field (compact
+    JSON with sorted keys, so whitespace and key order do not matter)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Write ``manifest.json`` into ``directory`` by way of a temporary file (never torn)."""
+    """Write ``manifest.json`` (checksum added) into ``directory`` by way of a temporary file
+    (never torn). The manifest is validated first, as a reader would.
+
+    Raises:
+        SnapshotError: the manifest does not follow the schema (a bug of the writer).
+    """
+    sealed = {**manifest, "checksum": manifest_checksum(manifest)}
     tmp = directory / (MANIFEST + ".tmp")
+    _validate(sealed, directory / MANIFEST, sealed.get("step"))
     with tmp.open("w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+        json.dump(sealed, f, indent=1, sort_keys=True, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST)
@@ -137,12 +212,22 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# ----------------------------------------------------------------------------- reading
 def list_snapshots(snapshot_dir: str | os.PathLike[str]) -> list[Snapshot]:
     """Every complete snapshot under ``snapshot_dir``, oldest first. Local, one process.
 
+    Entries named ``step-<N>`` are snapshot folders; one without both ``manifest.json`` and
+    ``.metadata`` is still being written (or crashed) and is skipped. Each folder's place is
+    checked before any file in it is opened, then its manifest is read with
+    :func:`read_manifest`.
+
     Raises:
         FileNotFoundError: ``snapshot_dir`` does not exist or is not a directory.
-        ValueError: it holds no complete snapshot, or a manifest of another format.
+        SnapshotError: a ``step-<N>`` entry, its ``manifest.json`` or its ``.metadata`` is a
+            symlink leading outside the folder it belongs to; a folder name that is not
+            ``step-`` and 12 digits; a manifest that is not valid JSON, does not follow the
+            schema, names another step than its folder, or whose checksum differs.
+        ValueError: it holds no complete snapshot.
     """
     root = Path(snapshot_dir)
     if not root.is_dir():
@@ -152,19 +237,24 @@ def list_snapshots(snapshot_dir: str | os.PathLike[str]) -> list[Snapshot]:
             else f"snapshot directory {root} is not a directory"
         )
     found: list[Snapshot] = []
-    for child in root.iterdir():
+    for child in sorted(root.iterdir()):
         match = _NAME.match(child.name)
-        if not (match and child.is_dir()):
+        if match is None:
             continue
-        if not ((child / MANIFEST).is_file() and (child / ".metadata").is_file()):
-            continue  # still being written, or crashed: earlier snapshots stay usable
-        with (child / MANIFEST).open() as f:
-            manifest = json.load(f)
-        if manifest.get("format") != FORMAT:
-            raise ValueError(
-                f"{child / MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}"
+        _check_inside(child, root, "snapshot folder", "the snapshot directory")
+        if not child.is_dir():
+            continue
+        if child.name != snapshot_name(int(match.group(1))):
+            raise SnapshotError(
+                child,
+                f"not a snapshot folder name: expected {snapshot_name(int(match.group(1)))!r} "
+                "(step- and 12 digits, as PostHocEMA writes them)",
             )
-        found.append(Snapshot(child, manifest))
+        for name in (MANIFEST, METADATA_FILE):
+            _check_inside(child / name, child, name, "its snapshot folder")
+        if not ((child / MANIFEST).is_file() and (child / METADATA_FILE).is_file()):
+            continue  # still being written, or crashed: earlier snapshots stay usable
+        found.append(Snapshot(child, read_manifest(child)))
     if not found:
         raise ValueError(
             f"snapshot directory {root} holds no complete snapshot (expected subdirectories "
@@ -173,8 +263,187 @@ def list_snapshots(snapshot_dir: str | os.PathLike[str]) -> list[Snapshot]:
     return sorted(found, key=lambda s: s.step)
 
 
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of the snapshot folder ``folder``, validated. Local.
+
+    Checks, in order: valid JSON (no duplicate keys, no NaN), an object of :data:`FORMAT`
+    with exactly the schema's fields, each of the right type and range (profiles keyed
+    ``p0, p1, ...``; shapes; floating-point dtypes; every named tensor a model key), the
+    folder's own step, and the checksum.
+
+    Raises:
+        SnapshotError: naming the file and the first problem.
+    """
+    file = folder / MANIFEST
+    try:
+        manifest = json.loads(
+            file.read_bytes(),
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+        )
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise SnapshotError(file, f"not a valid JSON manifest: {e}") from None
+    match = _NAME.match(folder.name)
+    _validate(manifest, file, int(match.group(1)) if match else None)
+    return manifest
+
+
+def _check_inside(path: Path, folder: Path, what: str, where: str) -> None:
+    """Refuse ``path`` (an entry of ``folder``) when it is a symlink leading out of it."""
+    if not path.is_symlink():
+        return
+    target = path.resolve()
+    home = folder.resolve()
+    if target == home or not target.is_relative_to(home):
+        raise SnapshotError(
+            path,
+            f"the {what} is a symlink to {target}, outside {where} {folder}: refused (nothing "
+            "was opened)",
+        )
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"duplicate keys {repeated}")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def _validate(m: Any, file: Path, folder_step: int | None) -> None:
+    """Check the manifest ``m`` against the schema; raise on the first problem."""
+
+    def bad(what: str) -> NoReturn:
+        raise SnapshotError(file, what)
+
+    if not isinstance(m, dict):
+        bad(f"expected a JSON object, got {_kind(m)}")
+    if m.get("format") != FORMAT:
+        bad(
+            f"format {m.get('format')!r}, expected {FORMAT!r} (not a PostHocEMA manifest, or "
+            "one written by another version of dtensor_ema)"
+        )
+    missing, unknown = sorted(_FIELDS - m.keys()), sorted(m.keys() - _FIELDS)
+    if missing or unknown:
+        bad(f"missing fields {missing}, unknown fields {unknown}")
+    step = m["step"]
+    if not _is_int(step, 0):
+        bad(f"'step' must be an int >= 0, got {step!r}")
+    if folder_step is not None and step != folder_step:
+        bad(f"'step' is {step} but the folder is {snapshot_name(folder_step)}")
+    if not _is_int(m["t"], 1):
+        bad(f"'t' must be an int >= 1, got {m['t']!r}")
+    if m["time"] not in ("steps", "samples"):
+        bad(f"'time' must be 'steps' or 'samples', got {m['time']!r}")
+    if not _is_int(m["world_size"], 1):
+        bad(f"'world_size' must be an int >= 1, got {m['world_size']!r}")
+    if m["track"] not in _TRACK:
+        bad(f"'track' must be one of {list(_TRACK)}, got {m['track']!r}")
+    profiles = m["profiles"]
+    if not isinstance(profiles, list) or not profiles:
+        bad(f"'profiles' must be a non-empty list, got {_kind(profiles)}")
+    for i, p in enumerate(profiles):
+        where = f"profiles[{i}]"
+        if not isinstance(p, dict) or set(p) != {"key", "sigma_rel", "gamma"}:
+            bad(f"{where} must be an object with 'key', 'sigma_rel' and 'gamma', got {p!r}")
+        if p["key"] != f"p{i}":
+            bad(f"{where}['key'] must be 'p{i}' (where profile {i} is stored), got {p['key']!r}")
+        if not (_is_number(p["sigma_rel"]) and 0.0 < p["sigma_rel"] < _SIGMA_REL_MAX):
+            bad(f"{where}['sigma_rel'] must lie in (0, 0.2887), got {p['sigma_rel']!r}")
+        if not (_is_number(p["gamma"]) and p["gamma"] >= 0.0):
+            bad(f"{where}['gamma'] must be a number >= 0, got {p['gamma']!r}")
+    model_keys = m["model_keys"]
+    if not (isinstance(model_keys, list) and all(isinstance(k, str) for k in model_keys)):
+        bad(f"'model_keys' must be a list of names, got {_kind(model_keys)}")
+    if len(set(model_keys)) != len(model_keys):
+        bad("'model_keys' names a tensor twice")
+    known = set(model_keys)
+    tensors = _mapping(m["tensors"], "tensors", bad)
+    if not tensors:
+        bad("'tensors' is empty: a snapshot holds at least one tensor")
+    for k, spec in tensors.items():
+        fields = {"shape", "dtype", "ema_dtype", "model_dtype"}
+        _spec(spec, f"tensors[{k!r}]", fields, bad)
+        for field in ("ema_dtype", "dtype"):
+            _dtype(spec[field], f"tensors[{k!r}][{field!r}]", bad, floating=True)
+        if spec["model_dtype"] is not None:
+            _dtype(spec["model_dtype"], f"tensors[{k!r}]['model_dtype']", bad, floating=False)
+    followed = _mapping(m["followed"], "followed", bad)
+    for k, spec in followed.items():
+        _spec(spec, f"followed[{k!r}]", {"shape", "dtype"}, bad)
+        _dtype(spec["dtype"], f"followed[{k!r}]['dtype']", bad, floating=False)
+    aliases = _mapping(m["aliases"], "aliases", bad)
+    wrong = {k: v for k, v in aliases.items() if v not in tensors or k in tensors}
+    if wrong:
+        bad(f"'aliases' must map other names to tracked tensors, got {wrong}")
+    untracked = m["untracked"]
+    if not (isinstance(untracked, list) and all(isinstance(k, str) for k in untracked)):
+        bad(f"'untracked' must be a list of names, got {_kind(untracked)}")
+    for field, names in (
+        ("tensors", list(tensors)),
+        ("followed", list(followed)),
+        ("aliases", list(aliases)),
+        ("untracked", untracked),
+    ):
+        strangers = [k for k in names if k not in known]
+        if strangers:
+            bad(f"'{field}' names tensors that are not model keys: {strangers[:5]}")
+    tracked, rest = set(tensors), set(followed) | set(untracked)
+    both = sorted((tracked & rest) | (set(followed) & set(untracked)))
+    if both:
+        bad(f"tensors {both[:5]} are listed as more than one of tracked, followed, untracked")
+    checksum = m["checksum"]
+    if not (isinstance(checksum, str) and _CHECKSUM.match(checksum)):
+        bad(f"'checksum' must be 'sha256:' and 64 hex digits, got {checksum!r}")
+    if checksum != manifest_checksum(m):
+        bad(
+            "its checksum does not match its content: the manifest was altered after it was "
+            "written (its t, profiles or tensors can no longer be trusted)"
+        )
+
+
+def _mapping(value: Any, field: str, bad: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        bad(f"'{field}' must be an object, got {_kind(value)}")
+    return value
+
+
+def _spec(spec: Any, where: str, fields: set[str], bad: Any) -> None:
+    if not isinstance(spec, dict) or set(spec) != fields:
+        bad(f"{where} must be an object with the fields {sorted(fields)}, got {spec!r}")
+    shape = spec["shape"]
+    if not (isinstance(shape, list) and all(_is_int(n, 0) for n in shape)):
+        bad(f"{where}['shape'] must be a list of ints >= 0, got {shape!r}")
+
+
+def _dtype(name: Any, where: str, bad: Any, *, floating: bool) -> None:
+    try:
+        dtype = dtype_from_str(name)
+    except ValueError:
+        bad(f"{where} is not a torch dtype: {name!r}")
+    if floating and not dtype.is_floating_point:
+        bad(f"{where} must be a floating-point dtype, got {name!r}")
+
+
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _kind(value: Any) -> str:
+    kinds: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+    return kinds.get(type(value), repr(value))
+
+
 def check_compatible(snapshots: Sequence[Snapshot]) -> None:
-    """All snapshots describe the same model with the same stored dtypes.
+    """All snapshots describe the same model, tracked set and stored dtypes.
 
     Raises:
         ValueError: naming the first two snapshots that differ and the first few fqns.
@@ -182,13 +451,26 @@ def check_compatible(snapshots: Sequence[Snapshot]) -> None:
     first = snapshots[0]
     for other in snapshots[1:]:
         a, b = first.tensors, other.tensors
-        if a == b and first.manifest.get("time") == other.manifest.get("time"):
-            continue
         if first.manifest.get("time") != other.manifest.get("time"):
             raise ValueError(
                 f"snapshots {first.path.name} and {other.path.name} count time differently "
                 f"({first.manifest.get('time')!r} vs {other.manifest.get('time')!r})"
             )
+        if first.untracked != other.untracked and set(first.manifest["model_keys"]) == set(
+            other.manifest["model_keys"]
+        ):
+            only_a = [k for k in a if k not in b]
+            only_b = [k for k in b if k not in a]
+            raise ValueError(
+                f"snapshots {first.path} and {other.path} track different tensors of the "
+                f"model (track={first.manifest['track']!r} vs {other.manifest['track']!r}): "
+                f"tracked only in the first {only_a[:5]}, only in the second {only_b[:5]}. "
+                "The tracked set changed between them (add_tensors/drop_tensors, or "
+                "requires_grad with track='trainable'); synthesize from the snapshots on one "
+                "side of the change (steps=...)"
+            )
+        if a == b:
+            continue
         only_a = [k for k in a if k not in b]
         only_b = [k for k in b if k not in a]
         differ = [

@@ -23,6 +23,7 @@ unpickler, and its data files checked, before any tensor is read; values are rea
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,13 +33,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_ema._collectives import agree
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema.checkpoint import save_checkpoint
-from dtensor_ema.export import _check_destination, _write_file
 from dtensor_ema.layout import chunk_range
 from dtensor_ema.phema_math import (
     DEFAULT_MAX_CONDITION,
@@ -49,8 +50,16 @@ from dtensor_ema.phema_math import (
 )
 from dtensor_ema.posthoc.snapshots import Snapshot, check_compatible, dtype_from_str, list_snapshots
 from dtensor_ema.reader import Checkpoint, CheckpointError, open_checkpoint
+from dtensor_ema.state_file import check_destination, write_state_file
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Term", "merge_snapshots", "plan_synthesis", "synthesize"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Term",
+    "merge_snapshots",
+    "merge_terms",
+    "plan_synthesis",
+    "synthesize",
+]
 
 DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
 """Bytes of float64 accumulator per bucket."""
@@ -147,13 +156,19 @@ def plan_synthesis(
     return terms, error
 
 
-def _merge_terms(
+def merge_terms(
     snapshot_dir: str | os.PathLike[str],
     *,
     last: int | None,
     weights: Mapping[int, float] | None,
     sigma_rel: float | None,
 ) -> list[Term]:
+    """The terms :func:`merge_snapshots` combines (its arguments' meaning), from the
+    manifests alone. Local.
+
+    Raises:
+        ValueError: as for :func:`merge_snapshots`.
+    """
     if (last is None) == (weights is None):
         raise ValueError("pass exactly one of last=K (uniform average) or weights={step: w}")
     available = list_snapshots(snapshot_dir)
@@ -255,7 +270,11 @@ def synthesize(
         buffers from the latest snapshot, tied names sharing one tensor), full tensors in one
         process, ``Shard(0)`` DTensors on a 1-D CPU mesh when distributed; a list of such
         dicts for a sequence of ``sigma_rel``. With ``out``: the path written (a list of
-        paths for a sequence).
+        paths for a sequence). Snapshots of a ``PostHocEMA(track=...)`` that left tensors
+        untracked give the tracked tensors only (no integer buffers): load them with
+        ``model.load_state_dict(sd, strict=False)``, or write a LoRA model's adapters with
+        :func:`~dtensor_ema.peft_export.save_peft_adapter`; a ``.safetensors`` output
+        lists the absent tensors in its metadata (``dtensor_ema.untracked``).
 
     Peak memory (per rank): one output copy (``1/W`` of it when distributed) plus a few
     buckets; several ``sigma_rel`` are produced one after the other when written to
@@ -266,9 +285,14 @@ def synthesize(
             one-file ``out`` (checked before any snapshot is read).
         ValueError: see :func:`plan_synthesis`; a ``.safetensors``/``.pt`` output when
             distributed, or several ``sigma_rel`` into one file.
+        SnapshotError: a snapshot folder or manifest that is malformed, altered (its
+            checksum differs), or leads outside ``snapshot_dir`` (a ``ValueError``; see
+            ``dtensor_ema.posthoc.snapshots.read_manifest``).
         CheckpointError: a snapshot's ``.metadata`` refers to a global that is not DCP
-            metadata (a crafted snapshot: refused before any tensor is read, nothing run),
-            or DCP failed to read a snapshot.
+            metadata (a crafted snapshot: refused before any tensor is read, nothing run);
+            a snapshot's data lacks an entry its manifest names, holds it in another shape
+            or dtype, or its chunks do not cover it exactly once (refused before any tensor
+            is read, on every rank); or DCP failed to read a snapshot.
     """
     many = not isinstance(sigma_rel, (int, float))
     sigmas = (
@@ -298,7 +322,8 @@ def synthesize(
         if target is None:
             results.append(state)
         else:
-            _write(state, target, group, {"sigma_rel": str(s), "step": str(terms[-1].step)})
+            info = {"sigma_rel": str(s), "step": str(terms[-1].step)}
+            _write(state, target, group, info | _tracking(terms[-1].snapshot))
             results.append(target[0])
             del state
     return results if many else results[0]
@@ -340,7 +365,7 @@ def merge_snapshots(
             untracked ``sigma_rel``, or snapshots of different models.
         CheckpointError: as for :func:`synthesize`.
     """
-    terms = _merge_terms(snapshot_dir, last=last, weights=weights, sigma_rel=sigma_rel)
+    terms = merge_terms(snapshot_dir, last=last, weights=weights, sigma_rel=sigma_rel)
     group = _group(process_group)
     (target,) = _targets(out, format, ["merged"], group)
     state = combine(
@@ -352,7 +377,8 @@ def merge_snapshots(
     )
     if target is None:
         return state
-    _write(state, target, group, {"merged_steps": str([t.step for t in terms])})
+    info = {"merged_steps": str([t.step for t in terms])}
+    _write(state, target, group, info | _tracking(terms[-1].snapshot))
     return target[0]
 
 
@@ -378,7 +404,7 @@ def combine(
     order += [k for k in spec if k not in set(order)]
     mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
     active = [t for t in terms if t.weight != 0.0]
-    opened = _open_snapshots([*(t.snapshot for t in active), latest], group)
+    opened = _open_snapshots(active, latest, group)
     buckets = list(_buckets(order, spec, bucket_bytes))
     bar = _progress_bar(len(buckets) * len(active), progress)
     out: StateDict = {}
@@ -390,7 +416,7 @@ def combine(
         for term in active:
             stored = {k: dtype_from_str(spec[k]["dtype"]) for k in bucket}
             target = {k: _empty(spec[k]["shape"], stored[k], mesh) for k in bucket}
-            opened[term.snapshot.path].load({term.key: target}, group=group, partial=True)
+            opened[term.snapshot.path].load({term.key: target}, group=group)
             for k in bucket:
                 acc[k].add_(_local(target[k]), alpha=term.weight)
             del target
@@ -458,21 +484,117 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _open_snapshots(
-    snapshots: Sequence[Snapshot], group: dist.ProcessGroup | None
+    active: Sequence[Term], latest: Snapshot, group: dist.ProcessGroup | None
 ) -> dict[Path, Checkpoint]:
-    """Every snapshot's DCP checkpoint, its ``.metadata`` read safely and its data files
-    checked, before any tensor is read; all ranks agree (one flag all-reduce)."""
+    """Every snapshot's DCP checkpoint, its ``.metadata`` read safely, its data files
+    checked, and every entry the terms read checked against the manifest (present, of the
+    manifest's shape and dtype, its chunks covering it exactly once), before any tensor is
+    read; all ranks agree (one flag all-reduce)."""
+    reads: dict[Path, tuple[Snapshot, set[str]]] = {latest.path: (latest, set())}
+    for term in active:
+        reads.setdefault(term.snapshot.path, (term.snapshot, set()))[1].add(term.key)
+    spec = latest.tensors
     opened: dict[Path, Checkpoint] = {}
     error: Exception | None = None
     try:
-        for snapshot in snapshots:
-            if snapshot.path not in opened:
-                opened[snapshot.path] = checkpoint = open_checkpoint(snapshot.path)
-                checkpoint.check_files()
+        for path, (snapshot, keys) in reads.items():
+            opened[path] = checkpoint = open_checkpoint(path)
+            checkpoint.check_files()
+            wanted = {
+                f"{key}.{fqn}": (v["shape"], v["dtype"])
+                for key in sorted(keys)
+                for fqn, v in spec.items()
+            }
+            if snapshot is latest:
+                followed = latest.manifest["followed"].items()
+                wanted.update({f"followed.{k}": (v["shape"], v["dtype"]) for k, v in followed})
+            _check_entries(checkpoint, wanted)
     except (OSError, CheckpointError) as e:
         error = e
     agree(group, error, "reading the snapshots' metadata")
     return opened
+
+
+def _check_entries(checkpoint: Checkpoint, wanted: Mapping[str, tuple[list[int], str]]) -> None:
+    """Refuse a snapshot whose DCP data does not hold, whole, each entry its manifest names
+    (``{DCP key: (shape, dtype)}``): the reads fill ``torch.empty`` buffers, so every
+    element must come from the file. Local.
+
+    Raises:
+        CheckpointError: naming the snapshot, the entry and what is wrong (missing, another
+            shape or dtype, chunks that leave a gap or overlap).
+    """
+    saved = checkpoint.metadata.state_dict_metadata
+    where = f"{checkpoint.path}"
+    for key, (shape, dtype) in wanted.items():
+        md = saved.get(key)
+        if md is None:
+            raise CheckpointError(
+                f"{where}: its data has no entry {key!r}, which its manifest names (the folder "
+                "holds another run's data, or the manifest was altered): refused before reading"
+            )
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{where}: entry {key!r} is not a tensor in its data")
+        if list(md.size) != list(shape) or str(md.properties.dtype) != dtype:
+            raise CheckpointError(
+                f"{where}: entry {key!r} is {tuple(md.size)} {md.properties.dtype} in its data "
+                f"but {tuple(shape)} {dtype} in its manifest"
+            )
+        gap = uncovered(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+        if gap is not None:
+            raise CheckpointError(f"{where}: entry {key!r}: {gap}; refused before reading")
+
+
+def uncovered(
+    shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str | None:
+    """What is wrong with ``chunks`` (``(offsets, sizes)`` boxes) as a cover of ``shape``:
+    a box outside it, two boxes that overlap, or elements no box covers (the rows along
+    dim 0 that no box touches are named); ``None`` when they cover it exactly once."""
+    boxes = []
+    for offsets, sizes in chunks:
+        ok = len(offsets) == len(sizes) == len(shape) and all(
+            o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(offsets, sizes, shape, strict=True)
+        )
+        if not ok:
+            return f"a chunk at offsets {offsets} of sizes {sizes} lies outside the shape {shape}"
+        if math.prod(sizes):
+            boxes.append((offsets, sizes))
+    boxes.sort()
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1 :]:
+            if shape and ob[0] >= oa[0] + sa[0]:
+                break  # sorted by dim-0 offset: no later box reaches back into this one
+            if all(
+                max(x, y) < min(x + m, y + n) for x, m, y, n in zip(oa, sa, ob, sb, strict=True)
+            ):
+                return f"chunks at offsets {oa} and {ob} overlap"
+    covered = sum(math.prod(s) for _, s in boxes)
+    if covered == math.prod(shape):
+        return None
+    text = f"its chunks cover {covered} of its {math.prod(shape)} elements"
+    if shape:
+        rows = [False] * shape[0]
+        for o, s in boxes:
+            rows[o[0] : o[0] + s[0]] = [True] * s[0]
+        missing = _ranges([r for r, hit in enumerate(rows) if not hit])
+        if missing:
+            text += f" (no chunk holds rows {missing})"
+    return text
+
+
+def _ranges(rows: list[int]) -> str:
+    """``[8, 9, 10, 12]`` -> ``"8-10, 12"`` (the first five ranges)."""
+    spans: list[str] = []
+    start = prev = None
+    for r in [*rows, None]:
+        if r is not None and prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
+        start = prev = r
+    return ", ".join(spans[:5]) + (", ..." if len(spans) > 5 else "")
 
 
 def _followed(
@@ -482,7 +604,7 @@ def _followed(
     if not spec:
         return {}
     state = {k: torch.empty(v["shape"], dtype=dtype_from_str(v["dtype"])) for k, v in spec.items()}
-    checkpoint.load({"followed": state}, group=group, partial=True)
+    checkpoint.load({"followed": state}, group=group)
     return state
 
 
@@ -520,7 +642,7 @@ def _targets(
             raise ValueError(f"format={format!r} contradicts the suffix of out={str(out)!r}")
         fmt: Format = suffix  # type: ignore[assignment]
         paths = [path]
-        missing = _check_destination(path)  # before any snapshot is read
+        missing = check_destination(path)  # before any snapshot is read
         if missing is not None:
             raise missing
     else:
@@ -546,6 +668,13 @@ def _targets(
     return [(p, fmt) for p in paths]
 
 
+def _tracking(snapshot: Snapshot) -> dict[str, str]:
+    """The output file's note of the tensors it lacks (``track=``): their names."""
+    if not snapshot.untracked:
+        return {}
+    return {"track": snapshot.manifest["track"], "untracked": json.dumps(snapshot.untracked)}
+
+
 def _write(
     state: StateDict,
     target: tuple[Path, Format],
@@ -556,4 +685,4 @@ def _write(
     if fmt == "dcp":
         save_checkpoint(state, path, process_group=group)
     else:
-        _write_file(state, path, metadata)
+        write_state_file(state, path, metadata)
