@@ -11,11 +11,26 @@ every collective is counted under ``"Global"``.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.tensor.debug import CommDebugMode
 
-__all__ = ["comm_debug_mode"]
+__all__ = ["comm_debug_mode", "data_path_only"]
+
+
+@contextlib.contextmanager
+def data_path_only() -> Iterator[None]:
+    """Count how a call moves its data: without the small all-gather per mesh dim that
+    first agrees on the call (``DTENSOR_EMA_AGREE_CALLS=0``; the agreement's own cost is
+    asserted in ``tests/test_rank_agreement.py``)."""
+    os.environ["DTENSOR_EMA_AGREE_CALLS"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["DTENSOR_EMA_AGREE_CALLS"]
 
 
 class _NoModuleTracker:

@@ -8,12 +8,12 @@ to rank 0 alone.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from comm_mode import data_path_only
 from dist_harness import run_ranks
 from models import ReferenceEMA, make_model, mismatches, train_step
 from torch.distributed.tensor import DTensor
@@ -83,12 +83,8 @@ def bucket_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         )
         out[f"{name}_views"] = _send_is_a_view(flat)
         for label, ema in (("flat", flat), ("packed", packed)):
-            # How the data travels: without the tiny all-gather that first agrees on the
-            # call (checked in tests/test_rank_agreement.py).
-            os.environ["DTENSOR_EMA_AGREE_CALLS"] = "0"
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with data_path_only(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 on_rank0 = ema.get_ema_state_dict(only_rank0_receives=True, cpu_offload=True)
-            del os.environ["DTENSOR_EMA_AGREE_CALLS"]
             out[f"{name}_{label}_rank0_calls"] = sorted(
                 {e.name for e in prof.events() if e.name.startswith("gloo:")}
             )

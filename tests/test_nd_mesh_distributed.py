@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from comm_mode import comm_debug_mode
+from comm_mode import comm_debug_mode, data_path_only
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -117,7 +117,7 @@ def _check(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with comm_debug_mode() as comm:
+    with data_path_only(), comm_debug_mode() as comm:
         got = ema.get_ema_state_dict()
     out["gather_collectives"] = comm.get_total_counts()
     out["tensors"] = len(ref)

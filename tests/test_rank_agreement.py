@@ -4,7 +4,8 @@
 * Construction compares the options as well as the model: ``decay=0.9`` on rank 0 and
   ``0.99`` on rank 1 used to build two EMAs whose gathered rows mixed (and the checkpoint
   recorded one of them); ``tau`` and ``update_every`` alike.
-* Every collective call first agrees on which call, which EMA and which update count: one
+* Every collective call (post-hoc snapshots too) first agrees on which call, which EMA and
+  which update count: one
   extra ``update()`` on one rank, or two EMAs gathered crosswise, used to return mixed rows
   without a word (also with ``DTENSOR_EMA_CHECK_COLLECTIVES`` set).
 * On a 2 x 2 mesh a rank that differs is refused on every rank, including the one that
@@ -26,9 +27,10 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
 
-from dtensor_ema import ModelEMA, export_ema
-from dtensor_ema._collectives import CHECK_ENV, entering
+from dtensor_ema import ModelEMA, PostHocEMA, export_ema
+from dtensor_ema._collectives import CHECK_ENV, agree_on_call, entering
 
 pytestmark = pytest.mark.distributed
 
@@ -53,6 +55,13 @@ def _fsdp1(use_orig_params: bool) -> str | None:
         _model(), device_id=torch.device("cpu"), use_orig_params=use_orig_params
     )
     return _error(lambda: ModelEMA(wrapped))
+
+
+def _agreement_calls(ema: ModelEMA) -> list[str]:
+    """The backend calls of one agreement: one all-gather per mesh dim of size > 1."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        agree_on_call("probe", ema.engine.call_identity, mesh=ema.mesh)
+    return [e.name for e in prof.events() if e.name.startswith("gloo:")]
 
 
 def agreement_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
@@ -86,10 +95,19 @@ def agreement_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
 
     out["extra_swap"] = _error(swap)
     out["extra_add"] = _error(lambda: ema.add_tensors([]))
+    posthoc = PostHocEMA(model, snapshot_dir=Path(tmp_dir) / "phema")
+    posthoc.update()
+    if rank == 0:
+        posthoc.update()
+    out["extra_snapshot"] = _error(posthoc.snapshot)
+    out["snapshot_written"] = (Path(tmp_dir) / "phema").exists() and any(
+        p.name.startswith("step-") for p in (Path(tmp_dir) / "phema").iterdir()
+    )
     # Caught up: the calls work again, and the files are written.
     if rank == 1:
         ema.update()
     out["caught_up"] = _error(ema.get_model_state_dict)
+    out["agreement_calls"] = _agreement_calls(ema)
     # Two EMAs of one model, gathered crosswise; with the hang detector on too.
     fast = ModelEMA(model, decay=0.5, tau=None)
     slow = ModelEMA(model, decay=0.9, tau=None)
@@ -122,6 +140,7 @@ def grid_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["options"] = _error(lambda: ModelEMA(_model(), mesh, decay=0.9 if rank == 3 else 0.99))
     ema = ModelEMA(_model(), mesh, decay=0.5, tau=None)
+    out["agreement_calls"] = _agreement_calls(ema)
     if rank == 3:
         ema.update()
     out["extra"] = _error(ema.get_model_state_dict)
@@ -179,7 +198,7 @@ def test_options_that_differ_are_refused_on_every_rank(
         assert f"{option}: {shown}" in error
 
 
-@pytest.mark.parametrize("call", ["gather", "export", "swap", "add"])
+@pytest.mark.parametrize("call", ["gather", "export", "swap", "add", "snapshot"])
 def test_an_extra_update_on_one_rank_is_refused_by_every_collective(
     results: tuple[int, list[dict[str, Any]]], call: str
 ) -> None:
@@ -193,6 +212,8 @@ def test_an_extra_update_on_one_rank_is_refused_by_every_collective(
     assert "at updates=2" in error and "at updates=1" in error
     for out in outs:
         assert out["caught_up"] is None
+        assert not out["snapshot_written"]
+        assert out["agreement_calls"] == ["gloo:all_gather"]  # its whole cost on one dim
 
 
 def test_two_emas_gathered_crosswise_are_refused(
@@ -238,3 +259,5 @@ def test_on_a_2d_mesh_every_rank_raises(grid: list[dict[str, Any]]) -> None:
     assert "decay: 0.99 on rank" in grid[1]["options"]  # a peer of rank 3 names it
     assert "ranks [3]" in grid[0]["options"]  # rank 0 names who differs
     assert "at updates=1" in grid[0]["extra"] and "at updates=0" in grid[0]["extra"]
+    for out in grid:
+        assert out["agreement_calls"] == ["gloo:all_gather"] * 2  # one per mesh dim

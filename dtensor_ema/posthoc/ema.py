@@ -17,6 +17,7 @@ shards) with a manifest (:mod:`dtensor_ema.snapshots`).
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema._collectives import agree as _agree
+from dtensor_ema._collectives import agree_on_call
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema._collectives import rank_of as _rank
@@ -43,6 +45,7 @@ from dtensor_ema.phema_math import (
 )
 from dtensor_ema.plan import model_tensors
 from dtensor_ema.posthoc import snapshots as snap
+from dtensor_ema.state import CONFIG
 
 __all__ = ["PostHocEMA", "PowerDecay"]
 
@@ -316,8 +319,10 @@ class PostHocEMA:
     def snapshot(self) -> Path | None:
         """Save every profile as one sharded DCP checkpoint under ``snapshot_dir``.
 
-        **Collective** over ``process_group``: every rank writes only its own shards (plus
-        DCP's metadata on rank 0). Written into ``step-<N>.partial`` and renamed to
+        **Collective** over ``process_group``: the ranks first agree that each takes this
+        snapshot of the same profiles at the same step (one small all-gather,
+        :func:`~dtensor_ema._collectives.agree_on_call`), then every rank writes only its
+        own shards (plus DCP's metadata on rank 0). Written into ``step-<N>.partial`` and renamed to
         ``step-<N>`` with its ``manifest.json`` only once every rank has written, so a crash
         leaves every earlier snapshot valid. With ``async_save`` the write continues in the
         background and the commit happens at the next :meth:`snapshot`/:meth:`wait`.
@@ -329,7 +334,8 @@ class PostHocEMA:
             The committed snapshot's path (``None`` for an asynchronous save, still pending).
 
         Raises:
-            ValueError: no ``snapshot_dir``, or no update yet (``t == 0``).
+            ValueError: no ``snapshot_dir``, no update yet (``t == 0``), or the ranks
+                disagree (another step or other profiles on some rank; on every rank).
             RuntimeError: a rank failed to write; earlier snapshots are unchanged.
         """
         if self.snapshot_dir is None:
@@ -338,6 +344,7 @@ class PostHocEMA:
             raise ValueError("nothing to snapshot before the first update()")
         self.wait()
         group = _group(self._process_group)
+        agree_on_call("snapshot", self._call_identity, group=group)
         name = snap.snapshot_name(self._steps)
         error: Exception | None = None
         if _rank(group) == 0:
@@ -471,7 +478,7 @@ class PostHocEMA:
             "steps": self._steps,
             "t": self._clock.t,
             "time": self._time or "",
-            "config": json.dumps(self._config(), sort_keys=True),
+            CONFIG: json.dumps(self._config(), sort_keys=True),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -484,8 +491,8 @@ class PostHocEMA:
         for key in ("emas", "steps", "t", "time"):
             if key not in state_dict:
                 raise KeyError(f"PostHocEMA state dict has no {key!r} entry")
-        if "config" in state_dict:
-            theirs = json.loads(state_dict["config"])
+        if CONFIG in state_dict:
+            theirs = json.loads(state_dict[CONFIG])
             if theirs != self._config():
                 raise ValueError(
                     f"checkpoint PostHocEMA config {theirs} != this one's {self._config()}: "
@@ -501,6 +508,12 @@ class PostHocEMA:
 
     def _config(self) -> dict[str, Any]:
         return {"sigma_rels": list(self.sigma_rels)}
+
+    def _call_identity(self) -> tuple[int, int]:
+        """Which profiles (their EMAs' digests) and which step, for the ranks to agree on
+        before a snapshot (:func:`~dtensor_ema._collectives.agree_on_call`)."""
+        digests = [str(ema.engine.call_identity()[0]) for ema in self.emas.values()]
+        return zlib.crc32(" ".join(digests).encode()), self._steps
 
     def __repr__(self) -> str:
         return (
