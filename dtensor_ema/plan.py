@@ -573,7 +573,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             "creating its EMA"
         )
     entries: list[PlanEntry] = []
-    followed: dict[str, torch.Tensor] = {}
+    followed = {k: t for k, t in tensors.items() if not is_averageable(t)}
     untracked: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
@@ -581,8 +581,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     builder = LayoutBuilder(world)
     complex_tracked: list[str] = []
     for fqn, tensor in tensors.items():
-        if not is_averageable(tensor):
-            followed[fqn] = tensor
+        if fqn in followed:
             continue
         if id(tensor) in seen:
             aliases[fqn] = seen[id(tensor)]
@@ -633,7 +632,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()
-        if id(t) in parameter_ids and k not in aliases and is_averageable(t)
+        if id(t) in parameter_ids and k not in aliases and k not in followed
     ]
     if options.track == "trainable":
         plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
