@@ -45,6 +45,7 @@ __all__ = [
     "mesh_agree",
     "quiet_single_process",
     "rank_of",
+    "reduce_device",
     "same_error",
 ]
 
@@ -85,6 +86,11 @@ def _reduce_device(group: dist.ProcessGroup) -> torch.device:
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def reduce_device(group: dist.ProcessGroup) -> torch.device:
+    """A device the group's backend can all-reduce on (CPU for gloo, else the accelerator)."""
+    return _reduce_device(group)
 
 
 MESSAGE_BYTES = 2048

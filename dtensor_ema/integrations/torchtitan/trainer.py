@@ -417,7 +417,8 @@ def _holds(checkpoint_id: str, key: str) -> bool:
     where there is no local checkpoint folder to read (a remote path): the load decides.
 
     Raises:
-        CheckpointError: ``.metadata`` would run code when unpickled (before torchtitan's
+        CheckpointError: ``.metadata`` would run code when unpickled, names a data file
+            outside the folder, or leaves rows of a tensor uncovered (before torchtitan's
             plain DCP load reads it).
     """
     try:
