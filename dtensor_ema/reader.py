@@ -491,14 +491,14 @@ class Checkpoint:
                 )
         except CheckpointException as e:  # a BaseException: make it an ordinary error
             failures = {r: exc for r, (exc, _) in sorted(e.failures.items())}
-            if all(isinstance(exc, CheckpointError) for exc in failures.values()):
+            if any(isinstance(exc, CheckpointError) for exc in failures.values()):
                 # Our own refusals (a checksum, a value that is not plain), which DCP
                 # gathered to every rank: the same message everywhere, as agree() would,
                 # without DCP's traceback text.
                 shown = dict(list(failures.items())[:MESSAGE_RANKS])
                 checksums = any(isinstance(exc, ChecksumError) for exc in failures.values())
                 what = "verifying the checksums of" if checksums else "loading"
-                if group is None or dist.get_world_size(group) == 1:
+                if len(failures) == 1 and (group is None or dist.get_world_size(group) == 1):
                     raise next(iter(failures.values())) from None
                 raise same_error(
                     f"{what} {self.path}",
@@ -601,9 +601,11 @@ def coverage_problem(shape: Sequence[int], chunks: Iterable[tuple[Any, Any]]) ->
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for offsets, sizes in chunks:
         box = (tuple(offsets), tuple(sizes))
-        fits = len(box[0]) == len(box[1]) == len(shape) and all(
-            isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= s
-            for o, n, s in zip(*box, shape, strict=True)
+        fits = (
+            len(box[0]) == len(box[1]) == len(shape)
+            and all(isinstance(v, int) and v >= 0 for v in (*box[0], *box[1]))
+            # an empty chunk (an uneven shard's) covers nothing, wherever it says it is
+            and (0 in box[1] or all(o + n <= s for o, n, s in zip(*box, shape, strict=True)))
         )
         if not fits:
             return f"a chunk at offsets {box[0]} of sizes {box[1]} lies outside the shape"

@@ -262,7 +262,7 @@ def _craft_one_save_cases(tmp: Path, marker: Path) -> None:
     # file without one, or with one of another save.
     legacy = _copy(tmp, "legacy")
     for f, payload in sidecars(legacy).items():
-        del payload["save_id"]
+        payload.pop("save_id", None)
         f.write_text(json.dumps(payload))
     legacy_mixed = Path(shutil.copytree(legacy, tmp / "legacy-mixed"))
     mixed_legacy = _copy(tmp, "mixed-legacy")

@@ -128,12 +128,12 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "updates": ema.updates,
         "latest": {k: v.clone() for k, v in posthoc.emas["p0"].ema_tensors().items()},
     }
+    if HAVE_LIGHTNING:
+        out["lightning"] = _lightning_layouts(root / "lightning", ema, model)
     # Another save of the same layout, other values: what a crafted checkpoint reads.
     _step(model, 5)
     ema.update()
     save_checkpoint(state, root / "other")
-    if HAVE_LIGHTNING:
-        out["lightning"] = _lightning_layouts(root / "lightning", ema, model)
     return out
 
 
