@@ -475,3 +475,49 @@ def test_verify_warns_without_checksums_and_require_refuses(
     assert not [w for w in caught if w.category is UnverifiedCheckpointWarning]
     with pytest.raises(ValueError, match=r"verify must be True, False or 'require', got 'yes'"):
         load_checkpoint({"ema": fresh}, root / "ckpt", verify="yes")  # type: ignore[arg-type]
+
+
+LAYOUTS = {  # shape, chunks (offsets, sizes), the problem named (None: covered exactly once)
+    "row shards": ((10, 7), [((0, 0), (4, 7)), ((4, 0), (4, 7)), ((8, 0), (2, 7))], None),
+    "uneven, an empty shard": ((3, 4), [((0, 0), (3, 4)), ((3, 0), (0, 4))], None),
+    "2-D grid": ((4, 6), [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)], None),
+    "not a grid, covered": (
+        (4, 4),
+        [((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))],
+        None,
+    ),
+    "0-dim": ((), [((), ())], None),
+    "empty tensor": ((0, 5), [], None),
+    "rows missing": ((16, 7), [((0, 0), (8, 7))], "rows 8-15 are not covered"),
+    "a column missing": (
+        (4, 4),
+        [((0, 0), (4, 3))],
+        "rows 0-3 are not covered",
+    ),
+    "one row twice": (
+        (10, 7),
+        [((0, 0), (5, 7)), ((4, 0), (6, 7))],
+        "row 4 is covered more than once",
+    ),
+    "a gap hidden by an overlap": (
+        (4, 4),
+        [((0, 0), (4, 2)), ((0, 2), (2, 2)), ((0, 2), (2, 2))],
+        "rows 2-3 are not covered and rows 0-1 are covered more than once",
+    ),
+    "0-dim, none": ((), [], "its one element is not covered"),
+    "outside": ((4,), [((0,), (5,))], "a chunk at offsets (0,) of sizes (5,) lies outside"),
+    "negative": ((4,), [((-1,), (5,))], "a chunk at offsets (-1,) of sizes (5,) lies outside"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_coverage_of_chunk_layouts(layout: str) -> None:
+    """``reader.coverage_problem``: exact for grids and other boxes, naming the rows."""
+    from dtensor_ema.reader import coverage_problem
+
+    shape, chunks, expected = LAYOUTS[layout]
+    problem = coverage_problem(shape, chunks)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(expected), problem
