@@ -49,6 +49,7 @@ __all__ = [
     "mesh_gather_rows",
     "quiet_single_process",
     "rank_of",
+    "reduce_device",
     "same_error",
 ]
 
@@ -89,6 +90,11 @@ def _reduce_device(group: dist.ProcessGroup) -> torch.device:
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def reduce_device(group: dist.ProcessGroup) -> torch.device:
+    """A device the group's backend can all-reduce on (CPU for gloo, else the accelerator)."""
+    return _reduce_device(group)
 
 
 MESSAGE_BYTES = 2048

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,13 @@ from dtensor_ema.reader import (
     PREVIOUS_SUFFIX,
     Checkpoint,
     CheckpointError,
+    UnverifiedCheckpointWarning,
+    Verify,
     existing_checkpoint,
     open_checkpoint,
+    verification,
 )
+from dtensor_ema.same_path import agree_on_path
 from dtensor_ema.state import (
     EMA_TENSORS,
     TensorSpec,
@@ -79,7 +84,16 @@ def save_checkpoint(
     """Save ``state`` with DCP so that a failed save never damages the checkpoint at ``path``.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
-    call this with the same keys. Without a process group it saves from one process.
+    call this with the same keys and the same ``path``. Without a process group it saves
+    from one process.
+
+    First the ranks compare a digest of their resolved ``path`` (``Path.resolve()``), in
+    one small all-reduce that also hands every rank the save id rank 0 drew: if any rank's
+    path differs (a per-rank timestamp in the name, a link resolved per rank), every rank
+    raises ``ValueError`` naming the paths of rank 0 and the first differing ranks, before
+    anything is written. The save id goes into ``.metadata`` (DCP's
+    ``StorageMeta.save_id``) and into every checksum file, so a load refuses files of two
+    saves mixed in one directory.
 
     ``state`` is what ``dcp.save`` takes, e.g. ``{"ema": ema, "model": model_sd, "optim":
     optim_sd}``; ``Stateful`` values (``ModelEMA`` is one) are asked for their state dict
@@ -104,16 +118,22 @@ def save_checkpoint(
     others fail after that many seconds, naming it.
 
     Raises:
-        ValueError: ``path`` exists and is not a directory.
+        ValueError: ``path`` exists and is not a directory, or the ranks were given
+            different paths (nothing written).
         RuntimeError: a rank failed; the message says which. ``path`` is unchanged.
     """
     group = group_of(process_group)
     with entering("save_checkpoint", group=group):
-        _save(state, Path(path), group, checksums)
+        agreed = agree_on_path(group, Path(path), "save_checkpoint")
+        _save(state, Path(path), group, checksums, agreed.save_id)
 
 
 def _save(
-    state: Mapping[str, Any], path: Path, group: dist.ProcessGroup | None, checksums: bool
+    state: Mapping[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+    checksums: bool,
+    save_id: str,
 ) -> None:
     partial, previous = _siblings(path)
     error: Exception | None = None
@@ -133,7 +153,7 @@ def _save(
     except (Exception, CheckpointException) as e:
         error = _ordinary(e, f"collecting the state to save to {path}")
     agree(group, error, f"collecting the state to save to {path}")
-    writer = RecordingWriter(partial)
+    writer = RecordingWriter(partial, save_id=save_id)
     try:
         with quiet_single_process():
             dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -144,7 +164,7 @@ def _save(
     if checksums:
         try:
             rank = rank_of(group)
-            payload = record_checksums(partial, writer.results, metadata=rank == 0)
+            payload = record_checksums(partial, writer.results, metadata=rank == 0, save_id=save_id)
             write_sidecar(partial, rank, payload)
         except OSError as e:
             error = e
@@ -208,19 +228,27 @@ def load_checkpoint(
     path: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
-    verify: bool = True,
+    verify: Verify = True,
     common_subset: bool = False,
 ) -> None:
     """Load ``state`` in place from the DCP checkpoint at ``path``, checking it first.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
-    call this with the same keys. Without a process group it loads in one process. The
-    checkpoint may come from any world size, and from DDP or FSDP2 (DCP reshards).
+    call this with the same keys and the same ``path``. Without a process group it loads in
+    one process. The checkpoint may come from any world size, and from DDP or FSDP2 (DCP
+    reshards). First the ranks compare a digest of their resolved ``path`` in one small
+    all-reduce; if any rank's differs, every rank raises ``ValueError`` naming the paths of
+    rank 0 and the first differing ranks, before anything is read.
 
     Nothing from the checkpoint is run: ``.metadata`` is read with a restricted unpickler
     that builds only DCP's metadata classes (anything else raises :class:`CheckpointError`
-    naming the refused global and the file, before anything else is read) and non-tensor
-    values with ``torch.load(..., weights_only=True)`` (:mod:`dtensor_ema.reader`).
+    naming the refused global and the file, before anything else is read) and tensors and
+    non-tensor values with ``torch.load(..., weights_only=True)`` (:mod:`dtensor_ema.reader`;
+    an entry whose pickle holds anything else raises :class:`CheckpointError` naming the
+    checkpoint and the entry, "not a tensor or plain value"). Every data file ``.metadata``
+    names must be a plain file name inside ``path`` (no separator, no ``..``, not absolute,
+    no symbolic link that leaves it), and every tensor's saved chunks must cover its shape
+    exactly once; otherwise :class:`CheckpointError`, before any data file is opened.
 
     Before anything is written, every rank checks that the checkpoint is complete (its
     ``.metadata`` and every data file it names exist and are long enough) and, for every
@@ -247,10 +275,15 @@ def load_checkpoint(
     before any rank reads. XXH3-64 is checked where it was recorded and ``xxhash`` is
     installed, else the CRC-32. A mismatch raises
     :class:`~dtensor_ema.reader.ChecksumError` (a :class:`CheckpointError`) naming the file
-    and the tensor or value, with nothing written. The pass deserializes nothing, so a
+    and the tensor or value ("does not match"; never a digest of the bytes read), with
+    nothing written; so does a checksum file of another save (its save id is not
+    ``.metadata``'s: files of two saves mixed). The pass deserializes nothing, so a
     verified load costs little more than an unverified one (numbers in
-    ``docs/checkpoints.md``); ``verify=False`` skips it. Checkpoints without checksum files
-    (plain ``dcp.save``) are not verified.
+    ``docs/checkpoints.md``); ``verify=False`` skips it. A checkpoint without checksum files
+    (plain ``dcp.save``, ``checksums=False``) loads unverified with one
+    :class:`~dtensor_ema.reader.UnverifiedCheckpointWarning` under ``verify=True``, and is
+    refused under ``verify="require"``. Checksum files written before save ids are verified
+    as before, when none of the checkpoint's has one.
 
     If ``path`` is missing but ``<path>.previous`` exists (a :func:`save_checkpoint`
     interrupted while it swapped directories) the previous checkpoint is loaded, with a
@@ -259,17 +292,20 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or one that misses ``.metadata`` or
             data files (an interrupted plain ``dcp.save``).
-        ValueError: the checkpoint does not match an EMA (names, shapes, dtypes, options),
-            or has no EMA state under that EMA's key.
+        ValueError: the ranks were given different paths, the checkpoint does not match an
+            EMA (names, shapes, dtypes, options), or has no EMA state under that EMA's key.
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (a
-            crafted checkpoint; nothing was run), a checksum differs from the saved one
-            (``verify=True``), or DCP failed.
+            crafted checkpoint; nothing was run), names a file outside ``path``, leaves
+            part of a tensor uncovered; an entry is not a tensor or plain value; a checksum
+            differs from the saved one or belongs to another save (``verify``), the
+            checkpoint has no checksums (``verify="require"``); or DCP failed.
 
     When ranks fail differently, every rank raises the same message, of the first failing
     rank's exception type (``RuntimeError`` where that type is not a builtin or ours).
     """
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
+        agree_on_path(group, Path(path), "load_checkpoint")
         _load(state, Path(path), group, verify, common_subset)
 
 
@@ -277,15 +313,18 @@ def _load(
     state: dict[str, Any],
     path: Path,
     group: dist.ProcessGroup | None,
-    verify: bool,
+    verify: Verify,
     common_subset: bool = False,
 ) -> None:
     emas = _emas_in(state)
     error: Exception | None = None
     checkpoint: Checkpoint | None = None
+    unverified: str | None = None
+    check = False
     try:
         checkpoint = open_checkpoint(existing_checkpoint(path))
-        if verify:  # first: a corrupted .metadata must not pass for another model
+        check, unverified = verification(checkpoint, verify)
+        if check:  # first: a corrupted .metadata must not pass for another model
             checkpoint.verify_metadata()
         checkpoint.check_files()
         for where, ema in emas.items():
@@ -297,6 +336,8 @@ def _load(
         error.__cause__ = e
     agree(group, error, f"checking the checkpoint at {path}")
     assert checkpoint is not None
+    if unverified is not None:
+        warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=3)
 
     if emas:
         # The counter and options are small: read them alone, then let the EMA judge them
@@ -304,7 +345,7 @@ def _load(
         saved: dict[str, Any] = {}
         for where, ema in emas.items():
             _set_nested(saved, where, _without_tensors(ema.state_dict()))
-        checkpoint.load(saved, group=group, verify=verify)
+        checkpoint.load(saved, group=group, verify=check)
         subsets: dict[tuple[str, ...], list[str]] = {}
         try:
             for where, ema in emas.items():
@@ -317,7 +358,7 @@ def _load(
             error = e
         agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
         state = with_common_subsets(state, subsets)
-    checkpoint.load(state, group=group, verify=verify)
+    checkpoint.load(state, group=group, verify=check)
 
 
 def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:

@@ -13,6 +13,11 @@ inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte 
 * :func:`write_sidecar` stores them in ``__<rank>.checksums.json`` beside DCP's files
   (format ``dtensor_ema.checksums`` version 2). DCP ignores the file, so plain ``dcp.load``
   works.
+* A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
+  id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
+  ``.metadata``) and every checksum file records it (``"save_id"``), so a reader refuses
+  files of two saves mixed in one directory. Checksum files written before save ids have no
+  ``"save_id"`` (the field was added without a version change: older readers ignore it).
 
 Digests (:data:`ALGORITHMS`): always the CRC-32 (``zlib.crc32``: the standard library,
 verifiable anywhere); and, when the optional ``xxhash`` package is installed when saving,
@@ -128,11 +133,21 @@ def digests_of_ranges(
 
 class RecordingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` that keeps this rank's ``WriteResult``\\ s (where each item
-    went: data file, offset, length) in ``results``. Writes exactly what it would."""
+    went: data file, offset, length) in ``results``, and, given ``save_id``, uses it as
+    the save's id (DCP's ``save_id``, which ``.metadata`` records) instead of a fresh random
+    one per rank. Writes exactly what it would."""
 
-    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path, *, save_id: str | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.results: list[WriteResult] = []
+        self._save_id = save_id
+        if save_id is not None:
+            self.save_id = save_id
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)  # draws a new random save_id
+        if self._save_id is not None:
+            self.save_id = self._save_id
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future = super().write_data(plan, planner)
@@ -141,11 +156,16 @@ class RecordingWriter(FileSystemWriter):
 
 
 def record_checksums(
-    directory: Path, results: Iterable[WriteResult], *, metadata: bool
+    directory: Path,
+    results: Iterable[WriteResult],
+    *,
+    metadata: bool,
+    save_id: str | None = None,
 ) -> dict[str, Any]:
     """The digests (every algorithm of :data:`ALGORITHMS`) of every item in ``results`` (the
-    bytes on disk), and of ``.metadata`` if ``metadata``: the payload :func:`write_sidecar`
-    writes. Local: one pass over this rank's own ranges, one file at a time."""
+    bytes on disk), and of ``.metadata`` if ``metadata``, with the save's id: the payload
+    :func:`write_sidecar` writes. Local: one pass over this rank's own ranges, one file at
+    a time."""
     algorithms = list(ALGORITHMS)
     by_file: dict[str, list[WriteResult]] = {}
     for result in results:
@@ -169,6 +189,8 @@ def record_checksums(
         "algorithms": algorithms,
         "items": dict(sorted(items.items())),
     }
+    if save_id is not None:
+        payload["save_id"] = save_id
     if metadata:
         payload["metadata"] = digests((directory / METADATA_FILE).read_bytes())
     return payload

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +20,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mesh_agree
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.reader import existing_checkpoint, open_checkpoint
+from dtensor_ema.reader import (
+    UnverifiedCheckpointWarning,
+    Verify,
+    existing_checkpoint,
+    open_checkpoint,
+    verification,
+)
 from dtensor_ema.state import EMA_TENSORS
 from dtensor_ema.state_file import SUFFIXES, check_destination, write_state_file
 
@@ -122,7 +129,7 @@ def convert_checkpoint(
     *,
     key: str = "ema",
     dtype: torch.dtype | None = None,
-    verify: bool = True,
+    verify: Verify = True,
 ) -> dict[str, torch.Tensor]:
     """Turn the EMA in a DCP checkpoint into one file keyed by the model's fqns. Offline.
 
@@ -140,9 +147,15 @@ def convert_checkpoint(
     refused before anything is read).
 
     Reads as :func:`~dtensor_ema.load_checkpoint` does (:mod:`dtensor_ema.reader`): no code
-    from the checkpoint runs (restricted ``.metadata``, ``weights_only`` values), and with
+    from the checkpoint runs (restricted ``.metadata``, ``weights_only`` values; an entry
+    that is not a tensor or plain value is refused, naming it); every data file must be a
+    plain file name inside ``checkpoint_dir``, and every tensor's chunks must cover it
+    exactly once (so no row of the file is left as ``torch.empty`` memory); with
     ``verify=True`` (default) ``.metadata`` and the bytes it reads are checked against the
-    checksums :func:`~dtensor_ema.save_checkpoint` recorded, before they are deserialized.
+    checksums :func:`~dtensor_ema.save_checkpoint` recorded, before they are deserialized,
+    and a checksum file of another save is refused. Without checksum files,
+    ``verify=True`` warns once (:class:`~dtensor_ema.reader.UnverifiedCheckpointWarning`)
+    and ``verify="require"`` refuses.
 
     Returns:
         The ``fqn -> tensor`` dict that was written.
@@ -153,12 +166,16 @@ def convert_checkpoint(
         ValueError: the checkpoint has no EMA tensors under ``key``, or ``path`` has an
             unknown suffix.
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (nothing
-            was run), a checksum differs (``verify=True``), or DCP failed.
+            was run), names a file outside ``checkpoint_dir`` or leaves part of a tensor
+            uncovered; an entry is not a tensor or plain value; a checksum differs or
+            belongs to another save (``verify``), or there are none
+            (``verify="require"``); or DCP failed.
     """
     error = check_destination(Path(path))
     if error is not None:
         raise error
     checkpoint = open_checkpoint(existing_checkpoint(Path(checkpoint_dir)))
+    check, unverified = verification(checkpoint, verify)
     checkpoint.check_files()
     planner_data = checkpoint.metadata.planner_data or {}
     tensors: dict[str, torch.Tensor] = {}
@@ -177,9 +194,13 @@ def convert_checkpoint(
             f"entries are {sorted(checkpoint.top_level_keys())}"
         )
     state = {key: {_EMA_TENSORS: tensors, **extras}}
-    if verify:
+    if check:
         checkpoint.verify_metadata()
-    checkpoint.load(state, group=None, verify=verify)
+    # Every element of these torch.empty tensors is written: open_checkpoint checked that
+    # the saved chunks cover each tensor exactly once.
+    checkpoint.load(state, group=None, verify=check)
+    if unverified is not None:
+        warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=2)
     tensors = state[key][_EMA_TENSORS]
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}

@@ -15,13 +15,24 @@ Lightning drop-in's and callback's loads of sharded checkpoints.
   never unpickles ``.metadata`` itself) and a planner that reads non-tensor values with
   ``torch.load(..., weights_only=True)``; DCP reads tensors with ``weights_only=True``
   already. DCP's default planner unpickles values unrestricted.
+* :func:`path_inside`: every file name a checkpoint gives (a data file in ``.metadata``,
+  ``file`` in a checksum file; a snapshot folder in a post-hoc manifest) is a plain name
+  inside the directory read, and no symbolic link leaves it; :func:`open_checkpoint` checks
+  every data file ``.metadata`` names before any is opened.
+* :func:`check_coverage`: every tensor's saved chunks cover its shape exactly once (no gap,
+  no overlap), checked by :func:`open_checkpoint` before anything is read, so a load never
+  leaves rows of a destination unwritten.
 * :meth:`Checkpoint.check_files`: every data file the metadata names exists and is long
   enough.
 * :meth:`Checkpoint.verify_metadata`, :meth:`Checkpoint.verify_reads`: the CRC-32 recorded
   by :func:`~dtensor_ema.save_checkpoint` (:mod:`dtensor_ema.checksums`) of ``.metadata``
   and of every saved item a load reads, checked inside :meth:`Checkpoint.load` on each
   rank's read plan, in one pass over those byte ranges (memory-mapped), before any rank
-  reads them.
+  reads them; each checksum file must belong to the save that wrote ``.metadata`` (its
+  save id, :attr:`Checkpoint.save_id`). A mismatch names the file and the entry, never a
+  digest of the bytes read.
+* :func:`verification`: ``verify=True`` on a checkpoint without checksum files warns
+  (:class:`UnverifiedCheckpointWarning`); ``verify="require"`` refuses it.
 * :meth:`Checkpoint.entries_under`, :meth:`Checkpoint.top_level_keys`: what the checkpoint
   holds under a key, from the metadata alone.
 
@@ -31,22 +42,29 @@ Nothing here communicates except :meth:`Checkpoint.load` (DCP's collectives).
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from dtensor_ema._collectives import MESSAGE_RANKS, describe, quiet_single_process, same_error
@@ -69,8 +87,14 @@ __all__ = [
     "CheckpointError",
     "ChecksumError",
     "SafeLoadPlanner",
+    "UnverifiedCheckpointWarning",
+    "Verify",
+    "check_coverage",
+    "coverage_problem",
     "existing_checkpoint",
     "open_checkpoint",
+    "path_inside",
+    "verification",
 ]
 
 
@@ -82,8 +106,22 @@ class CheckpointError(RuntimeError):
 
 
 class ChecksumError(CheckpointError):
-    """A saved item's (or ``.metadata``'s) bytes differ from those saved, or cannot be read;
-    the message names the file and, for an item, the tensor or value."""
+    """A saved item's (or ``.metadata``'s) bytes differ from those saved, or cannot be read,
+    or a checksum file belongs to another save; the message names the file and, for an
+    item, the tensor or value (never a digest of the bytes read)."""
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """``verify=True`` was asked of a checkpoint without checksum files (plain ``dcp.save``,
+    or ``save_checkpoint(checksums=False)``): it loads, but nothing was verified. Filter
+    this category to load such checkpoints quietly; ``verify="require"`` refuses them."""
+
+
+Verify = bool | Literal["require"]
+"""``verify=`` of :func:`~dtensor_ema.load_checkpoint` and
+:func:`~dtensor_ema.convert_checkpoint`: ``True`` (verify the checksums where the checkpoint
+has them, warn where it has none), ``"require"`` (refuse a checkpoint without them),
+``False`` (skip)."""
 
 
 PREVIOUS_SUFFIX = ".previous"
@@ -152,7 +190,11 @@ def _unpickle_metadata(data: bytes, file: Path) -> Metadata:
             "and nothing else of the checkpoint was read)"
         ) from None
     except Exception as e:
-        raise CheckpointError(f"{file} is not a readable DCP .metadata file: {e!r}") from e
+        # Only the exception's type: pickle's messages quote the bytes it could not read.
+        raise CheckpointError(
+            f"{file} is not a readable DCP .metadata file ({type(e).__name__}: truncated, "
+            "corrupted, or not written by DCP)"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
             f"{file} holds a {type(metadata).__name__}, not DCP's Metadata: not a DCP checkpoint"
@@ -174,6 +216,35 @@ class Checkpoint:
     """Whether the directory has checksum files (``__<rank>.checksums.json``)."""
     _recorded: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Checksum files read so far, by name."""
+
+    @property
+    def save_id(self) -> str | None:
+        """The id of the save that wrote ``.metadata`` (DCP's ``StorageMeta.save_id``):
+        the id all ranks of a :func:`~dtensor_ema.save_checkpoint` agreed on, which its
+        checksum files record too; ``None`` where the metadata has none."""
+        storage_meta = getattr(self.metadata, "storage_meta", None)
+        save_id = getattr(storage_meta, "save_id", None)
+        return save_id if isinstance(save_id, str) else None
+
+    def check_paths(self) -> None:
+        """Every data file ``.metadata`` names is a plain file name inside the checkpoint
+        directory, not a symbolic link that leaves it (:func:`path_inside`). Local; opens
+        no file. :func:`open_checkpoint` calls it.
+
+        Raises:
+            CheckpointError: naming the entry and the file name.
+        """
+        seen: set[str] = set()
+        for index, info in (self.metadata.storage_data or {}).items():
+            relative = getattr(info, "relative_path", None)
+            if relative is None or (isinstance(relative, str) and relative in seen):
+                continue
+            path_inside(self.path, relative, f"{self.path / METADATA_FILE} (entry {index.fqn!r})")
+            seen.add(relative)
+
+    def check_coverage(self) -> None:
+        """:func:`check_coverage` of this checkpoint's metadata. Local; opens no file."""
+        check_coverage(self.metadata, self.path / METADATA_FILE)
 
     # -------------------------------------------------------------------- metadata
     def entries_under(self, where: tuple[str, ...]) -> dict[str, Any]:
@@ -250,12 +321,10 @@ class Checkpoint:
                 "file is missing)"
             )
         algorithm = _algorithm(recorded, where, METADATA_FILE)
-        got = self.metadata_digests[algorithm]
-        if got != int(recorded[algorithm]):
+        if self.metadata_digests[algorithm] != int(recorded[algorithm]):
             raise ChecksumError(
-                f"{where}: {METADATA_FILE} has {algorithm} {got:#x}, but "
-                f"{int(recorded[algorithm]):#x} was recorded when it was saved: the file is "
-                "corrupted or was replaced"
+                f"{where}: {METADATA_FILE} does not match the checksum ({algorithm}) recorded "
+                "when it was saved: the file is corrupted or was replaced"
             )
         return True
 
@@ -276,8 +345,10 @@ class Checkpoint:
 
         Raises:
             ChecksumError: ``.metadata`` or an item differs from the recorded digest,
-                cannot be read, has no recorded checksum (a checksum file is missing), or a
-                checksum file is unreadable; names the file and the tensor or value.
+                cannot be read, has no recorded checksum (a checksum file is missing), a
+                checksum file is unreadable, or one belongs to another save (another save
+                id than ``.metadata``'s); names the file and the tensor or value, never a
+                digest computed over the bytes read.
         """
         if not self.verify_metadata():
             return 0
@@ -320,20 +391,45 @@ class Checkpoint:
                 ) from e
             for (_, _, algorithm, expected, what), got in zip(chunks, digests, strict=True):
                 if got[algorithm] != expected:
+                    # Never the digest computed: over a few bytes it would reveal them.
                     raise ChecksumError(
-                        f"{where}, data file {file}: {what} has {algorithm} "
-                        f"{got[algorithm]:#x}, but {expected:#x} was recorded when it was "
-                        "saved: the file is corrupted"
+                        f"{where}, data file {file}: {what} does not match the checksum "
+                        f"({algorithm}) recorded when it was saved: the file is corrupted"
                     )
         return len(wanted)
 
     def _sidecar(self, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s checksum file (``{}`` when it is missing), read once."""
+        """Rank ``rank``'s checksum file (``{}`` when it is missing), read once, checked to
+        belong to the save that wrote ``.metadata``."""
         name = sidecar_name(rank)
         if name not in self._recorded:
-            file = self.path / name
-            self._recorded[name] = _read_sidecar(file, self.path) if file.exists() else {}
+            file = path_inside(self.path, name, f"checkpoint {self.path}")
+            payload = _read_sidecar(file, self.path) if file.exists() else {}
+            if payload:
+                self._check_same_save(rank, name, payload)
+            self._recorded[name] = payload
         return self._recorded[name]
+
+    def _check_same_save(self, rank: int, name: str, payload: Mapping[str, Any]) -> None:
+        """A checksum file records the id of its save; it must be ``.metadata``'s. Files
+        written before save ids (none recorded) are accepted only beside a rank 0 checksum
+        file without one too: a checkpoint saved wholly before save ids."""
+        where = f"checkpoint {self.path}"
+        recorded = payload.get("save_id")
+        if recorded is None:
+            if rank != 0 and self._sidecar(0).get("save_id") is not None:
+                raise ChecksumError(
+                    f"{where}: checksum file {name} records no save id, but this checkpoint's "
+                    "other checksum files do: it was written by another (older) save; files "
+                    "of different saves were mixed"
+                )
+            return
+        if recorded != self.save_id:
+            raise ChecksumError(
+                f"{where}: checksum file {name} belongs to another save (save id "
+                f"{recorded!r}, while {METADATA_FILE} was written by save {self.save_id!r}): "
+                "files of different saves were mixed"
+            )
 
     def _recorded_items(self, files: set[str]) -> dict[str, dict[str, Any]]:
         """The recorded items of the ranks that wrote ``files`` (DCP names a rank's data
@@ -373,11 +469,15 @@ class Checkpoint:
         rank before any rank reads: a mismatch anywhere leaves every rank's ``state``
         untouched, with no extra communication.
 
+        A value or tensor whose pickle holds anything but tensors and plain values is
+        refused (``weights_only``), naming the checkpoint and the entry.
+
         Raises:
             ChecksumError: ``verify=True`` and a checksum differs on some rank (every rank
                 raises the same message).
-            CheckpointError: DCP failed (missing keys, shape mismatches, an unreadable or
-                disallowed value); chains DCP's exception.
+            CheckpointError: an entry is not a tensor or plain value (every rank raises the
+                same message, naming it), or DCP failed (missing keys, shape mismatches, an
+                unreadable value); chains DCP's exception.
         """
         reader = _Reader(self, verify and self.has_checksums)
         try:
@@ -385,21 +485,26 @@ class Checkpoint:
                 dcp.load(
                     state,
                     storage_reader=reader,
-                    planner=SafeLoadPlanner(allow_partial_load=partial),
+                    planner=SafeLoadPlanner(allow_partial_load=partial, checkpoint=self.path),
                     process_group=group,
                     no_dist=group is None,
                 )
         except CheckpointException as e:  # a BaseException: make it an ordinary error
             failures = {r: exc for r, (exc, _) in sorted(e.failures.items())}
-            if any(isinstance(exc, ChecksumError) for exc in failures.values()):
-                # DCP gathered every rank's planning failures to every rank: raise the same
-                # message everywhere, as agree() would.
+            if any(isinstance(exc, CheckpointError) for exc in failures.values()):
+                # Our own refusals (a checksum, a value that is not plain), which DCP
+                # gathered to every rank: the same message everywhere, as agree() would,
+                # without DCP's traceback text.
                 shown = dict(list(failures.items())[:MESSAGE_RANKS])
+                checksums = any(isinstance(exc, ChecksumError) for exc in failures.values())
+                what = "verifying the checksums of" if checksums else "loading"
+                if len(failures) == 1 and (group is None or dist.get_world_size(group) == 1):
+                    raise next(iter(failures.values())) from None
                 raise same_error(
-                    f"verifying the checksums of {self.path}",
+                    f"{what} {self.path}",
                     list(failures),
                     {r: describe(exc) for r, exc in shown.items()},
-                ) from e
+                ) from None
             raise CheckpointError(f"loading {self.path} failed: {e}") from e
 
 
@@ -409,11 +514,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     Reads ``.metadata`` once, whole, and unpickles it with only :data:`METADATA_GLOBALS`
     (and torch dtypes) allowed. Local.
 
+    Then, before any other file is opened, every data file it names must be a plain file
+    name inside ``path`` (:meth:`Checkpoint.check_paths`) and every tensor's chunks must
+    cover its shape exactly once (:meth:`Checkpoint.check_coverage`).
+
     Raises:
         FileNotFoundError: ``path`` is not a directory, or has no ``.metadata`` (an
             interrupted save, or not a checkpoint).
         CheckpointError: ``.metadata`` refers to any other global (naming it and the
-            file; nothing was run, nothing else read), or is not DCP metadata.
+            file; nothing was run, nothing else read), is not DCP metadata, names a data
+            file outside ``path``, or leaves part of a tensor uncovered (or covered twice).
     """
     path = Path(path)
     if not path.is_dir():
@@ -422,7 +532,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             if path.exists()
             else f"no checkpoint at {path}: the directory does not exist"
         )
-    file = path / METADATA_FILE
+    file = path_inside(path, METADATA_FILE, f"checkpoint {path}")
     if not file.is_file():
         raise FileNotFoundError(
             f"{path} is not a complete DCP checkpoint: it has no {METADATA_FILE} file (the "
@@ -431,7 +541,208 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     data = file.read_bytes()
     metadata = _unpickle_metadata(data, file)
     has_checksums = next(iter(path.glob(SIDECAR_GLOB)), None) is not None
-    return Checkpoint(path, metadata, digests(data), has_checksums)
+    checkpoint = Checkpoint(path, metadata, digests(data), has_checksums)
+    checkpoint.check_paths()
+    checkpoint.check_coverage()
+    return checkpoint
+
+
+def path_inside(directory: Path, name: object, what: str) -> Path:
+    """``directory / name`` for a file name read from a file of the checkpoint (or snapshot
+    directory) ``directory``, refused unless it stays inside.
+
+    ``name`` must be a plain name: a non-empty string without a path separator, not ``.``
+    or ``..``, not absolute; and if ``directory / name`` is a symbolic link, its target must
+    lie inside ``directory`` (resolved). Local; opens nothing (one ``lstat``).
+
+    Args:
+        directory: the directory being read.
+        name: the name as read (``relative_path`` in ``.metadata``, ``file`` in a checksum
+            file, a snapshot folder in a post-hoc manifest).
+        what: where the name was read, for the message (``"ckpt/.metadata (entry 'x')"``).
+
+    Raises:
+        CheckpointError: naming ``what``, the name and why, before anything is opened.
+    """
+    separators = {"/", "\\", os.sep, *((os.altsep,) if os.altsep else ())}
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "\0" in name
+        or any(sep in name for sep in separators)
+        or os.path.isabs(name)
+    ):
+        raise CheckpointError(
+            f"{what} names {name!r}, which is not a plain file name inside {directory} (no "
+            "separator, no '..', not absolute): refused before any file was opened"
+        )
+    target = directory / name
+    if target.is_symlink():
+        root = directory.resolve()
+        resolved = target.resolve()
+        if resolved != root and root not in resolved.parents:
+            raise CheckpointError(
+                f"{what} names {name!r}, a symbolic link that leaves {directory}: refused "
+                "before any file was opened"
+            )
+    return target
+
+
+def coverage_problem(shape: Sequence[int], chunks: Iterable[tuple[Any, Any]]) -> str | None:
+    """What is wrong with the ``(offsets, sizes)`` chunks of a tensor of ``shape``, or
+    ``None`` when they cover every element exactly once.
+
+    Problems: a chunk outside the shape; rows (indices of dim 0; the one element of a
+    0-dim tensor) that some element of is not covered, or covered more than once. Exact for
+    any boxes. The layouts sharding makes (each dim cut into intervals, one chunk per cell
+    of their product) are recognized in ``O(chunks log chunks)``; any other layout, and
+    every faulty one, is swept dim by dim (each dim-0 slab recurses into the chunks that
+    span it), which also finds the rows to name.
+    """
+    shape = tuple(int(s) for s in shape)
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in chunks:
+        box = (tuple(offsets), tuple(sizes))
+        if not _fits(box, shape):
+            return f"a chunk at offsets {box[0]} of sizes {box[1]} lies outside the shape"
+        boxes.append(box)
+    boxes = [b for b in boxes if 0 not in b[1]]  # empty chunks cover nothing
+    if 0 in shape or _is_grid(shape, boxes):
+        return None
+    gaps, overlaps = _cover(shape, boxes)
+    if not gaps and not overlaps:
+        return None
+    if not shape:
+        return "its one element is " + ("not covered" if gaps else "covered more than once")
+    parts = []
+    if gaps:
+        parts.append(f"{_rows(gaps)} not covered")
+    if overlaps:
+        parts.append(f"{_rows(overlaps)} covered more than once")
+    return " and ".join(parts)
+
+
+def check_coverage(metadata: Metadata, file: str | Path) -> None:
+    """Every tensor of ``metadata`` (read from ``file``) has chunks that cover its shape
+    exactly once (:func:`coverage_problem`): a load then writes every element of its
+    destination, so no ``torch.empty`` buffer filled from it keeps unwritten rows. Local.
+
+    Raises:
+        CheckpointError: naming the file, the tensor, its shape and the rows.
+    """
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        problem = coverage_problem(md.size, ((c.offsets, c.sizes) for c in md.chunks))
+        if problem is not None:
+            raise CheckpointError(
+                f"{file}: the saved chunks of tensor {fqn!r} (shape {tuple(md.size)}) do not "
+                f"cover it exactly once: {problem}; refused before anything was read"
+            )
+
+
+def _fits(box: tuple[tuple[int, ...], tuple[int, ...]], shape: tuple[int, ...]) -> bool:
+    """Non-negative int offsets and sizes, one per dim, inside ``shape``; an empty chunk
+    (an uneven shard's) covers nothing, wherever it says it is."""
+    offsets, sizes = box
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        return False
+    for offset, size in zip(offsets, sizes, strict=True):
+        if type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
+            return False
+    return 0 in sizes or all(o + n <= s for o, n, s in zip(offsets, sizes, shape, strict=True))
+
+
+def _is_grid(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether the (non-empty) boxes are exactly the cells of a grid over ``shape``: in
+    every dim their intervals partition it, and each cell of the product is one box."""
+    cells = 1
+    for d, size in enumerate(shape):
+        position = 0
+        intervals = sorted({(o[d], n[d]) for o, n in boxes})
+        for offset, length in intervals:
+            if offset != position:
+                return False
+            position += length
+        if position != size:
+            return False
+        cells *= len(intervals)
+    return len(boxes) == cells and len(set(boxes)) == cells
+
+
+def _cover(
+    shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(gaps, overlaps)``: the ``[start, stop)`` row ranges with an element covered by no
+    box, or by more than one (boxes inside ``shape``)."""
+    if not shape:
+        return ([(0, 1)] if not boxes else []), ([(0, 1)] if len(boxes) > 1 else [])
+    if 0 in shape:
+        return [], []
+    boxes = sorted((b for b in boxes if 0 not in b[1]), key=lambda b: b[0][0])
+    bounds = sorted({0, shape[0], *(o[0] for o, _ in boxes), *(o[0] + n[0] for o, n in boxes)})
+    gaps: list[tuple[int, int]] = []
+    overlaps: list[tuple[int, int]] = []
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    following = 0
+    for lo, hi in itertools.pairwise(bounds):
+        active = [b for b in active if b[0][0] + b[1][0] > lo]
+        while following < len(boxes) and boxes[following][0][0] <= lo:
+            active.append(boxes[following])
+            following += 1
+        # Every active box spans the whole slab [lo, hi): the slab is covered exactly once
+        # when their cross-sections cover the remaining dims exactly once.
+        sub_gaps, sub_overlaps = _cover(shape[1:], [(o[1:], n[1:]) for o, n in active])
+        for found, ranges in ((sub_gaps, gaps), (sub_overlaps, overlaps)):
+            if not found:
+                continue
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+    return gaps, overlaps
+
+
+def _rows(ranges: list[tuple[int, int]], shown: int = 5) -> str:
+    """``"rows 8-15 are"``, ``"row 3 is"``, ``"rows 0, 4-5 are"`` (the first ``shown``)."""
+    text = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in ranges[:shown])
+    if len(ranges) > shown:
+        text += f" and {len(ranges) - shown} more ranges"
+    one = len(ranges) == 1 and ranges[0][1] == ranges[0][0] + 1
+    return f"row {text} is" if one else f"rows {text} are"
+
+
+def verification(checkpoint: Checkpoint, verify: Verify) -> tuple[bool, str | None]:
+    """Whether a load of ``checkpoint`` verifies checksums, and the warning to give.
+
+    ``verify=True``: where the checkpoint has checksum files; where it has none, the load
+    goes on unverified and the caller warns once with the returned text
+    (:class:`UnverifiedCheckpointWarning`). ``"require"``: refuse a checkpoint without
+    checksum files. ``False``: no verification, no warning. Local.
+
+    Returns:
+        ``(verify, warning)``: ``warning`` is ``None`` unless there is nothing to verify.
+
+    Raises:
+        ValueError: ``verify`` is not ``True``, ``False`` or ``"require"``.
+        ChecksumError: ``"require"`` and the checkpoint has no checksum files.
+    """
+    if not (verify is True or verify is False or verify == "require"):
+        raise ValueError(f"verify must be True, False or 'require', got {verify!r}")
+    if verify is False:
+        return False, None
+    if checkpoint.has_checksums:
+        return True, None
+    why = (
+        f"checkpoint {checkpoint.path} has no checksum files ({SIDECAR_GLOB}: written by "
+        "plain dcp.save, or save_checkpoint(checksums=False))"
+    )
+    if verify == "require":
+        raise ChecksumError(f"{why}: nothing can be verified, and verify='require' refuses it")
+    return False, (
+        f"{why}: it was loaded, but nothing was verified; pass verify=False to load it without "
+        "this warning, or verify='require' to refuse it"
+    )
 
 
 def existing_checkpoint(path: Path) -> Path:
@@ -457,12 +768,29 @@ def existing_checkpoint(path: Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist")
 
 
+def _refused_entry(checkpoint: Path | None, fqn: str) -> CheckpointError:
+    where = f"checkpoint {checkpoint}: " if checkpoint is not None else ""
+    return CheckpointError(
+        f"{where}entry {fqn!r} is not a tensor or plain value: its pickle refers to other "
+        "objects; refused (nothing in it was run)"
+    )
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are unpickled with
-    ``torch.load(..., weights_only=True)`` (DCP's default: ``weights_only=False``)."""
+    ``torch.load(..., weights_only=True)`` (DCP's default: ``weights_only=False``); one
+    that holds anything else raises :class:`CheckpointError` naming the checkpoint
+    (``checkpoint``) and the entry."""
+
+    def __init__(self, *args: Any, checkpoint: Path | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint = checkpoint
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:  # torch's weights_only refusal
+            raise _refused_entry(self.checkpoint, read_item.storage_index.fqn) from None
         if self.flatten_state_dict:
             # DCP's own helper for writing a value back into the nested state dict; public
             # planners have used it since DCP's flattening appeared (torch 2.1).
@@ -509,7 +837,29 @@ class _Reader(FileSystemReader):
                 raise CheckpointError(
                     f"the read plan changed after its checksums were verified: {unverified}"
                 )
-        return super().read_data(plan, planner)
+        try:
+            return super().read_data(plan, planner)
+        except pickle.UnpicklingError:  # DCP's torch.load(weights_only=True) of a tensor
+            raise _refused_entry(self._checkpoint.path, self._refused_tensor(plan)) from None
+
+    def _refused_tensor(self, plan: LoadPlan) -> str:
+        """The first tensor of ``plan`` whose pickle ``weights_only`` refuses (DCP's error
+        does not say which): each is read again, on this failure path only."""
+        storage = self._checkpoint.metadata.storage_data or {}
+        for item in plan.items:
+            info = storage.get(item.storage_index)
+            if item.type == LoadItemType.BYTE_IO or info is None:
+                continue
+            with open(self._checkpoint.path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = io.BytesIO(f.read(info.length))
+            try:
+                torch.load(data, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                return str(item.storage_index.fqn)
+            except Exception:  # another failure: not the refused one
+                continue
+        return "(a tensor)"
 
 
 _WRITER = re.compile(r"^__(\d+)_")
@@ -521,8 +871,10 @@ def _read_sidecar(file: Path, directory: Path) -> dict[str, Any]:
     where = f"checkpoint {directory}"
     try:
         payload = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ChecksumError(f"{where}: checksum file {file.name} is unreadable: {e!r}") from e
+    except (OSError, ValueError) as e:  # the type only: a decoding error quotes bytes
+        raise ChecksumError(
+            f"{where}: checksum file {file.name} is unreadable ({type(e).__name__})"
+        ) from None
     if not (isinstance(payload, dict) and payload.get("format") == FORMAT):
         raise ChecksumError(f"{where}: {file.name} is not a {FORMAT} file")
     if payload.get("version") != VERSION:
@@ -537,6 +889,14 @@ def _read_sidecar(file: Path, directory: Path) -> dict[str, Any]:
         isinstance(e, dict) and all(f in e for f in fields) for e in items.values()
     ):
         raise ChecksumError(f"{where}: checksum file {file.name} is malformed")
+    checked: set[str] = set()
+    for entry in items.values():  # before any data file is opened
+        name = entry["file"]
+        if not (isinstance(name, str) and name in checked):
+            path_inside(directory, name, f"{where}: checksum file {file.name}")
+            checked.add(name)
+    if not isinstance(payload.get("save_id", ""), str):
+        raise ChecksumError(f"{where}: checksum file {file.name} is malformed (save_id)")
     return payload
 
 

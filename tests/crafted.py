@@ -1,4 +1,6 @@
-"""Crafted checkpoints: a ``.metadata`` that runs code when ``pickle`` loads it (issue 27).
+"""Crafted checkpoints: a ``.metadata`` that runs code when ``pickle`` loads it (issue 27),
+and ones built only from DCP's own classes that lie about their files, chunks or values
+(issue 35).
 
 Shared by ``test_checkpoint_trust.py`` (every reader, one process) and
 ``test_checkpoint_integrity.py`` (W=2). The payload is ``os.system("touch <marker>")``: a
@@ -11,6 +13,7 @@ import os
 import pickle
 import shlex
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +84,147 @@ def refused_globals(directory: Path) -> set[tuple[str, str]]:
         for module, name in metadata_globals(directory / ".metadata")
         if (module, name) not in METADATA_GLOBALS and not (module == "torch" and name in dtypes)
     }
+
+
+# ----------------------------------------------------------------- crafted from allowed classes
+# Checkpoints whose ``.metadata`` holds only DCP's own classes (which every reader may build)
+# but lies: data files outside the folder, chunks that do not cover a tensor, values that
+# are pickles of other objects. Built the way someone who rewrites a checkpoint would: the
+# checksum files are rewritten to match (CRC-32 with ``zlib``, XXH3-64 with ``xxhash``,
+# computed here, independently of the library), or deleted.
+
+
+def _digests(data: bytes | memoryview, algorithms: list[str]) -> dict[str, int]:
+    import zlib
+
+    out: dict[str, int] = {}
+    for name in algorithms:
+        if name == "crc32":
+            out[name] = zlib.crc32(data)
+        elif name == "xxh3_64":
+            import xxhash
+
+            out[name] = xxhash.xxh3_64_intdigest(data)
+        else:
+            raise AssertionError(f"unknown digest {name}")
+    return out
+
+
+def read_metadata(directory: Path) -> Any:
+    with open(directory / ".metadata", "rb") as f:
+        return pickle.load(f)  # our own file
+
+
+def sidecars(directory: Path) -> dict[Path, dict[str, Any]]:
+    """``{path: payload}`` of every checksum file of ``directory``."""
+    import json
+
+    return {f: json.loads(f.read_text()) for f in sorted(directory.glob("__*.checksums.json"))}
+
+
+def rewrite(directory: Path, metadata: Any, *, checksums: str = "fix") -> None:
+    """Write ``metadata`` as ``directory``'s ``.metadata`` (a plain pickle, as DCP writes
+    it). ``checksums="fix"``: rewrite the checksum files to match: rank 0's digest of
+    ``.metadata``, and each item's place and digests from the new metadata (read from the
+    files it names, inside or outside the folder); ``"drop"``: delete them (a plain
+    ``dcp.save`` checkpoint)."""
+    import json
+
+    data = pickle.dumps(metadata)
+    (directory / ".metadata").write_bytes(data)
+    if checksums == "drop":
+        for f in directory.glob("__*.checksums.json"):
+            f.unlink()
+        return
+    assert checksums == "fix"
+    places = {}
+    for index, info in metadata.storage_data.items():
+        offset = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+        places[f"{index.fqn}@{offset}"] = info
+    for f, payload in sidecars(directory).items():
+        algorithms = payload["algorithms"]
+        if "metadata" in payload:
+            payload["metadata"] = _digests(data, algorithms)
+        for key, entry in payload["items"].items():
+            info = places.get(key)
+            if info is None:
+                continue
+            raw = (directory / info.relative_path).read_bytes()[
+                info.offset : info.offset + info.length
+            ]
+            entry.update(
+                file=info.relative_path,
+                offset=info.offset,
+                length=info.length,
+                **_digests(raw, algorithms),
+            )
+        f.write_text(json.dumps(payload))
+
+
+def index_of(metadata: Any, fqn: str, offset: tuple[int, ...] | None = None) -> Any:
+    """The storage index of ``fqn``'s saved item (its chunk at ``offset``; the first)."""
+    found = [
+        i
+        for i in metadata.storage_data
+        if i.fqn == fqn and (offset is None or tuple(i.offset) == offset)
+    ]
+    assert found, (fqn, offset, [i.fqn for i in metadata.storage_data])
+    return found[0]
+
+
+def redirect(
+    directory: Path, fqn: str, name: Callable[[str], str], *, checksums: str = "fix"
+) -> None:
+    """Make ``.metadata`` place every item of ``fqn`` in the file ``name(its file)``
+    (relative to ``directory``, or absolute), at the same offsets."""
+    metadata = read_metadata(directory)
+    for index, info in metadata.storage_data.items():
+        if index.fqn == fqn:
+            info.relative_path = name(info.relative_path)
+    rewrite(directory, metadata, checksums=checksums)
+
+
+def drop_chunk(directory: Path, fqn: str, offsets: tuple[int, ...], **kwargs: Any) -> None:
+    """Remove ``fqn``'s chunk at ``offsets`` from ``.metadata``: those rows are covered by
+    no chunk (what a save that lost a rank's part, or a crafted one, looks like)."""
+    metadata = read_metadata(directory)
+    md = metadata.state_dict_metadata[fqn]
+    md.chunks = [c for c in md.chunks if tuple(c.offsets) != offsets]
+    rewrite(directory, metadata, **kwargs)
+
+
+def shrink_chunk(directory: Path, fqn: str, rows: int, **kwargs: Any) -> None:
+    """Make ``fqn``'s single saved chunk cover only its first ``rows`` rows (the data stays
+    whole: DCP would read rows ``0..rows-1`` of it and leave the rest)."""
+    metadata = read_metadata(directory)
+    md = metadata.state_dict_metadata[fqn]
+    (chunk,) = md.chunks
+    chunk.sizes = type(chunk.sizes)((rows, *chunk.sizes[1:]))
+    rewrite(directory, metadata, **kwargs)
+
+
+def duplicate_chunk(directory: Path, fqn: str, **kwargs: Any) -> None:
+    """List ``fqn``'s first chunk twice: its rows are covered twice."""
+    metadata = read_metadata(directory)
+    md = metadata.state_dict_metadata[fqn]
+    md.chunks = [md.chunks[0], *md.chunks]
+    rewrite(directory, metadata, **kwargs)
+
+
+def replace_value(directory: Path, fqn: str, payload: Any, **kwargs: Any) -> None:
+    """Append ``torch.save(payload)`` to the data file of ``fqn``'s (first) item and point
+    ``.metadata`` at it: the entry's pickle now holds ``payload``."""
+    import io
+
+    import torch
+
+    metadata = read_metadata(directory)
+    info = metadata.storage_data[index_of(metadata, fqn)]
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    file = directory / info.relative_path
+    info.offset = file.stat().st_size
+    info.length = len(buffer.getvalue())
+    with open(file, "ab") as f:
+        f.write(buffer.getvalue())
+    rewrite(directory, metadata, **kwargs)

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from crafted import checkpoints_under, refused_globals
+from crafted import checkpoints_under, refused_globals, replace_value
 from dist_harness import run_ranks
 from models import ReferenceEMA, make_model, mismatches
 from torch import nn
@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtensor_ema import (
+    CheckpointError,
     ModelEMA,
     MultiModelEMA,
     convert_checkpoint,
@@ -744,14 +745,33 @@ def _sneaky_side_effect() -> None:
 
 
 def test_loading_never_unpickles_arbitrary_objects(tmp_path: Path, monkeypatch: Any) -> None:
+    """A value (or, crafted, a tensor) whose pickle refers to other objects is refused with
+    one line naming the checkpoint and the entry, without torch's advice to retry with
+    ``weights_only=False`` and without DCP's traceback text (issue 35)."""
     marker = tmp_path / "executed"
     monkeypatch.setenv("SNEAKY_MARKER", str(marker))
     module, _ = build("edge", "plain")
     ema = ModelEMA(module, decay=DECAY, tau=TAU)
-    save_checkpoint({"ema": ema, "extra": {"payload": _Sneaky()}}, tmp_path / "ckpt")
+    path = tmp_path / "ckpt"
+    save_checkpoint({"ema": ema, "extra": {"payload": _Sneaky()}}, path)
     assert not marker.exists()
-    with pytest.raises(RuntimeError, match=r"(?s)loading .* failed.*Weights only load failed"):
-        load_checkpoint({"ema": ema, "extra": {"payload": None}}, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint({"ema": ema, "extra": {"payload": None}}, path)
+    assert str(info.value) == (
+        f"checkpoint {path}: entry 'extra.payload' is not a tensor or plain value: its pickle "
+        "refers to other objects; refused (nothing in it was run)"
+    )
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    # A tensor's pickle replaced by one of another object, checksums rewritten to match.
+    crafted = Path(shutil.copytree(path, tmp_path / "tensor"))
+    replace_value(crafted, "ema.ema.odd", _Sneaky())
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint({"ema": ema}, crafted)
+    assert str(info.value) == (
+        f"checkpoint {crafted}: entry 'ema.ema.odd' is not a tensor or plain value: its "
+        "pickle refers to other objects; refused (nothing in it was run)"
+    )
+    assert info.value.__cause__ is None and info.value.__suppress_context__
     assert not marker.exists()
 
 

@@ -1,5 +1,5 @@
 """Checkpoints that detect corruption (issues 19, 27), crafted ones refused on every rank,
-and exports that refuse bad paths.
+and exports that refuse bad paths; a load is one save's data or an error (issue 35).
 
 ``save_checkpoint`` records a CRC-32 per byte range it writes (and of ``.metadata``);
 ``load_checkpoint`` verifies, before anything changes, every saved item its load reads,
@@ -8,12 +8,21 @@ no process group. A byte flipped inside a tensor's data in a ``.distcp`` file lo
 silently before; so did one in a non-tensor value or in ``.metadata``. At W=2 every rank
 raises the same error naming the rank that saw it (``agree`` gathers the messages), and a
 crafted ``.metadata`` runs no code on any rank.
+
+Issue 35, at W=2 and in one process: a save is one unit (one save id in ``.metadata`` and
+every checksum file; a rank's files copied in from another save are refused); ranks given
+different paths raise before anything is written or read; chunks that leave rows uncovered,
+data files outside the folder and values that are pickles of other objects are refused on
+every rank, naming what is wrong.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +30,26 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from crafted import REFUSED, craft
+from crafted import (
+    REFUSED,
+    RunsCode,
+    craft,
+    drop_chunk,
+    read_metadata,
+    redirect,
+    replace_value,
+    sidecars,
+)
 from dist_harness import run_ranks
 from models import mismatches
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtensor_ema import ModelEMA, checksums, export_ema
+from dtensor_ema import ModelEMA, checksums, convert_checkpoint, export_ema
 from dtensor_ema._collectives import MESSAGE_BYTES, agree, mesh_agree
 from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from dtensor_ema.reader import UnverifiedCheckpointWarning
 
 CORRUPTED = "0.weight"  # the tensor whose first saved chunk gets a flipped byte
 
@@ -73,17 +92,34 @@ def _flip_inside(directory: Path, fqn: str, values: torch.Tensor) -> str:
     return info.relative_path
 
 
+def _save_ids(directory: Path) -> dict[str, Any]:
+    """The save id ``.metadata`` records, and each checksum file's."""
+    return {
+        ".metadata": read_metadata(directory).storage_meta.save_id,
+        **{f.name: payload.get("save_id") for f, payload in sidecars(directory).items()},
+    }
+
+
 def save_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """W=3: save, then make a corrupted copy (rank 0 flips a byte in its own chunk)."""
-    ema = _trained(_model())
-    good, bad = Path(tmp) / "good", Path(tmp) / "bad"
+    """W=3: save, then make a corrupted copy (rank 0 flips a byte in its own chunk); one
+    more update and a second save of the same layout (``other``)."""
+    model = _model()
+    ema = _trained(model)
+    good, bad, other = Path(tmp) / "good", Path(tmp) / "bad", Path(tmp) / "other"
     save_checkpoint({"ema": ema}, good)
     full = ema.get_ema_state_dict()
     out: dict[str, Any] = {"full": full, "sidecars": sorted(p.name for p in good.glob("*.json"))}
     if rank == 0:
         shutil.copytree(good, bad)
         out["file"] = _flip_inside(bad, CORRUPTED, _local(ema)[CORRUPTED])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    save_checkpoint({"ema": ema}, other)
+    out["other_full"] = ema.get_ema_state_dict()
     dist.barrier()
+    out["save_ids"] = {"good": _save_ids(good), "other": _save_ids(other)}
     return out
 
 
@@ -150,6 +186,41 @@ def load_body(rank: int, world_size: int, tmp: str, full: dict[str, Any]) -> dic
     out["mesh_agree_alone"] = _raised(  # a one-rank mesh: the rank's own error, as agree
         lambda: mesh_agree(alone, _NotOurs("mine") if rank == 1 else None, "by itself")
     )
+    out.update(one_save_scenarios(rank, Path(tmp), model))
+    return out
+
+
+def one_save_scenarios(rank: int, tmp: Path, model: nn.Module) -> dict[str, Any]:
+    """Issue 35 at W=2: crafted copies of the W=3 checkpoint refused on every rank with the
+    EMA untouched; ranks given different paths refused before anything is written or
+    read; the same directory spelled differently per rank is one path."""
+    out: dict[str, Any] = {}
+    for name in CRAFTED_W2:
+        fresh = ModelEMA(model, decay=0.5, tau=None)
+        before = _local(fresh)
+        out[name] = _raised(lambda: load_checkpoint({"ema": fresh}, tmp / name))  # noqa: B023
+        out[f"{name}_untouched"] = mismatches(_local(fresh), before) == [] and fresh.updates == 0
+    ema = _trained(_model())
+    mine = tmp / f"per-rank-{rank}"
+    out["save_paths"] = _raised(lambda: save_checkpoint({"ema": ema}, mine))
+    dist.barrier()
+    out["save_paths_wrote"] = sorted(p.name for p in tmp.iterdir() if "per-rank" in p.name)
+    fresh = ModelEMA(model, decay=0.5, tau=None)
+    before = _local(fresh)
+    theirs = tmp / ("good" if rank == 0 else "other")
+    out["load_paths"] = _raised(lambda: load_checkpoint({"ema": fresh}, theirs))
+    out["load_paths_untouched"] = mismatches(_local(fresh), before) == [] and fresh.updates == 0
+    # One directory, spelled relative on rank 0 and absolute on rank 1: the same path.
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        spelled = Path("good") if rank == 0 else tmp / "good"
+        load_checkpoint({"ema": fresh}, spelled)
+        save_checkpoint({"ema": ema}, Path("spelled") if rank == 0 else tmp / "spelled")
+    finally:
+        os.chdir(cwd)
+    out["spelled_updates"] = fresh.updates
+    out["spelled_saved"] = sorted(p.name for p in (tmp / "spelled").iterdir())
     return out
 
 
@@ -166,12 +237,47 @@ def test_save_writes_one_checksum_file_per_rank(saved: Any) -> None:
         assert r["sidecars"] == [f"__{i}.checksums.json" for i in range(3)]
 
 
+def _copy(tmp: Path, name: str) -> Path:
+    shutil.copytree(tmp / "good", tmp / name)
+    return tmp / name
+
+
+CRAFTED_W2 = ("mixed", "uncovered", "outside", "value")
+"""Copies of the W=3 checkpoint ``good`` (built by :func:`_craft_one_save_cases`), each
+refused at W=2 and in one process."""
+
+
+def _craft_one_save_cases(tmp: Path, marker: Path) -> None:
+    """``mixed``: rank 1's data and checksum file from the save ``other`` (same layout);
+    ``uncovered``: rows 4-7 of ``0.weight`` (rank 1's chunk) in no chunk; ``outside``:
+    ``0.weight``'s items read from ``../other/``; ``value``: the saved options a pickle
+    that runs code. Checksum files rewritten to match, as whoever crafts them would."""
+    mixed = _copy(tmp, "mixed")
+    for name in ("__1_0.distcp", "__1.checksums.json"):
+        shutil.copy(tmp / "other" / name, mixed / name)
+    drop_chunk(_copy(tmp, "uncovered"), f"ema.ema.{CORRUPTED}", (4, 0))
+    redirect(_copy(tmp, "outside"), f"ema.ema.{CORRUPTED}", lambda f: f"../other/{f}")
+    replace_value(_copy(tmp, "value"), "ema.config", RunsCode(marker))
+    # Before save ids: the same checkpoint with no id in its checksum files; mixed with a
+    # file without one, or with one of another save.
+    legacy = _copy(tmp, "legacy")
+    for f, payload in sidecars(legacy).items():
+        payload.pop("save_id", None)
+        f.write_text(json.dumps(payload))
+    legacy_mixed = Path(shutil.copytree(legacy, tmp / "legacy-mixed"))
+    mixed_legacy = _copy(tmp, "mixed-legacy")
+    for target, source in ((legacy_mixed, tmp / "other"), (mixed_legacy, legacy)):
+        for file in ("__1_0.distcp", "__1.checksums.json"):
+            shutil.copy(source / file, target / file)
+
+
 @pytest.fixture(scope="module")
 def loaded_w2(saved: Any) -> tuple[Path, list[dict[str, Any]]]:
-    """One W=2 spawn: the loads of ``load_body``, with a crafted copy of the checkpoint."""
+    """One W=2 spawn: the loads of ``load_body``, with crafted copies of the checkpoint."""
     tmp, results = saved
     marker = tmp / "ran"
     craft(tmp / "good", tmp / "crafted", marker, "inside")
+    _craft_one_save_cases(tmp, marker)
     return marker, run_ranks(load_body, 2, tmp, str(tmp), results[0]["full"])
 
 
@@ -199,6 +305,153 @@ def test_corruption_is_detected_when_resharding_to_two_ranks(saved: Any, loaded_
         assert r["good_mismatch"] == [] and r["dcp_mismatch"] == []
         assert r["bad_untouched"]
         assert r["unverified_updates"] == 1  # verify=False loads it anyway
+
+
+@pytest.mark.distributed
+def test_a_save_has_one_id_in_metadata_and_every_checksum_file(saved: Any) -> None:
+    """All ranks of a save agree on one id when it starts (issue 35): ``.metadata`` and the
+    three checksum files of each save record it, and two saves have two ids."""
+    _, results = saved
+    ids = results[0]["save_ids"]
+    for name in ("good", "other"):
+        assert set(ids[name]) == {".metadata", *(f"__{r}.checksums.json" for r in range(3))}
+        assert len(set(ids[name].values())) == 1 and ids[name][".metadata"], ids
+    assert ids["good"][".metadata"] != ids["other"][".metadata"]
+    assert all(r["save_ids"] == ids for r in results)
+
+
+def _one_save_errors(tmp: Path) -> dict[str, tuple[str, str]]:
+    """``{crafted copy: (exception type, pattern of the message every reader raises)}``."""
+    where = re.escape(str(tmp))
+    return {
+        "mixed": (
+            "ChecksumError",
+            rf"checkpoint {where}/mixed: checksum file __1\.checksums\.json belongs to another "
+            r"save \(save id '[0-9a-f-]+', while \.metadata was written by save '[0-9a-f-]+'\): "
+            r"files of different saves were mixed$",
+        ),
+        "uncovered": (
+            "CheckpointError",
+            rf"{where}/uncovered/\.metadata: the saved chunks of tensor 'ema\.ema\.0\.weight' "
+            r"\(shape \(10, 7\)\) do not cover it exactly once: rows 4-7 are not covered; "
+            r"refused before anything was read$",
+        ),
+        "outside": (
+            "CheckpointError",
+            rf"{where}/outside/\.metadata \(entry 'ema\.ema\.0\.weight'\) names "
+            r"'\.\./other/__\d_0\.distcp', which is not a plain file name inside .*outside "
+            r"\(no separator, no '\.\.', not absolute\): refused before any file was opened$",
+        ),
+        "value": (
+            "CheckpointError",
+            rf"checkpoint {where}/value: entry 'ema\.config' is not a tensor or plain value: "
+            r"its pickle refers to other objects; refused \(nothing in it was run\)$",
+        ),
+        "legacy-mixed": (
+            "ChecksumError",
+            r"checksum file __1\.checksums\.json belongs to another save",
+        ),
+        "mixed-legacy": (
+            "ChecksumError",
+            r"checksum file __1\.checksums\.json records no save id, but this checkpoint's "
+            r"other checksum files do",
+        ),
+    }
+
+
+@pytest.mark.distributed
+def test_crafted_copies_are_refused_on_every_rank(saved: Any, loaded_w2: Any) -> None:
+    """Issue 35 at W=2: a rank's files from another save, chunks that leave rows 4-7 of a
+    tensor uncovered, data files read from outside the folder, and a value whose pickle runs
+    code are refused on every rank with the same message, the EMA untouched."""
+    tmp, _ = saved
+    marker, loaded = loaded_w2
+    steps = {
+        "mixed": "verifying the checksums of",
+        "uncovered": "checking the checkpoint at",
+        "outside": "checking the checkpoint at",
+        "value": "loading",
+    }
+    for name, (kind, pattern) in _one_save_errors(tmp).items():
+        if name not in CRAFTED_W2:
+            continue
+        errors = [r[name] for r in loaded]
+        assert errors[0] == errors[1] and errors[0] is not None, (name, errors)
+        assert errors[0][0] == kind, (name, errors)
+        head, sep, message = errors[0][1].partition(" failed on ranks [0, 1]: ")
+        assert sep and head == f"{steps[name]} {tmp / name}", (name, errors)
+        assert message.startswith(f"{kind}: ")
+        assert re.search(pattern, message.removeprefix(f"{kind}: ")), (name, message)
+        assert "weights_only" not in message and "Traceback" not in message, message
+        assert all(r[f"{name}_untouched"] for r in loaded), name
+    assert not marker.exists()
+
+
+@pytest.mark.distributed
+def test_crafted_copies_are_refused_in_one_process(saved: Any, loaded_w2: Any) -> None:
+    """The same copies, and checksum files from before save ids, with no process group:
+    ``load_checkpoint`` and ``convert_checkpoint`` refuse the mixed and crafted ones (no
+    file written) and load a checkpoint saved wholly before save ids, verified."""
+    tmp, results = saved
+    marker, _ = loaded_w2
+    for name, (kind, pattern) in _one_save_errors(tmp).items():
+        fresh = ModelEMA(_model(), decay=0.5, tau=None)
+        before = _local(fresh)
+        for reader in (
+            lambda: load_checkpoint({"ema": fresh}, tmp / name),  # noqa: B023
+            lambda: convert_checkpoint(tmp / name, tmp / f"{name}.pt"),  # noqa: B023
+        ):
+            error = _raised(reader)
+            assert error is not None and error[0] == kind, (name, error)
+            assert re.search(pattern, error[1]), (name, error)
+        assert mismatches(_local(fresh), before) == [] and fresh.updates == 0
+        assert not (tmp / f"{name}.pt").exists()
+    assert not marker.exists()
+    ema = ModelEMA(_model(), decay=0.5, tau=None)
+    load_checkpoint({"ema": ema}, tmp / "legacy", verify="require")
+    assert mismatches(ema.get_ema_state_dict(), results[0]["full"]) == []
+    converted = convert_checkpoint(tmp / "legacy", tmp / "legacy.pt")
+    assert mismatches(converted, results[0]["full"]) == []
+    # ... and verifies it: a flipped byte is still found
+    _flip_inside(tmp / "legacy", CORRUPTED, converted[CORRUPTED][:4])
+    with pytest.raises(CheckpointError, match=r"0\.weight.* does not match the checksum"):
+        load_checkpoint({"ema": ema}, tmp / "legacy")
+
+
+@pytest.mark.distributed
+def test_ranks_given_different_paths_raise_before_writing_or_reading(loaded_w2: Any) -> None:
+    """Issue 35 at W=2: ``save_checkpoint`` to a per-rank folder and ``load_checkpoint`` of
+    ``good`` on rank 0 and ``other`` on rank 1 raise on every rank, naming both paths;
+    nothing is written (no folder, no ``.partial``) and the EMA is untouched. One folder
+    spelled differently per rank (relative, absolute) is one path."""
+    _, loaded = loaded_w2
+    for r in loaded:
+        kind, message = r["save_paths"]
+        assert kind == "ValueError", r["save_paths"]
+        assert re.search(
+            r"^save_checkpoint\(\) was given different paths on different ranks \(1 of 2 "
+            r"ranks differ from rank 0\): rank 0: /.*/per-rank-0; rank 1: /.*/per-rank-1\. "
+            r"Every rank must pass the same checkpoint path .*nothing was written or read$",
+            message,
+        ), message
+        assert r["save_paths_wrote"] == []
+        kind, message = r["load_paths"]
+        assert kind == "ValueError" and re.search(
+            r"^load_checkpoint\(\) was given different paths .*rank 0: /.*/good; rank 1: "
+            r"/.*/other\. ",
+            message,
+        ), r["load_paths"]
+        assert r["load_paths_untouched"]
+        assert r["spelled_updates"] == 1
+        assert r["spelled_saved"] == [
+            ".metadata",
+            "__0.checksums.json",
+            "__0_0.distcp",
+            "__1.checksums.json",
+            "__1_0.distcp",
+        ]
+    assert loaded[0]["save_paths"] == loaded[1]["save_paths"]
+    assert loaded[0]["load_paths"] == loaded[1]["load_paths"]
 
 
 @pytest.mark.distributed
@@ -243,6 +496,17 @@ def test_corruption_is_detected_in_one_process(saved: Any) -> None:
     assert mismatches(_local(fresh), before) == [] and fresh.updates == 0
 
 
+def _reveals_no_digest(message: str, directory: Path, fqn: str) -> None:
+    """A checksum error names no digest computed over the bytes it read (issue 35): over a
+    few bytes a CRC-32 can be inverted, so messages would leak what the files hold."""
+    metadata = read_metadata(directory)
+    info = metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == fqn)]
+    raw = (directory / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    crc = zlib.crc32(raw)
+    assert "0x" not in message and str(crc) not in message and f"{crc:x}" not in message
+    assert "does not match" in message and fqn in message and info.relative_path in message
+
+
 def _flip_byte(path: Path, at: int) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0x10
@@ -276,9 +540,12 @@ def test_single_process_checksums_and_older_checkpoints(
     fresh = ModelEMA(_model(), decay=0.5, tau=None)
     used = names[-1]  # the fastest recorded one
     with pytest.raises(
-        CheckpointError, match=rf"__0_0\.distcp.*0\.weight.* has {used} .*corrupted"
-    ):
+        CheckpointError,
+        match=rf"__0_0\.distcp: '.*0\.weight' \(chunk at offsets \(0, 0\)\) does not match "
+        rf"the checksum \({used}\) recorded when it was saved: the file is corrupted$",
+    ) as info:
         load_checkpoint({"ema": fresh}, tmp_path / "ckpt")
+    _reveals_no_digest(str(info.value), tmp_path / "ckpt", f"ema.ema.{CORRUPTED}")
     # A flipped byte in a non-tensor value (the saved options) ...
     metadata = FileSystemReader(str(tmp_path / "value")).read_metadata()
     index = next(i for i in metadata.storage_data if i.fqn == "ema.config")
@@ -289,8 +556,11 @@ def test_single_process_checksums_and_older_checkpoints(
     # ... and in .metadata itself (a tensor's name: still a valid pickle, a wrong checkpoint)
     raw = (tmp_path / "metadata" / ".metadata").read_bytes()
     _flip_byte(tmp_path / "metadata" / ".metadata", raw.index(b"ema.ema.2.weight") + 8)
-    with pytest.raises(CheckpointError, match=rf"\.metadata has {used} .* corrupted or was"):
+    with pytest.raises(
+        CheckpointError, match=rf"\.metadata does not match the checksum \({used}\) .* corrupted"
+    ) as info:
         load_checkpoint({"ema": fresh}, tmp_path / "metadata")
+    assert "0x" not in str(info.value)
     (tmp_path / "torn-metadata" / ".metadata").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(CheckpointError, match=r"\.metadata is not a readable DCP \.metadata"):
         load_checkpoint({"ema": fresh}, tmp_path / "torn-metadata")
@@ -298,13 +568,17 @@ def test_single_process_checksums_and_older_checkpoints(
     if len(names) > 1:
         # A reader without xxhash checks the CRC-32 recorded beside it.
         monkeypatch.setattr(checksums, "ALGORITHMS", {"crc32": checksums.ALGORITHMS["crc32"]})
-        with pytest.raises(CheckpointError, match=r"0\.weight.* has crc32 .*corrupted"):
+        with pytest.raises(CheckpointError, match=r"0\.weight.* does not match .*\(crc32\)"):
             load_checkpoint({"ema": fresh}, tmp_path / "ckpt")
         load_checkpoint({"ema": fresh}, tmp_path / "clean")
         assert fresh.updates == 1 and mismatches(_local(fresh), _local(ema)) == []
-    # A checkpoint without checksum files (plain dcp.save) loads unverified, as before.
+    # A checkpoint without checksum files (plain dcp.save) loads unverified, with a warning
+    # (issue 35); verify="require" refuses it.
     dcp.save({"ema": ema}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    load_checkpoint({"ema": fresh}, tmp_path / "plain")
+    with pytest.raises(CheckpointError, match=r"has no checksum files .*verify='require'"):
+        load_checkpoint({"ema": fresh}, tmp_path / "plain", verify="require")
+    with pytest.warns(UnverifiedCheckpointWarning, match="nothing was verified"):
+        load_checkpoint({"ema": fresh}, tmp_path / "plain")
     assert mismatches(_local(fresh), _local(ema)) == []
     # checksums=False writes none.
     save_checkpoint({"ema": ema}, tmp_path / "unchecked", checksums=False)

@@ -1,4 +1,5 @@
-"""A checkpoint from someone else runs no code (issue 27).
+"""A checkpoint from someone else runs no code (issue 27), reads no file outside its folder
+and leaves no row of a tensor unread (issue 35).
 
 torch's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with ``pickle.load``, so a
 crafted ``.metadata`` ran its code inside every reader of ours before any check. Here each
@@ -10,11 +11,19 @@ refused global and the file, and the clean checkpoints load bit for bit. The all
 ``dtensor_ema.reader`` is pinned to the globals of every kind of checkpoint we write. One
 process, no spawn; the multi-rank loads are in ``test_checkpoint_integrity.py`` (W=2) and
 every checkpoint test of the suite loads through the same reader.
+
+Issue 35, one process: checkpoints built only from DCP's own classes whose ``.metadata``
+(or checksum file) names data files outside the folder (``../``, absolute, a symbolic link
+that leaves it), or whose chunks leave rows of a tensor uncovered or cover them twice, are
+refused by every reader before any data file is opened, naming the entry; ``verify=True``
+on a checkpoint without checksum files warns once, ``verify="require"`` refuses it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +32,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from crafted import REFUSED, craft, metadata_globals
+from crafted import (
+    REFUSED,
+    craft,
+    duplicate_chunk,
+    metadata_globals,
+    read_metadata,
+    redirect,
+    rewrite,
+    shrink_chunk,
+    sidecars,
+)
 from torch import nn
 
 from dtensor_ema import (
@@ -37,6 +56,7 @@ from dtensor_ema import (
     synthesize,
 )
 from dtensor_ema.posthoc.cli import main as cli_main
+from dtensor_ema.reader import ChecksumError, UnverifiedCheckpointWarning
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -110,6 +130,10 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
     if HAVE_LIGHTNING:
         out["lightning"] = _lightning_layouts(root / "lightning", ema, model)
+    # Another save of the same layout, other values: what a crafted checkpoint reads.
+    _step(model, 5)
+    ema.update()
+    save_checkpoint(state, root / "other")
     return out
 
 
@@ -246,3 +270,254 @@ def test_lightning_loads_run_no_code(written: dict[str, Any], tmp_path: Path) ->
     assert all(torch.equal(ema[k], averaged[k]) for k in ema)
     crafted = craft(root / "drop_in", tmp_path / "drop_in", marker, "inside")
     _refused(lambda: drop_in_reads(crafted), marker, crafted)
+
+
+# ---------------------------------------------------------------- issue 35: one process
+WEIGHT = "ema.ema.0.weight"  # Linear(5, 6): shape (6, 5), one chunk at W=1
+
+
+def _outside(root: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of ``ckpt`` whose first layer's EMA is read from ``other`` (same layout, other
+    values): by ``.metadata`` naming ``../other/...`` or an absolute path, by its data file
+    being a symbolic link there, or by its checksum file naming ``../other/...``. The
+    checksum files are rewritten to match, as whoever crafts it would."""
+    crafted = Path(shutil.copytree(root / "ckpt", tmp_path / f"outside-{how}"))
+    other = root / "other"
+    if how == "parent":
+        redirect(crafted, WEIGHT, lambda f: f"../../{other.parent.name}/other/{f}")
+    elif how == "absolute":
+        redirect(crafted, WEIGHT, lambda f: str(other / f))
+    elif how == "symlink":
+        for f in crafted.glob("*.distcp"):
+            f.unlink()
+            f.symlink_to(other / f.name)
+        rewrite(crafted, read_metadata(crafted))
+    else:
+        assert how == "checksum-file"
+        for f, payload in sidecars(crafted).items():
+            for key, entry in payload["items"].items():
+                if key.startswith(WEIGHT + "@"):
+                    entry["file"] = f"../other/{entry['file']}"
+            f.write_text(json.dumps(payload))
+    return crafted
+
+
+OUTSIDE = {
+    "parent": r"\.metadata \(entry 'ema\.ema\.0\.weight'\) names '\.\./\.\./.*/other/__0_0"
+    r"\.distcp', which is not a plain file name inside .*: refused before any file was opened",
+    "absolute": r"\.metadata \(entry 'ema\.ema\.0\.weight'\) names '/.*/other/__0_0\.distcp', "
+    r"which is not a plain file name inside",
+    "symlink": r".*outside-symlink/\.metadata \(entry '.*'\) names '__0_0\.distcp', a "
+    r"symbolic link that leaves .*outside-symlink: refused before any file was opened",
+    "checksum-file": r"checksum file __0\.checksums\.json names '\.\./other/__0_0\.distcp', "
+    r"which is not a plain file name inside",
+}
+
+
+def _refused_with(fn: Callable[[], Any], pattern: str, kind: type[Exception]) -> None:
+    with pytest.raises(kind) as info:
+        fn()
+    assert re.search(pattern, str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("how", list(OUTSIDE))
+def test_files_outside_the_checkpoint_are_refused(
+    written: dict[str, Any], tmp_path: Path, how: str
+) -> None:
+    """``load_checkpoint`` and ``convert_checkpoint`` refuse a checkpoint that reads data
+    from another folder (before: its values loaded without a word), the EMA untouched, no
+    file written; the same folder, plainly, loads."""
+    crafted = _outside(written["root"], tmp_path, how)
+    fresh = ModelEMA(_model(), decay=0.5, tau=None)
+    before = {k: v.clone() for k, v in fresh.ema_tensors().items()}
+    _refused_with(lambda: load_checkpoint({"ema": fresh}, crafted), OUTSIDE[how], CheckpointError)
+    assert all(torch.equal(fresh.ema_tensors()[k], v) for k, v in before.items())
+    assert fresh.updates == 0
+    out = tmp_path / "ema.pt"
+    _refused_with(lambda: convert_checkpoint(crafted, out), OUTSIDE[how], CheckpointError)
+    assert not out.exists()
+
+
+def test_files_outside_the_checkpoint_in_the_integrations(
+    written: dict[str, Any], tmp_path: Path
+) -> None:
+    """The torchtitan trainer's check of a checkpoint (before torchtitan's own load reads
+    it) and the Lightning loads refuse data files outside the folder too."""
+    root = written["root"]
+    crafted = _outside(root, tmp_path, "parent")
+    if importlib.util.find_spec("torchtitan") is not None:
+        from dtensor_ema.integrations.torchtitan.trainer import _holds
+
+        _refused_with(lambda: _holds(str(crafted), "ema"), OUTSIDE["parent"], CheckpointError)
+    if not HAVE_LIGHTNING:
+        return
+    from dtensor_ema.compat.lightning import EMAWeightAveraging
+    from dtensor_ema.integrations.lightning import EMACallback
+
+    layouts = root / "lightning"
+    for kind, fqn in (("callback", "state_dict._dtensor_ema.0.weight"), ("drop_in", None)):
+        copy = Path(shutil.copytree(layouts / kind, tmp_path / kind))
+        name = fqn or "state_dict.0.weight"
+        redirect(copy, name, lambda f: f"../../{layouts.parent.name}/lightning/{kind}/{f}")  # noqa: B023
+        pattern = rf"entry '{re.escape(name)}'\) names '\.\./\.\./.*', which is not a plain"
+        if kind == "callback":
+            callback = EMACallback(decay=0.5, tau=None)
+            callback._ckpt_path = str(copy)
+            ema = ModelEMA(_model(), decay=0.5, tau=None)
+            _refused_with(lambda: callback._read_sharded(ema), pattern, CheckpointError)  # noqa: B023
+        else:
+            module = _model()
+            drop_in = EMAWeightAveraging(decay=0.5)
+            drop_in.on_fit_start(None, module)  # type: ignore[arg-type]
+            _refused_with(
+                lambda: drop_in._load_sharded(module, str(copy), 4),  # type: ignore[arg-type]  # noqa: B023
+                pattern,
+                CheckpointError,
+            )
+
+
+COVERAGE = {
+    "gap": (
+        lambda d, **kw: shrink_chunk(d, WEIGHT, 3, **kw),
+        r"rows 3-5 are not covered",
+    ),
+    "overlap": (
+        lambda d, **kw: duplicate_chunk(d, WEIGHT, **kw),
+        r"rows 0-5 are covered more than once",
+    ),
+}
+
+
+@pytest.mark.parametrize("checksums", ["fix", "drop"])
+@pytest.mark.parametrize("case", list(COVERAGE))
+def test_chunks_that_do_not_cover_a_tensor_are_refused(
+    written: dict[str, Any], tmp_path: Path, case: str, checksums: str
+) -> None:
+    """A ``.metadata`` whose chunks cover rows 0-2 of a 6-row tensor (with checksum files
+    rewritten to match, or none: a plain ``dcp.save`` checkpoint) left rows 3-5 of the EMA
+    as they were in ``load_checkpoint`` and as ``torch.empty`` memory in
+    ``convert_checkpoint``; chunks listed twice are refused too. Every reader refuses them,
+    naming the tensor and the rows, before anything is read."""
+    root = written["root"]
+    crafted = Path(shutil.copytree(root / "ckpt", tmp_path / case))
+    edit, rows = COVERAGE[case]
+    edit(crafted, checksums=checksums)
+    pattern = (
+        rf"{re.escape(str(crafted / '.metadata'))}: the saved chunks of tensor "
+        rf"'{re.escape(WEIGHT)}' \(shape \(6, 5\)\) do not cover it exactly once: {rows}; "
+        r"refused before anything was read$"
+    )
+    fresh = ModelEMA(_model(), decay=0.5, tau=None)
+    before = {k: v.clone() for k, v in fresh.ema_tensors().items()}
+    _refused_with(lambda: load_checkpoint({"ema": fresh}, crafted), pattern, CheckpointError)
+    assert all(torch.equal(fresh.ema_tensors()[k], v) for k, v in before.items())
+    out = tmp_path / "ema.pt"
+    _refused_with(lambda: convert_checkpoint(crafted, out), pattern, CheckpointError)
+    assert not out.exists()
+    if HAVE_LIGHTNING and case == "gap":  # torch.empty_like buffers filled by the load
+        from dtensor_ema.integrations.lightning import EMACallback
+
+        layout = Path(shutil.copytree(root / "lightning" / "callback", tmp_path / "callback"))
+        shrink_chunk(layout, "state_dict._dtensor_ema.0.weight", 3, checksums=checksums)
+        callback = EMACallback(decay=0.5, tau=None)
+        callback._ckpt_path = str(layout)
+        ema = ModelEMA(_model(), decay=0.5, tau=None)
+        _refused_with(lambda: callback._read_sharded(ema), rows, CheckpointError)
+
+
+def test_verify_warns_without_checksums_and_require_refuses(
+    written: dict[str, Any], tmp_path: Path
+) -> None:
+    """``verify=True`` on a checkpoint without checksum files (``dcp.async_save``) loads it
+    with one ``UnverifiedCheckpointWarning``; ``verify="require"`` refuses it, the EMA
+    untouched; ``verify=False`` is quiet; a checkpoint with checksums loads under
+    ``"require"`` without a warning. ``convert_checkpoint`` alike."""
+    import warnings
+
+    root = written["root"]
+    fresh = ModelEMA(_model(), decay=0.5, tau=None)
+    before = {k: v.clone() for k, v in fresh.ema_tensors().items()}
+    require = r"checkpoint .*async has no checksum files .*: nothing can be verified, and " + (
+        r"verify='require' refuses it$"
+    )
+    _refused_with(
+        lambda: load_checkpoint({"ema": fresh}, root / "async", verify="require"),
+        require,
+        ChecksumError,
+    )
+    assert all(torch.equal(fresh.ema_tensors()[k], v) for k, v in before.items())
+    _refused_with(
+        lambda: convert_checkpoint(root / "async", tmp_path / "a.pt", verify="require"),
+        require,
+        ChecksumError,
+    )
+    assert not (tmp_path / "a.pt").exists()
+    for reader in (
+        lambda verify: load_checkpoint({"ema": fresh}, root / "async", verify=verify),
+        lambda verify: convert_checkpoint(root / "async", tmp_path / "a.pt", verify=verify),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reader(True)
+        unverified = [w for w in caught if w.category is UnverifiedCheckpointWarning]
+        assert len(unverified) == 1, [str(w.message) for w in caught]
+        assert "nothing was verified" in str(unverified[0].message)
+        assert unverified[0].filename == __file__  # points at the caller
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reader(False)
+        assert not [w for w in caught if w.category is UnverifiedCheckpointWarning]
+    assert all(torch.equal(fresh.ema_tensors()[k], v) for k, v in written["ema"].items())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_checkpoint({"ema": fresh}, root / "ckpt", verify="require")
+        convert_checkpoint(root / "ckpt", tmp_path / "c.pt", verify="require")
+    assert not [w for w in caught if w.category is UnverifiedCheckpointWarning]
+    with pytest.raises(ValueError, match=r"verify must be True, False or 'require', got 'yes'"):
+        load_checkpoint({"ema": fresh}, root / "ckpt", verify="yes")  # type: ignore[arg-type]
+
+
+LAYOUTS = {  # shape, chunks (offsets, sizes), the problem named (None: covered exactly once)
+    "row shards": ((10, 7), [((0, 0), (4, 7)), ((4, 0), (4, 7)), ((8, 0), (2, 7))], None),
+    "uneven, an empty shard": ((3, 4), [((0, 0), (3, 4)), ((3, 0), (0, 4))], None),
+    "2-D grid": ((4, 6), [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)], None),
+    "not a grid, covered": (
+        (4, 4),
+        [((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))],
+        None,
+    ),
+    "0-dim": ((), [((), ())], None),
+    "empty tensor": ((0, 5), [], None),
+    "rows missing": ((16, 7), [((0, 0), (8, 7))], "rows 8-15 are not covered"),
+    "a column missing": (
+        (4, 4),
+        [((0, 0), (4, 3))],
+        "rows 0-3 are not covered",
+    ),
+    "one row twice": (
+        (10, 7),
+        [((0, 0), (5, 7)), ((4, 0), (6, 7))],
+        "row 4 is covered more than once",
+    ),
+    "a gap hidden by an overlap": (
+        (4, 4),
+        [((0, 0), (4, 2)), ((0, 2), (2, 2)), ((0, 2), (2, 2))],
+        "rows 2-3 are not covered and rows 0-1 are covered more than once",
+    ),
+    "0-dim, none": ((), [], "its one element is not covered"),
+    "outside": ((4,), [((0,), (5,))], "a chunk at offsets (0,) of sizes (5,) lies outside"),
+    "negative": ((4,), [((-1,), (5,))], "a chunk at offsets (-1,) of sizes (5,) lies outside"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_coverage_of_chunk_layouts(layout: str) -> None:
+    """``reader.coverage_problem``: exact for grids and other boxes, naming the rows."""
+    from dtensor_ema.reader import coverage_problem
+
+    shape, chunks, expected = LAYOUTS[layout]
+    problem = coverage_problem(shape, chunks)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(expected), problem

@@ -573,7 +573,9 @@ def _saved_ema(checkpoint_id: str) -> dict[str, set[str]] | None:
     local checkpoint folder to read (a remote path): the load decides.
 
     Raises:
-        CheckpointError: ``.metadata`` would run code when unpickled.
+        CheckpointError: ``.metadata`` would run code when unpickled, names a data file
+            outside the folder, or leaves rows of a tensor uncovered (before torchtitan's
+            plain DCP load reads it).
     """
     try:
         checkpoint = open_checkpoint(checkpoint_id)
