@@ -28,6 +28,7 @@ import contextlib
 import os
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtensor_ema._collectives import agree, entering, group_of, quiet_single_process, rank_of
+from dtensor_ema._collectives import (
+    CallIdentity,
+    agree,
+    agree_on_call,
+    entering,
+    group_of,
+    quiet_single_process,
+    rank_of,
+)
 from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
@@ -84,8 +93,10 @@ def save_checkpoint(
     """Save ``state`` with DCP so that a failed save never damages the checkpoint at ``path``.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
-    call this with the same keys and the same ``path``. Without a process group it saves
-    from one process.
+    call this with the same keys and the same ``path``, after the same number of updates
+    of each EMA in ``state`` (the ranks agree on the EMAs and their counts first, in one
+    small all-gather: :func:`~dtensor_ema._collectives.agree_on_call`). Without a process
+    group it saves from one process.
 
     First the ranks compare a digest of their resolved ``path`` (``Path.resolve()``), in
     one small all-reduce that also hands every rank the save id rank 0 drew: if any rank's
@@ -125,6 +136,7 @@ def save_checkpoint(
     group = group_of(process_group)
     with entering("save_checkpoint", group=group):
         agreed = agree_on_path(group, Path(path), "save_checkpoint")
+        agree_on_call("save_checkpoint", _identity(state, counted=True), group=group)
         _save(state, Path(path), group, checksums, agreed.save_id)
 
 
@@ -234,11 +246,13 @@ def load_checkpoint(
     """Load ``state`` in place from the DCP checkpoint at ``path``, checking it first.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
-    call this with the same keys and the same ``path``. Without a process group it loads in
-    one process. The checkpoint may come from any world size, and from DDP or FSDP2 (DCP
-    reshards). First the ranks compare a digest of their resolved ``path`` in one small
-    all-reduce; if any rank's differs, every rank raises ``ValueError`` naming the paths of
-    rank 0 and the first differing ranks, before anything is read.
+    call this with the same keys, the same EMAs and the same ``path`` (agreed in one small
+    all-gather first, :func:`~dtensor_ema._collectives.agree_on_call`). Without a process
+    group it loads in one process. The checkpoint may come from any world size, and from
+    DDP or FSDP2 (DCP reshards). First the ranks compare a digest of their resolved
+    ``path`` in one small all-reduce; if any rank's differs, every rank raises
+    ``ValueError`` naming the paths of rank 0 and the first differing ranks, before anything
+    is read.
 
     Nothing from the checkpoint is run: ``.metadata`` is read with a restricted unpickler
     that builds only DCP's metadata classes (anything else raises :class:`CheckpointError`
@@ -306,6 +320,7 @@ def load_checkpoint(
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
         agree_on_path(group, Path(path), "load_checkpoint")
+        agree_on_call("load_checkpoint", _identity(state, counted=False), group=group)
         _load(state, Path(path), group, verify, common_subset)
 
 
@@ -370,6 +385,22 @@ def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:
         elif isinstance(value, MultiModelEMA):
             emas.update({(key, name): ema for name, ema in value.items()})
     return emas
+
+
+def _identity(state: Mapping[str, Any], *, counted: bool) -> CallIdentity:
+    """Which EMAs ``state`` holds (their keys and digests) and, for a save, their update
+    counts: what the ranks agree on before the call (a load replaces the counts)."""
+
+    def identity() -> tuple[int, int]:
+        parts, first = [], 0
+        for where, ema in _emas_in(state).items():
+            digest, count = ema.engine.call_identity()
+            count = count if counted else 0
+            parts.append(f"{'/'.join(where)}={digest}@{count}")
+            first = first or count
+        return zlib.crc32(" ".join(parts).encode()), first
+
+    return identity
 
 
 def _set_nested(root: dict[str, Any], where: tuple[str, ...], value: Any) -> None:

@@ -346,9 +346,9 @@ def test_files_outside_the_checkpoint_in_the_integrations(
     root = written["root"]
     crafted = _outside(root, tmp_path, "parent")
     if importlib.util.find_spec("torchtitan") is not None:
-        from dtensor_ema.integrations.torchtitan.trainer import _holds
+        from dtensor_ema.integrations.torchtitan.trainer import _saved_ema
 
-        _refused_with(lambda: _holds(str(crafted), "ema"), OUTSIDE["parent"], CheckpointError)
+        _refused_with(lambda: _saved_ema(str(crafted)), OUTSIDE["parent"], CheckpointError)
     if not HAVE_LIGHTNING:
         return
     from dtensor_ema.compat.lightning import EMAWeightAveraging

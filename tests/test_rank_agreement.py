@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
-from dtensor_ema import ModelEMA, PostHocEMA, export_ema
+from dtensor_ema import ModelEMA, PostHocEMA, export_ema, load_checkpoint, save_checkpoint
 from dtensor_ema._collectives import CHECK_ENV, agree_on_call, entering
 
 pytestmark = pytest.mark.distributed
@@ -95,6 +95,8 @@ def agreement_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
 
     out["extra_swap"] = _error(swap)
     out["extra_add"] = _error(lambda: ema.add_tensors([]))
+    out["extra_save"] = _error(lambda: save_checkpoint({"ema": ema}, Path(tmp_dir) / "ckpt"))
+    out["save_written"] = (Path(tmp_dir) / "ckpt").exists()
     posthoc = PostHocEMA(model, snapshot_dir=Path(tmp_dir) / "phema")
     posthoc.update()
     if rank == 0:
@@ -112,6 +114,11 @@ def agreement_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
     fast = ModelEMA(model, decay=0.5, tau=None)
     slow = ModelEMA(model, decay=0.9, tau=None)
     out["crosswise"] = _error((fast if rank == 0 else slow).get_ema_state_dict)
+    save_checkpoint({"ema": fast}, Path(tmp_dir) / "fast")
+    loaded = ModelEMA(model, decay=0.5, tau=None)
+    out["crosswise_load"] = _error(
+        lambda: load_checkpoint({"ema": loaded if rank == 0 else slow}, Path(tmp_dir) / "fast")
+    )
     os.environ[CHECK_ENV] = "30"
     try:
         out["crosswise_checked"] = _error((fast if rank == 0 else slow).get_ema_state_dict)
@@ -198,7 +205,7 @@ def test_options_that_differ_are_refused_on_every_rank(
         assert f"{option}: {shown}" in error
 
 
-@pytest.mark.parametrize("call", ["gather", "export", "swap", "add", "snapshot"])
+@pytest.mark.parametrize("call", ["gather", "export", "swap", "add", "snapshot", "save"])
 def test_an_extra_update_on_one_rank_is_refused_by_every_collective(
     results: tuple[int, list[dict[str, Any]]], call: str
 ) -> None:
@@ -212,7 +219,7 @@ def test_an_extra_update_on_one_rank_is_refused_by_every_collective(
     assert "at updates=2" in error and "at updates=1" in error
     for out in outs:
         assert out["caught_up"] is None
-        assert not out["snapshot_written"]
+        assert not out["snapshot_written"] and not out["save_written"]
         assert out["agreement_calls"] == ["gloo:all_gather"]  # its whole cost on one dim
 
 
@@ -222,11 +229,15 @@ def test_two_emas_gathered_crosswise_are_refused(
     world, outs = results
     if world == 1:
         pytest.skip("one rank agrees with itself")
-    for key in ("crosswise", "crosswise_checked"):
+    for key, call in (
+        ("crosswise", "get_ema_state_dict"),
+        ("crosswise_checked", "get_ema_state_dict"),
+        ("crosswise_load", "load_checkpoint"),
+    ):
         errors = {out[key] for out in outs}
         assert len(errors) == 1, errors
         (error,) = errors
-        assert error is not None and "get_ema_state_dict() on EMA" in error
+        assert error is not None and f"{call}() on EMA" in error
         ids = [part.split(" on EMA ")[1].split()[0] for part in error.split("; ")]
         assert len(set(ids)) == 2, error  # two different EMAs named
 
