@@ -522,7 +522,8 @@ def _check_entries(checkpoint: Checkpoint, wanted: Mapping[str, tuple[list[int],
 
     Raises:
         CheckpointError: naming the snapshot, the entry and what is wrong (missing, another
-            shape or dtype, chunks that leave a gap or overlap).
+            shape or dtype). Chunks that leave a gap or overlap were refused when the
+            snapshot was opened (:func:`~dtensor_ema.reader.check_coverage`).
     """
     saved = checkpoint.metadata.state_dict_metadata
     where = f"{checkpoint.path}"
@@ -540,61 +541,6 @@ def _check_entries(checkpoint: Checkpoint, wanted: Mapping[str, tuple[list[int],
                 f"{where}: entry {key!r} is {tuple(md.size)} {md.properties.dtype} in its data "
                 f"but {tuple(shape)} {dtype} in its manifest"
             )
-        gap = uncovered(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
-        if gap is not None:
-            raise CheckpointError(f"{where}: entry {key!r}: {gap}; refused before reading")
-
-
-def uncovered(
-    shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
-) -> str | None:
-    """What is wrong with ``chunks`` (``(offsets, sizes)`` boxes) as a cover of ``shape``:
-    a box outside it, two boxes that overlap, or elements no box covers (the rows along
-    dim 0 that no box touches are named); ``None`` when they cover it exactly once."""
-    boxes = []
-    for offsets, sizes in chunks:
-        ok = len(offsets) == len(sizes) == len(shape) and all(
-            o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(offsets, sizes, shape, strict=True)
-        )
-        if not ok:
-            return f"a chunk at offsets {offsets} of sizes {sizes} lies outside the shape {shape}"
-        if math.prod(sizes):
-            boxes.append((offsets, sizes))
-    boxes.sort()
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if shape and ob[0] >= oa[0] + sa[0]:
-                break  # sorted by dim-0 offset: no later box reaches back into this one
-            if all(
-                max(x, y) < min(x + m, y + n) for x, m, y, n in zip(oa, sa, ob, sb, strict=True)
-            ):
-                return f"chunks at offsets {oa} and {ob} overlap"
-    covered = sum(math.prod(s) for _, s in boxes)
-    if covered == math.prod(shape):
-        return None
-    text = f"its chunks cover {covered} of its {math.prod(shape)} elements"
-    if shape:
-        rows = [False] * shape[0]
-        for o, s in boxes:
-            rows[o[0] : o[0] + s[0]] = [True] * s[0]
-        missing = _ranges([r for r, hit in enumerate(rows) if not hit])
-        if missing:
-            text += f" (no chunk holds rows {missing})"
-    return text
-
-
-def _ranges(rows: list[int]) -> str:
-    """``[8, 9, 10, 12]`` -> ``"8-10, 12"`` (the first five ranges)."""
-    spans: list[str] = []
-    start = prev = None
-    for r in [*rows, None]:
-        if r is not None and prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
-        start = prev = r
-    return ", ".join(spans[:5]) + (", ..." if len(spans) > 5 else "")
 
 
 def _followed(
