@@ -10,9 +10,13 @@
   ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` (a monitored barrier over the mesh or group
   before each such call; gloo groups only; costs one barrier per call, measured in
   ``benchmarks/checksums.py --collective-check``). Off by default: see :data:`CHECK_ENV`.
-* :data:`all_gather_single`: the flat all-gather under its current name (torch 2.14
+* :func:`all_gather_single`: the flat all-gather under its current name (torch 2.14
   deprecates ``all_gather_into_tensor``; older releases lack ``all_gather_single``). Every
   flat all-gather of the library goes through it.
+* :func:`all_gather_single`, :func:`all_reduce` and :func:`gather` return only once the
+  process group has let go of their tensors (:mod:`dtensor_ema._release`), so a process
+  may exit right after any collective of this library without aborting in torch's
+  teardown (gloo, pytorch#190489).
 """
 
 from __future__ import annotations
@@ -31,17 +35,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_ema._release import released
+
 __all__ = [
     "CALLS_ENV",
     "CHECK_ENV",
     "agree",
     "agree_on_call",
     "all_gather_single",
+    "all_reduce",
     "check_all_ranks_enter",
     "check_group_enters",
     "collective",
     "describe",
     "entering",
+    "gather",
     "group_gather_rows",
     "group_of",
     "is_mesh_first",
@@ -66,9 +74,41 @@ small: one monitored barrier per checked call, 3-4 ms at W=2 on gloo CPU (a load
 a swap, export, checkpoint save or construction of a ResNet-50 EMA there: below the
 run-to-run noise."""
 
-all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""``all_gather_single(output, input, group=...)``: the flat all-gather; torch 2.14 deprecates
-its old name ``all_gather_into_tensor`` (FutureWarning), which older releases only have."""
+_all_gather_flat: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.14 deprecates the old name all_gather_into_tensor (FutureWarning); older releases
+# only have it.
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """The flat all-gather (``dist.all_gather_single``; ``all_gather_into_tensor`` before
+    torch 2.14): ``output`` is every rank's ``input`` concatenated. **Collective** over
+    ``group``. Returns once the process group has let go of both tensors
+    (:func:`~dtensor_ema._release.released`)."""
+    with released(output, input):
+        _all_gather_flat(output, input, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """``dist.all_reduce`` (sum, in place). **Collective** over ``group``. Returns once the
+    process group has let go of ``tensor`` (:func:`~dtensor_ema._release.released`)."""
+    with released(tensor):
+        dist.all_reduce(tensor, group=group)
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None,
+    dst: int,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """``dist.gather`` of ``tensor`` into ``gather_list`` on global rank ``dst``.
+    **Collective** over ``group``. Returns once the process group has let go of every
+    tensor it was given (:func:`~dtensor_ema._release.released`)."""
+    with released(tensor, *(gather_list or ())):
+        dist.gather(tensor, gather_list, dst=dst, group=group)
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -124,7 +164,7 @@ def agree(group: dist.ProcessGroup | None, error: BaseException | None, what: st
     flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
     rank = dist.get_rank(group)
     flags[rank] = int(error is not None)
-    dist.all_reduce(flags, group=group)
+    all_reduce(flags, group=group)
     failed = flags.nonzero().flatten().tolist()
     if not failed:
         return
@@ -133,7 +173,7 @@ def agree(group: dist.ProcessGroup | None, error: BaseException | None, what: st
     if error is not None and rank in shown:
         encoded = _encode(error)
         rows[shown.index(rank), : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
-    dist.all_reduce(rows, group=group)
+    all_reduce(rows, group=group)
     messages = dict(zip(shown, (_decode(row) for row in rows.cpu()), strict=True))
     raise same_error(what, failed, messages) from error
 
@@ -214,7 +254,7 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
     flags = torch.zeros(len(ranks), dtype=torch.int32, device=_reduce_device(groups[0]))
     flags[ranks.index(dist.get_rank())] = int(error is not None)
     for group in groups:
-        dist.all_reduce(flags, group=group)
+        all_reduce(flags, group=group)
     failed = [ranks[i] for i in flags.nonzero().flatten().tolist()]
     if not failed:
         return
@@ -225,7 +265,7 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
         row = shown.index(dist.get_rank())
         rows[row, : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
     for group in groups:
-        dist.all_reduce(rows, group=group)
+        all_reduce(rows, group=group)
     messages = dict(zip(shown, (_decode(row) for row in rows.cpu()), strict=True))
     raise same_error(what, failed, messages) from error
 

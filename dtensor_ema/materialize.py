@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema._collectives import all_gather_single
+from dtensor_ema._collectives import all_gather_single, gather
 from dtensor_ema.layout import ReplicaLevel, chunk_range, contiguous_stride, shard_mesh_dim
 
 __all__ = [
@@ -594,7 +594,7 @@ def _gather_to_root(
         return {p.fqn: torch.empty(p.shape, dtype=dtype, device=target) for p in pieces}
     send = _send_buffer([p.local for p in pieces], segments[me], padded, dtype)
     rows = torch.empty(size, padded, dtype=dtype, device=device) if keep else None
-    dist.gather(send, list(rows.unbind(0)) if rows is not None else None, dst=0, group=group)
+    gather(send, list(rows.unbind(0)) if rows is not None else None, dst=0, group=group)
     del send
     if rows is None:
         return {}
