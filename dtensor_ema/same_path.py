@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtensor_ema._collectives import MESSAGE_BYTES, MESSAGE_RANKS, reduce_device
+from dtensor_ema._collectives import MESSAGE_BYTES, MESSAGE_RANKS, all_reduce, reduce_device
 
 __all__ = ["Agreed", "agree_on_path"]
 
@@ -65,7 +65,7 @@ def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agr
     rows[rank] = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
     if rank == 0:
         rows[world] = torch.frombuffer(bytearray(drawn.bytes), dtype=torch.uint8)
-    dist.all_reduce(rows, group=group)  # each row has one writer: the sum is that row
+    all_reduce(rows, group=group)  # each row has one writer: the sum is that row
     rows = rows.cpu()
     save_id = str(uuid.UUID(bytes=bytes(rows[world].numpy().tobytes())))
     differing = [r for r in range(1, world) if not torch.equal(rows[r], rows[0])]
@@ -78,7 +78,7 @@ def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agr
         paths[shown.index(rank), : len(encoded)] = torch.frombuffer(
             bytearray(encoded), dtype=torch.uint8
         )
-    dist.all_reduce(paths, group=group)
+    all_reduce(paths, group=group)
     named = [f"rank {r}: {_text(row)}" for r, row in zip(shown, paths.cpu(), strict=True)]
     more = len(differing) - (len(shown) - 1)
     raise ValueError(
