@@ -81,9 +81,14 @@ def released(*tensors: torch.Tensor) -> Iterator[None]:
     """Hand ``tensors`` to a collective in the body; return once the process group let go.
 
     Wrap exactly the tensors passed to the collective (a view passed as an argument is its
-    own tensor). Local, no communication; no extra memory. Waits only after the body
+    own tensor). Only CPU tensors are waited for: gloo runs their collectives synchronously
+    and lets go of them a moment later; NCCL's collectives on CUDA tensors return before
+    the GPU ran them, so waiting for their release would synchronize the host on every
+    collective. Local, no communication; no extra memory. Waits only after the body
     completed normally (an error propagates at once).
     """
-    before = _references(tensors)
+    cpu = tuple(t for t in tensors if t.device.type == "cpu")
+    before = _references(cpu)
     yield
-    _wait(tensors, before)
+    if cpu:
+        _wait(cpu, before)
