@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema._collectives import mesh_agree
+from dtensor_ema._collectives import all_gather_single, mesh_agree
 
 if TYPE_CHECKING:
     from dtensor_ema.layout import PlanEntry
@@ -61,9 +61,10 @@ def check_replicas(entries: Sequence[PlanEntry], world: DeviceMesh | None) -> No
     error: ValueError | None = None
     for group, members in groups.values():
         mine = torch.stack([bit_checksum(e.source_piece) for e in members])
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, mine, group=group)
-        table = torch.stack(everyone)
+        table = torch.empty(
+            dist.get_world_size(group), *mine.shape, dtype=mine.dtype, device=mine.device
+        )
+        all_gather_single(table.view(-1), mine, group=group)
         differs = (table != table[:1]).any(dim=0).nonzero().flatten().tolist()
         if differs and error is None:
             names = [members[i].fqn for i in differs]
