@@ -37,6 +37,7 @@ import os
 import pickle
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -386,6 +387,7 @@ def run_torchrun(
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += [f"--nproc_per_node={nproc}", *argv]
         return _subprocess(command, cwd, env, timeout_s, merge_output)
+    errors = Path(tempfile.mkdtemp(prefix="torchelastic_"))  # each rank's @record file
     store = dist.TCPStore(
         "localhost",
         0,
@@ -399,7 +401,6 @@ def run_torchrun(
         if nproc > 1:
             base.setdefault("OMP_NUM_THREADS", "1")
         run_id = str(uuid.uuid4())
-        errors = Path(cwd) / f".torchelastic-{run_id}"  # each rank's @record error file
         envs = [
             {
                 **base,
@@ -428,7 +429,6 @@ def run_torchrun(
             (errors / str(rank)).mkdir(parents=True)
         return _forked(argv, cwd, envs, timeout_s, merge_output, as_ranks=True)
     finally:
-        del store  # the server stops with its last reference
         shutil.rmtree(errors, ignore_errors=True)
 
 
@@ -470,8 +470,7 @@ def _forked(
     """One forked ``__main__`` per entry of ``envs`` (rank ``r`` gets ``envs[r]``), all
     writing to one stdout and one stderr file; see :func:`run_script` and
     :func:`run_torchrun` (``as_ranks``: its exit code, termination and summary lines)."""
-    out_dir = Path(cwd) / f".run-{uuid.uuid4().hex[:8]}"
-    out_dir.mkdir()
+    out_dir = Path(tempfile.mkdtemp(prefix="dtensor-ema-run-"))
     out, err = out_dir / "stdout", out_dir / "stderr"
     ctx = _context("forkserver", BACKEND)
     procs = [
@@ -507,9 +506,7 @@ def _forked(
     if not failed:  # every rank had exited when the loop looked last
         failed, ended = ended, []
     texts = [p.read_text(errors="replace") if p.exists() else "" for p in (out, err)]
-    for p in (out, err):
-        p.unlink(missing_ok=True)
-    out_dir.rmdir()
+    shutil.rmtree(out_dir, ignore_errors=True)
     if merge_output:
         texts[1] = ""
     if not as_ranks:
