@@ -214,7 +214,23 @@ _PRELOAD_GLOO = [
 Lightning test modules import them at module level, so every rank does; torchtitan's
 ``Trainer`` ~3 s per rank of the torchtitan tests, which import it in the rank). A missing one is
 skipped (the forkserver ignores ImportError). Not on CUDA backends: diffusers' import counts
-CUDA devices, which must not happen in the process the ranks fork from."""
+CUDA devices, which must not happen in the process the ranks fork from. Nor in a script that
+:func:`run_script` forked (a benchmark spawning its own ranks starts its own server, and
+its rank bodies import none of them)."""
+
+_in_forked_script = False
+"""Set in the child of :func:`run_script` / :func:`run_torchrun`."""
+
+
+def start_forkserver() -> None:
+    """Start the rank forkserver now, with :data:`BACKEND`'s preloads (it imports them in
+    the background; the first rank or script waits for it then). Nothing under
+    ``DTENSOR_EMA_TEST_START=spawn``. ``tests/conftest.py`` calls this at session start."""
+    if START_METHOD == "forkserver":
+        import multiprocessing.forkserver
+
+        _context("forkserver", BACKEND)
+        multiprocessing.forkserver.ensure_running()
 
 
 def _context(start_method: str, backend: str) -> Any:
@@ -224,7 +240,8 @@ def _context(start_method: str, backend: str) -> Any:
         )
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_GLOO if backend == "gloo" else []))
+        extras = backend == "gloo" and not _in_forked_script
+        ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_GLOO if extras else []))
     return ctx
 
 
@@ -522,6 +539,8 @@ def _forked(
 
 def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """The forked child of :func:`run_script` and :func:`run_torchrun`."""
+    global _in_forked_script
+    _in_forked_script = True
     import builtins
     import importlib.machinery
     import runpy
