@@ -29,6 +29,12 @@ naming the stuck ranks.
 Test bodies that want to follow the backend build their meshes and tensors on
 :data:`DEVICE_TYPE`. :func:`spawn_ranks` is the same machinery without pytest (for
 ``benchmarks/gpu_suite.py``): it returns the failures instead of failing a test.
+
+Scripts (the examples, the README's blocks, the benchmark drivers) run as a user types them,
+forked from the same preloaded server: :func:`run_script` as ``python script.py`` and
+:func:`run_torchrun` as ``torchrun --standalone --nproc_per_node=N script.py`` (each rank
+with torchrun's environment and rendezvous store); ``run_torchrun(real=True)`` launches the
+real ``torchrun`` where the launcher itself is under test.
 """
 
 from __future__ import annotations
@@ -376,7 +382,8 @@ def run_torchrun(
     directory, exit codes and tracebacks), without torchrun's own interpreter and the ranks'
     imports (~10-20 s per launch on 2 busy cores). Returns ``(exit code, stdout, stderr)``
     with every rank's output in one stream each, as torchrun's (``merge_output``: one
-    stream).
+    stream), line by line: a line (up to 8 KiB) is never cut by another rank's output,
+    where torchrun's unbuffered ranks may cut one between its text and its newline.
 
     Each rank gets torchrun's environment: ``env`` plus ``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
@@ -553,9 +560,11 @@ def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     os.dup2(os.open(out, flags), 1)
     os.dup2(os.open(err, flags), 2)
-    # Whole lines per write: ranks share the files, as torchrun's ranks share its streams.
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    # Ranks share the files, as torchrun's ranks share its streams: each line goes out in one
+    # write (up to 8 KiB), so the lines of two ranks never mix (``print`` writes the text and
+    # the newline separately, which an unbuffered stream passes on as two writes).
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
+    sys.stderr.reconfigure(line_buffering=True, write_through=False)
     module = argv[1] if argv[0] == "-m" else None
     script = os.path.abspath(argv[0])
     tests = os.path.dirname(os.path.abspath(__file__))
