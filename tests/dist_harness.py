@@ -365,6 +365,10 @@ def run_script(
     return _forked(argv, cwd, [env], timeout_s, merge_output)
 
 
+FORKED_TORCHRUN = START_METHOD == "forkserver" and BACKEND == "gloo"
+"""Whether :func:`run_torchrun` forks its ranks (else it launches the real ``torchrun``)."""
+
+
 def run_torchrun(
     argv: list[str],
     nproc: int,
@@ -407,7 +411,7 @@ def run_torchrun(
     examples choose CUDA) launches the real ``python -m torch.distributed.run`` instead:
     tests about the launcher itself (the README's ``torchrun`` command) keep it.
     """
-    if real or START_METHOD != "forkserver" or BACKEND != "gloo":
+    if real or not FORKED_TORCHRUN:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += [f"--nproc_per_node={nproc}", *argv]
         return _subprocess(command, cwd, env, timeout_s, merge_output)

@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 
 import pytest
-from dist_harness import aborted_at_exit, run_script, run_torchrun
+from dist_harness import FORKED_TORCHRUN, aborted_at_exit, run_script, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -197,6 +197,8 @@ def test_forked_ranks_get_what_torchrun_gives(tmp_path: Path) -> None:
     directory, ``sys.path[0]`` and ``__main__``; ``-m module`` as ``python -m`` runs it; a
     working rendezvous store for ``init_process_group``; a failing rank fails the launch,
     named, with its traceback; a hung rank is named when the launch runs out of time."""
+    if not FORKED_TORCHRUN:
+        pytest.skip("run_torchrun launches the real torchrun here: nothing forked to compare")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
@@ -234,5 +236,5 @@ def test_forked_ranks_get_what_torchrun_gives(tmp_path: Path) -> None:
     code, stdout, stderr = run_torchrun(["probe.py", "fail"], 2, tmp_path, env)
     assert code == 1 and "ValueError: rank 1 fails" in stderr, stderr
     assert "run_torchrun: rank 1 (local_rank: 1) exited with code 1" in stderr, stderr
-    with pytest.raises(pytest.fail.Exception, match=r"\['rank1'\] still running"):
-        run_torchrun(["probe.py", "hang"], 2, tmp_path, env, timeout_s=5)
+    with pytest.raises(pytest.fail.Exception, match=r"'rank1'\] still running"):
+        run_torchrun(["probe.py", "hang"], 2, tmp_path, env, timeout_s=2)
