@@ -39,6 +39,7 @@ real ``torchrun`` where the launcher itself is under test.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -567,8 +568,9 @@ def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err:
     # Ranks share the files, as torchrun's ranks share its streams: each line goes out in one
     # write (up to 8 KiB), so the lines of two ranks never mix (``print`` writes the text and
     # the newline separately, which an unbuffered stream passes on as two writes).
-    sys.stdout.reconfigure(line_buffering=True, write_through=False)
-    sys.stderr.reconfigure(line_buffering=True, write_through=False)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
     module = argv[1] if argv[0] == "-m" else None
     script = os.path.abspath(argv[0])
     tests = os.path.dirname(os.path.abspath(__file__))
