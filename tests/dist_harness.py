@@ -525,7 +525,7 @@ def _forked(
                 tail = "".join(p.read_text(errors="replace") for p in {out, err} if p.exists())
                 tail = tail[-4000:]
                 pytest.fail(
-                    f"{argv[0]} ({stuck} still running) ran past {timeout_s} s; "
+                    f"{' '.join(argv)[:300]} ({stuck} still running) ran past {timeout_s} s; "
                     f"output tail:\n{tail}"
                 )
             time.sleep(0.05)
@@ -572,7 +572,7 @@ def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err:
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
     module = argv[1] if argv[0] == "-m" else None
-    script = os.path.abspath(argv[0])
+    script = os.path.abspath(argv[0])  # unused with -m
     tests = os.path.dirname(os.path.abspath(__file__))
     python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     own = [p for p in sys.path if p and os.path.abspath(p) != tests and p != cwd]
