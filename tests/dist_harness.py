@@ -29,13 +29,22 @@ naming the stuck ranks.
 Test bodies that want to follow the backend build their meshes and tensors on
 :data:`DEVICE_TYPE`. :func:`spawn_ranks` is the same machinery without pytest (for
 ``benchmarks/gpu_suite.py``): it returns the failures instead of failing a test.
+
+Scripts (the examples, the README's blocks, the benchmark drivers) run as a user types them,
+forked from the same preloaded server: :func:`run_script` as ``python script.py`` and
+:func:`run_torchrun` as ``torchrun --standalone --nproc_per_node=N script.py`` (each rank
+with torchrun's environment and rendezvous store); ``run_torchrun(real=True)`` launches the
+real ``torchrun`` where the launcher itself is under test.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -212,7 +221,23 @@ _PRELOAD_GLOO = [
 Lightning test modules import them at module level, so every rank does; torchtitan's
 ``Trainer`` ~3 s per rank of the torchtitan tests, which import it in the rank). A missing one is
 skipped (the forkserver ignores ImportError). Not on CUDA backends: diffusers' import counts
-CUDA devices, which must not happen in the process the ranks fork from."""
+CUDA devices, which must not happen in the process the ranks fork from. Nor in a script that
+:func:`run_script` forked (a benchmark spawning its own ranks starts its own server, and
+its rank bodies import none of them)."""
+
+_in_forked_script = False
+"""Set in the child of :func:`run_script` / :func:`run_torchrun`."""
+
+
+def start_forkserver() -> None:
+    """Start the rank forkserver now, with :data:`BACKEND`'s preloads (it imports them in
+    the background; the first rank or script waits for it then). Nothing under
+    ``DTENSOR_EMA_TEST_START=spawn``. ``tests/conftest.py`` calls this at session start."""
+    if START_METHOD == "forkserver":
+        import multiprocessing.forkserver
+
+        _context("forkserver", BACKEND)
+        multiprocessing.forkserver.ensure_running()
 
 
 def _context(start_method: str, backend: str) -> Any:
@@ -222,7 +247,8 @@ def _context(start_method: str, backend: str) -> Any:
         )
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_GLOO if backend == "gloo" else []))
+        extras = backend == "gloo" and not _in_forked_script
+        ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_GLOO if extras else []))
     return ctx
 
 
@@ -321,56 +347,217 @@ def run_script(
     """Run ``python argv[0] argv[1:]`` in ``cwd`` with ``env`` as a fresh ``__main__``
     forked from the rank forkserver (torch, this package and the extras already imported:
     ~4-8 s less per run than a new interpreter). Returns ``(exit code, stdout, stderr)``
-    (``merge_output``: stderr is written into stdout, ``stderr`` is empty).
+    (``merge_output``: stderr is written into stdout, ``stderr`` is empty). ``argv`` may
+    also start ``["-m", module]``, as ``python -m module`` would.
 
-    What the script sees is what ``python script.py`` gives it: its own globals,
-    ``sys.argv`` (``argv[0]`` made absolute, as ``__file__`` is), the working directory,
-    the environment, and ``sys.path`` = the script's folder, ``PYTHONPATH``, then the
-    interpreter's own paths (not the test folder). An uncaught exception prints its
-    traceback and exits 1. It ends with ``os._exit`` after flushing, without the
-    interpreter's exit handlers. ``DTENSOR_EMA_TEST_START=spawn``
-    runs a new interpreter instead.
+    What the script sees is what ``python script.py`` gives it: its own globals and
+    ``__main__`` module (``__file__`` absolute), ``sys.argv``, the working directory,
+    the environment, and ``sys.path`` = the script's folder (``-m``: the working
+    directory), ``PYTHONPATH``, then the interpreter's own paths (not the test folder). An
+    uncaught exception prints its traceback and exits 1. At the end its non-daemon threads
+    are joined, as the interpreter's exit does, and it ends with ``os._exit`` after
+    flushing, without the interpreter's exit handlers. Modules the server preloaded were
+    imported once, with the server's environment (an import-time read of a variable the
+    script's ``env`` changes sees the old value). ``DTENSOR_EMA_TEST_START=spawn`` runs a new
+    interpreter instead. A run past ``timeout_s`` fails the calling test.
     """
     if START_METHOD != "forkserver":
-        import subprocess
+        return _subprocess([sys.executable, *argv], cwd, env, timeout_s, merge_output)
+    return _forked(argv, cwd, [env], timeout_s, merge_output)
 
-        result = subprocess.run(
-            [sys.executable, *argv],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        return result.returncode, result.stdout, result.stderr
-    out_dir = Path(cwd) / f".run-{uuid.uuid4().hex[:8]}"
-    out_dir.mkdir()
-    out, err = out_dir / "stdout", out_dir / "stderr"
-    ctx = _context("forkserver", "gloo")
-    proc = ctx.Process(
-        target=_script_entry,
-        args=(argv, str(cwd), env, str(out), str(out if merge_output else err)),
+
+FORKED_TORCHRUN = START_METHOD == "forkserver" and BACKEND == "gloo"
+"""Whether :func:`run_torchrun` forks its ranks (else it launches the real ``torchrun``)."""
+
+
+def run_torchrun(
+    argv: list[str],
+    nproc: int,
+    cwd: Path,
+    env: dict[str, str],
+    *,
+    timeout_s: float = 300.0,
+    merge_output: bool = False,
+    real: bool = False,
+) -> tuple[int, str, str]:
+    """What ``torchrun --standalone --nproc_per_node=nproc argv...`` does, in ``cwd`` with
+    ``env``: ``nproc`` ranks of ``python -u argv...`` (``argv`` a script and its arguments,
+    or ``["-m", module, ...]``), each a fresh ``__main__`` forked from the rank forkserver
+    as :func:`run_script` runs one (the same globals, ``sys.argv``, ``sys.path``, working
+    directory, exit codes and tracebacks), without torchrun's own interpreter and the ranks'
+    imports (~10-20 s per launch on 2 busy cores). Returns ``(exit code, stdout, stderr)``
+    with every rank's output in one stream each, as torchrun's (``merge_output``: one
+    stream), line by line: a line (up to 8 KiB) is never cut by another rank's output,
+    where torchrun's unbuffered ranks may cut one between its text and its newline.
+
+    Each rank gets torchrun's environment: ``env`` plus ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+    ``ROLE_RANK``, ``ROLE_NAME``, ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``,
+    ``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_SIGNALS_TO_HANDLE``,
+    ``TORCHELASTIC_ERROR_FILE`` (a file per rank in a scratch folder, for torch's
+    ``@record``) and ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, and
+    ``OMP_NUM_THREADS=1`` when ``env`` has none and ``nproc > 1``. As under torchrun, a
+    ``TCPStore`` is served at ``MASTER_ADDR:MASTER_PORT`` by the launcher (here, this
+    process, on a port the OS picks: parallel runs cannot collide) and every rank's
+    ``init_process_group`` (``env://``) joins it as a client.
+
+    The exit code is 0 when every rank exits 0, else 1, as torchrun's; when a rank fails
+    (a nonzero exit or a signal) the others are terminated, as torchrun's agent does, and
+    a line ``run_torchrun: rank R (local_rank: R) exited with code C`` per failed rank
+    ends the error stream (the first one is the root cause). A launch past ``timeout_s``
+    fails the calling test, naming the ranks still running.
+
+    ``real`` (and ``DTENSOR_EMA_TEST_START=spawn``, or a backend other than gloo, where the
+    examples choose CUDA) launches the real ``python -m torch.distributed.run`` instead:
+    tests about the launcher itself (the README's ``torchrun`` command) keep it.
+    """
+    if real or not FORKED_TORCHRUN:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += [f"--nproc_per_node={nproc}", *argv]
+        return _subprocess(command, cwd, env, timeout_s, merge_output)
+    errors = Path(tempfile.mkdtemp(prefix="torchelastic_"))  # each rank's @record file
+    store = dist.TCPStore(
+        "localhost",
+        0,
+        None,
+        True,
+        timedelta(seconds=timeout_s),
+        wait_for_workers=False,
     )
-    proc.start()
-    proc.join(timeout_s)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-        tail = out.read_text(errors="replace")[-4000:] if out.exists() else ""
-        pytest.fail(f"{argv[0]} ran past {timeout_s} s; output tail:\n{tail}")
-    code = proc.exitcode if proc.exitcode is not None else -1
+    try:
+        base = dict(env)
+        if nproc > 1:
+            base.setdefault("OMP_NUM_THREADS", "1")
+        run_id = str(uuid.uuid4())
+        envs = [
+            {
+                **base,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default",
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "WORLD_SIZE": str(nproc),
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "localhost",
+                "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                "TORCHELASTIC_ERROR_FILE": str(errors / str(rank) / "error.json"),
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            }
+            for rank in range(nproc)
+        ]
+        for rank in range(nproc):
+            (errors / str(rank)).mkdir(parents=True)
+        return _forked(argv, cwd, envs, timeout_s, merge_output, as_ranks=True)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def _subprocess(
+    command: list[str], cwd: Path, env: dict[str, str], timeout_s: float, merge_output: bool
+) -> tuple[int, str, str]:
+    """``command`` as a new process group (so a timeout ends it and every process it
+    started), failing the calling test with its output's tail past ``timeout_s``."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = (out + (err or ""))[-4000:]
+        pytest.fail(f"{' '.join(command[1:])} ran past {timeout_s} s; output tail:\n{tail}")
+    return proc.returncode, out, err or ""
+
+
+def _forked(
+    argv: list[str],
+    cwd: Path,
+    envs: list[dict[str, str]],
+    timeout_s: float,
+    merge_output: bool,
+    as_ranks: bool = False,
+) -> tuple[int, str, str]:
+    """One forked ``__main__`` per entry of ``envs`` (rank ``r`` gets ``envs[r]``), all
+    writing to one stdout and one stderr file; see :func:`run_script` and
+    :func:`run_torchrun` (``as_ranks``: its exit code, termination and summary lines)."""
+    out_dir = Path(tempfile.mkdtemp(prefix="dtensor-ema-run-"))
+    out, err = out_dir / "stdout", out_dir / "stderr"
+    ctx = _context("forkserver", BACKEND)
+    procs = [
+        ctx.Process(
+            target=_script_entry,
+            args=(argv, str(cwd), env, str(out), str(out if merge_output else err)),
+            name=f"rank{rank}",
+        )
+        for rank, env in enumerate(envs)
+    ]
+    failed: list[int] = []  # ranks in the order their failure was seen
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs):
+            failed += [r for r, p in enumerate(procs) if p.exitcode and r not in failed]
+            if as_ranks and failed:
+                break  # torchrun's agent ends the other ranks once one failed
+            if time.monotonic() > deadline:
+                stuck = [p.name for p in procs if p.is_alive()]
+                _terminate(procs)
+                tail = "".join(p.read_text(errors="replace") for p in {out, err} if p.exists())
+                tail = tail[-4000:]
+                pytest.fail(
+                    f"{' '.join(argv)[:300]} ({stuck} still running) ran past {timeout_s} s; "
+                    f"output tail:\n{tail}"
+                )
+            time.sleep(0.05)
+    finally:
+        _terminate(procs)
+    ended = [r for r, p in enumerate(procs) if p.exitcode and r not in failed]
+    if not failed:  # every rank had exited when the loop looked last
+        failed, ended = ended, []
     texts = [p.read_text(errors="replace") if p.exists() else "" for p in (out, err)]
+    shutil.rmtree(out_dir, ignore_errors=True)
     if merge_output:
         texts[1] = ""
-    for p in (out, err):
-        p.unlink(missing_ok=True)
-    out_dir.rmdir()
-    return code, texts[0], texts[1]
+    if not as_ranks:
+        code = procs[0].exitcode
+        return (code if code is not None else -1), texts[0], texts[1]
+    summary = "".join(
+        f"run_torchrun: rank {r} (local_rank: {r}) exited with code {procs[r].exitcode}\n"
+        for r in failed
+    ) + "".join(f"run_torchrun: rank {r} terminated after rank {failed[0]} failed\n" for r in ended)
+    texts[0 if merge_output else 1] += summary
+    return (1 if failed or ended else 0), texts[0], texts[1]
 
 
 def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
-    """The forked child of :func:`run_script`."""
+    """The forked child of :func:`run_script` and :func:`run_torchrun`."""
+    global _in_forked_script
+    _in_forked_script = True
+    import builtins
+    import importlib.machinery
     import runpy
+    import threading
+    import types
 
     os.chdir(cwd)
     os.environ.clear()
@@ -378,26 +565,45 @@ def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     os.dup2(os.open(out, flags), 1)
     os.dup2(os.open(err, flags), 2)
-    script = os.path.abspath(argv[0])
+    # Ranks share the files, as torchrun's ranks share its streams: each line goes out in one
+    # write (up to 8 KiB), so the lines of two ranks never mix (``print`` writes the text and
+    # the newline separately, which an unbuffered stream passes on as two writes).
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
+    module = argv[1] if argv[0] == "-m" else None
+    script = os.path.abspath(argv[0])  # unused with -m
     tests = os.path.dirname(os.path.abspath(__file__))
     python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     own = [p for p in sys.path if p and os.path.abspath(p) != tests and p != cwd]
-    sys.path[:] = [os.path.dirname(script), *python_path, *own]
-    sys.argv[:] = list(argv)
+    sys.path[:] = [cwd if module else os.path.dirname(script), *python_path, *own]
+    sys.argv[:] = list(argv[1:] if module else argv)
     if env.get("OMP_NUM_THREADS"):  # else torch's default, as in a new interpreter
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:  # what the interpreter does for `python script.py` (argv[0] as typed)
+            main = types.ModuleType("__main__")
+            main.__dict__.update(__file__=script, __cached__=None, __builtins__=builtins)
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+            sys.modules["__main__"] = main
+            with open(script, "rb") as f:
+                source = f.read()
+            exec(compile(source, script, "exec"), main.__dict__)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:  # the traceback from the script's frame on, as python's
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
         code = 1
+    for thread in threading.enumerate():  # the interpreter's exit waits for these first
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,13 +11,11 @@ bit, and so does a run resumed from ours.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import aborted_at_exit
+from dist_harness import aborted_at_exit, run_torchrun
 
 timm = pytest.importorskip("timm")
 
@@ -26,20 +24,18 @@ ROOT = Path(__file__).parent.parent
 
 
 def _run(tmp: Path, name: str, ema: str, epochs: int, resume: str = "") -> str:
+    """The fixture at W=2 as ``torchrun --standalone --nproc_per_node 2`` launches it (its
+    environment and rendezvous store per rank), forked from the preloaded rank server."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node", "2", str(SCRIPT), "--out", str(tmp / name)]
-    command += ["--ema", ema, "--epochs", str(epochs)]
+    argv = [str(SCRIPT), "--out", str(tmp / name), "--ema", ema, "--epochs", str(epochs)]
     if resume:
-        command += ["--resume", resume]
+        argv += ["--resume", resume]
     for _ in range(2):  # once more only after torch 2.14 + gloo's abort at exit
-        done = subprocess.run(
-            command, env=env, cwd=tmp, capture_output=True, text=True, timeout=600
-        )
-        if not aborted_at_exit(done.returncode, done.stdout + done.stderr):
+        code, stdout, stderr = run_torchrun(argv, 2, tmp, env, timeout_s=600)
+        if not aborted_at_exit(code, stdout + stderr):
             break
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "(EMA)" in done.stdout  # the EMA was validated
+    assert code == 0, stderr[-4000:]
+    assert "(EMA)" in stdout  # the EMA was validated
     return (tmp / name / "ema_class.txt").read_text()
 
 

@@ -1,8 +1,11 @@
-"""The example scripts, run end to end as a user would: ``torchrun`` subprocesses, tiny flags.
+"""The example scripts, run end to end as a user would, with tiny flags.
 
-Each test launches the real script under ``python -m torch.distributed.run --standalone``
-(a free rendezvous port per launch, so runs cannot collide) with this checkout first on
-``PYTHONPATH``, then checks the exit code and the lines the README promises.
+Each test launches the real script with this checkout first on ``PYTHONPATH``, then checks
+the exit code and the lines the README promises. The README's command (``torchrun
+--standalone --nproc_per_node=2 examples/train_ddp_resnet.py``) runs under the real
+``torchrun``; the other multi-rank runs get what torchrun gives each rank (its environment,
+a rendezvous store, a fresh ``__main__``) from ``dist_harness.run_torchrun``, forked from the
+preloaded rank server instead of paying torchrun's and every rank's imports per launch.
 """
 
 from __future__ import annotations
@@ -11,14 +14,11 @@ import importlib.util
 import os
 import pickle
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from dist_harness import BACKEND, aborted_at_exit, run_script
+from dist_harness import BACKEND, aborted_at_exit, run_script, run_torchrun
 from models import HAS_TORCHVISION
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -42,15 +42,15 @@ def _run(
     expect_ok: bool = True,
     env_extra: dict[str, str] | None = None,
     timeout: float = TIMEOUT_S,
+    real_torchrun: bool = False,
 ) -> str:
-    """Run an example (under torchrun with ``nproc`` ranks, or for ``None`` as plain python
-    would, forked from the preloaded rank server: ``dist_harness.run_script``);
-    return its combined output, failing the test with the output's tail if the exit code
-    is not what ``expect_ok`` says. ``env_extra``: more environment variables; a
-    ``PYTHONPATH`` there goes after this checkout's. ``timeout``: seconds per launch."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    """Run an example with ``nproc`` ranks as ``torchrun --standalone`` would launch it, or
+    for ``None`` as plain python would; return its combined output, failing the test with
+    the output's tail if the exit code is not what ``expect_ok`` says. Both fork from the
+    preloaded rank server (``dist_harness.run_torchrun`` / ``run_script``: the script sees
+    what torchrun or python gives it); ``real_torchrun`` launches the real ``torchrun``
+    (the README's command). ``env_extra``: more environment variables; a ``PYTHONPATH``
+    there goes after this checkout's. ``timeout``: seconds per launch."""
     env = dict(os.environ)
     extra = dict(env_extra or {})
     paths = [str(ROOT), extra.pop("PYTHONPATH", None), env.get("PYTHONPATH")]
@@ -58,36 +58,17 @@ def _run(
     env.update(extra)
     env.setdefault("OMP_NUM_THREADS", "1")
     for attempt in range(2):
-        if nproc is None:  # one process: forked from the preloaded rank server
+        if nproc is None:
             returncode, out, _ = run_script(args, cwd, env, timeout_s=timeout, merge_output=True)
         else:
-            returncode, out = _torchrun(launcher + args, cwd, env, timeout)
+            returncode, out, _ = run_torchrun(
+                args, nproc, cwd, env, timeout_s=timeout, merge_output=True, real=real_torchrun
+            )
         if not (expect_ok and attempt == 0 and aborted_at_exit(returncode, out)):
             break
     if (returncode == 0) != expect_ok:
         pytest.fail(f"{args[0]} exited {returncode}; output tail:\n{out[-4000:]}")
     return out
-
-
-def _torchrun(
-    command: list[str], cwd: Path, env: dict[str, str], timeout: float
-) -> tuple[int, str]:
-    proc = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # so a timeout can stop torchrun and all of its ranks
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{command[-1]} ran past {timeout} s; output tail:\n{out[-4000:]}")
-    return proc.returncode, out
 
 
 def _script(name: str) -> str:
@@ -146,6 +127,7 @@ def test_ddp_resnet_two_ranks(tmp_path: Path) -> None:
             f"--plot={plot}",
         ],
         tmp_path,
+        real_torchrun=True,  # the README's first command, as typed
     )
     assert "synthetic CIFAR-like data (offline)" in out
     assert f"on {BACKEND_LINE}" in out

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_harness import run_script
 from models import make_model
 from torch import nn
 
@@ -228,16 +228,12 @@ def test_outputs_and_cli(run: dict) -> None:
     want = merge_snapshots(run["dir"], weights={8: 0.25, 24: 0.75}, sigma_rel=0.10)
     assert all(torch.equal(merged[k], want[k]) for k in want)
     assert cli_main(["synthesize", str(run["dir"]), "--sigma-rel", "0.5"]) == 2
-    # ... and through `python -m` once
-    done = subprocess.run(
-        [sys.executable, "-m", "dtensor_ema.posthoc", "list", str(run["dir"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "step-000000000024  t=24 (steps)  sigma_rel=[0.05, 0.1]" in done.stdout
+    # ... and through `python -m` once (forked from the preloaded server, as python runs it)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = ["-m", "dtensor_ema.posthoc", "list", str(run["dir"])]
+    code, stdout, stderr = run_script(argv, ROOT, env, timeout_s=120)
+    assert code == 0, stderr
+    assert "step-000000000024  t=24 (steps)  sigma_rel=[0.05, 0.1]" in stdout
 
 
 def test_bad_inputs(run: dict, tmp_path: Path) -> None:

@@ -4,9 +4,10 @@ written, on CPU.
 The blocks are extracted the way ``.ci/run`` extracts the test command, written to a
 scratch directory and run there: with ``torchrun`` when the block's first line says so
 (``# torchrun --standalone --nproc_per_node=N file.py``), else as ``python snippet.py``
-would (a fresh ``__main__`` forked from the test ranks' preloaded server,
-``dist_harness.run_script``: the same globals, path and environment, without paying the
-imports again). A snippet
+would. The first torchrun block runs under the real ``torchrun``; every other block is a
+fresh ``__main__`` forked from the test ranks' preloaded server (``dist_harness.run_script``,
+or ``run_torchrun`` with torchrun's environment and rendezvous store for each rank: the
+same globals, path and environment, without paying the imports again). A snippet
 that needs a GPU, a variable it never defines, or a process group it never creates fails
 here. A block that appears in several pages (the README's layout examples are repeated in
 ``docs/sharding.md``) runs once.
@@ -23,14 +24,13 @@ exist.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from dist_harness import aborted_at_exit, run_script
+from dist_harness import FORKED_TORCHRUN, aborted_at_exit, run_script, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -70,6 +70,9 @@ def collect() -> tuple[dict[str, str], int]:
 
 
 BLOCKS, NOT_RUN = collect()
+REAL_TORCHRUN = next((k for k, code in BLOCKS.items() if _TORCHRUN.match(code)), None)
+"""The first ``torchrun`` block runs under the real ``torchrun``; the others get what it
+gives each rank from ``dist_harness.run_torchrun`` (forked from the preloaded server)."""
 _EXTRAS = {
     "lightning": "lightning",
     "transformers": "transformers",
@@ -96,24 +99,26 @@ def test_block_runs_as_written(key: str, tmp_path: Path) -> None:
     launch = _TORCHRUN.match(first)
     name = launch.group(2) if launch else "snippet.py"
     (tmp_path / name).write_text(code + "\n")
-    command = [sys.executable, name]
-    if launch:
-        nproc = launch.group(1)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += [f"--nproc_per_node={nproc}", name]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    command = ["python", name]
+    if launch:
+        command = ["torchrun", "--standalone", f"--nproc_per_node={launch.group(1)}", name]
     for attempt in range(2):
-        if launch:
-            result = subprocess.run(
-                command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        if launch:  # the first torchrun block under the real torchrun, the others forked
+            returncode, stdout, stderr = run_torchrun(
+                [name],
+                int(launch.group(1)),
+                tmp_path,
+                env,
+                timeout_s=300,
+                real=key == REAL_TORCHRUN,
             )
-            returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
         else:  # one process: a fresh __main__ forked from the preloaded rank server
             returncode, stdout, stderr = run_script([name], tmp_path, env, timeout_s=300)
         if attempt or not aborted_at_exit(returncode, stderr):
             break
     assert returncode == 0, (
-        f"block {key} ({' '.join(command[1:])}) failed:\n{code}\n"
+        f"block {key} ({' '.join(command)}) failed:\n{code}\n"
         f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}"
     )
 
@@ -160,3 +165,76 @@ def test_a_forked_block_fails_as_python_would(tmp_path: Path) -> None:
         returncode, stdout, stderr = run_script([name, "--flag"], tmp_path, env, timeout_s=120)
         assert returncode == want_code and want_err in stderr, (name, returncode, stderr)
     assert stdout == "['--flag'] 2.0\n" and stderr == ""
+
+
+_PROBE = """\
+import json, os, sys, time
+
+rank = os.environ.get("RANK", "?")
+seen = {"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0]}
+seen["name"], seen["file"] = __name__, __file__
+with open(f"seen-{sys.argv[-1]}-{rank}.json", "w") as f:
+    json.dump(seen, f)
+if sys.argv[-1] == "collective":
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {rank}: sum {t.item()}")
+    dist.destroy_process_group()
+if sys.argv[-1] == "fail" and rank == "1":
+    raise ValueError("rank 1 fails")
+if sys.argv[-1] == "hang" and rank == "1":
+    time.sleep(120)
+"""
+
+
+def test_forked_ranks_get_what_torchrun_gives(tmp_path: Path) -> None:
+    """``run_torchrun`` gives each rank what the real ``torchrun --standalone`` gives it
+    (compared on one real launch): the same added environment variables (the rendezvous
+    port, run id and error file aside, which change per launch), ``sys.argv``, working
+    directory, ``sys.path[0]`` and ``__main__``; ``-m module`` as ``python -m`` runs it; a
+    working rendezvous store for ``init_process_group``; a failing rank fails the launch,
+    named, with its traceback; a hung rank is named when the launch runs out of time."""
+    if not FORKED_TORCHRUN:
+        pytest.skip("run_torchrun launches the real torchrun here: nothing forked to compare")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE)
+
+    def seen(tag: str, rank: int) -> dict:
+        found = json.loads((tmp_path / f"seen-{tag}-{rank}.json").read_text())
+        found["added"] = {k: v for k, v in found.pop("env").items() if env.get(k) != v}
+        return found
+
+    assert run_torchrun(["probe.py", "real"], 2, tmp_path, env, real=True)[0] == 0
+    code, stdout, stderr = run_torchrun(["probe.py", "collective"], 2, tmp_path, env)
+    assert code == 0, stderr
+    assert sorted(stdout.splitlines()) == ["rank 0: sum 3.0", "rank 1: sum 3.0"], stdout
+    varying = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+    for rank in (0, 1):
+        real, forked = seen("real", rank), seen("collective", rank)
+        assert forked["added"].keys() == real["added"].keys(), (forked["added"], real["added"])
+        assert {k: v for k, v in forked["added"].items() if k not in varying} == {
+            k: v for k, v in real["added"].items() if k not in varying
+        }
+        assert forked["added"]["RANK"] == forked["added"]["LOCAL_RANK"] == str(rank)
+        assert real["argv"][:-1] == forked["argv"][:-1] == ["probe.py"]
+        for key in ("cwd", "path0", "name", "file"):
+            assert forked[key] == real[key], key
+    assert real["name"] == "__main__" and real["path0"] == str(tmp_path)
+    assert real["file"] == str(script)
+
+    (tmp_path / "probe_mod.py").write_text(_PROBE)
+    code, _, stderr = run_torchrun(["-m", "probe_mod", "module"], 2, tmp_path, env)
+    assert code == 0, stderr
+    module = seen("module", 1)
+    assert module["argv"] == [str(tmp_path / "probe_mod.py"), "module"]
+    assert module["path0"] == str(tmp_path) and module["name"] == "__main__"
+
+    code, stdout, stderr = run_torchrun(["probe.py", "fail"], 2, tmp_path, env)
+    assert code == 1 and "ValueError: rank 1 fails" in stderr, stderr
+    assert "run_torchrun: rank 1 (local_rank: 1) exited with code 1" in stderr, stderr
+    with pytest.raises(pytest.fail.Exception, match=r"'rank1'\] still running"):
+        run_torchrun(["probe.py", "hang"], 2, tmp_path, env, timeout_s=2)

@@ -1,0 +1,35 @@
+"""Session setup: start the rank forkserver while pytest collects.
+
+The forkserver (``dist_harness``) imports torch, this package and the extras once, ~10-20 s
+of one core; collecting the suite imports the same libraries in this process for about as
+long. Started at session start, the two run side by side on two cores instead of one after
+the other. Only when the paths pytest was given hold a test that launches processes through
+the harness (a run of single-process tests starts no server).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+_LAUNCHES = re.compile(r"\b(run_ranks|spawn_ranks|run_script|run_torchrun)\(")
+
+
+def _launches(paths: list[Path]) -> bool:
+    for path in paths:
+        files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        for file in files:
+            if file.suffix == ".py" and file.is_file() and _LAUNCHES.search(file.read_text()):
+                return True
+    return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    args = session.config.args or [str(session.config.rootpath)]
+    paths = [Path(session.config.invocation_params.dir, a.split("::")[0]) for a in args]
+    if _launches(paths):
+        import dist_harness
+
+        dist_harness.start_forkserver()
