@@ -601,9 +601,10 @@ def _script_entry(argv: list[str], cwd: str, env: dict[str, str], out: str, err:
     except BaseException as e:  # the traceback from the script's frame on, as python's
         traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
         code = 1
-    for thread in threading.enumerate():  # the interpreter's exit waits for these first
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit does first: threading's exit hooks run (concurrent.futures
+    # tells its idle worker threads to stop; an executor the script never shut down would
+    # otherwise wait forever), then the non-daemon threads are joined.
+    threading._shutdown()  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

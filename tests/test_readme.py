@@ -152,12 +152,19 @@ def test_documented_import_exists(line: str) -> None:
 def test_a_forked_block_fails_as_python_would(tmp_path: Path) -> None:
     """``run_script`` gives a block what ``python snippet.py`` would: a name it never
     imported is undefined (torch is loaded in the server, not in the block's globals), the
-    test folder is not on the path, ``sys.exit`` codes and tracebacks come back."""
+    test folder is not on the path, ``sys.exit`` codes and tracebacks come back, and a
+    thread pool left open ends at exit as python ends it (an offloaded EMA's worker)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cases = {
         "uses_torch_unimported.py": ("x = torch.zeros(1)\n", 1, "NameError: name 'torch'"),
         "imports_a_test_helper.py": ("import models\n", 1, "No module named 'models'"),
         "exits.py": ("import sys\nprint('out')\nsys.exit(3)\n", 3, ""),
+        "leaves_an_executor.py": (  # python's exit stops its idle workers; so must ours
+            "from concurrent.futures import ThreadPoolExecutor\n"
+            "pool = ThreadPoolExecutor(max_workers=1)\npool.submit(int).result()\n",
+            0,
+            "",
+        ),
         "works.py": ("import sys, torch\nprint(sys.argv[1:], torch.ones(2).sum().item())", 0, ""),
     }
     for name, (code, want_code, want_err) in cases.items():
