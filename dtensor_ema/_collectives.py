@@ -299,7 +299,7 @@ def _gather_rows(groups: list[dist.ProcessGroup], values: Sequence[int]) -> list
 
 CALLS_ENV = "DTENSOR_EMA_AGREE_CALLS"
 """``0`` turns off the agreement on each collective call (:func:`agree_on_call`), which is
-on by default: one all-gather of a few int64s per mesh dim before the call (measured in
+on by default: one all-gather of seven int64s per mesh dim before the call (measured in
 ``benchmarks/agreement.py``)."""
 
 CallIdentity = Callable[[], tuple[int, int]]
@@ -319,8 +319,9 @@ def agree_on_call(
     all ranks are making this call, on the same EMA (``identity``'s digest: its plan and
     options), after the same number of updates. Otherwise every rank raises the same error
     naming who called what, instead of pairing the wrong collectives (a row-by-row mix of
-    two EMAs, or a hang). **Collective**: one all-gather of ``6`` int64s per mesh dim
-    (:func:`mesh_gather_rows`); nothing for one process, a one-rank mesh, or with
+    two EMAs, or a hang). **Collective**: one all-gather of 7 int64s per mesh dim (the
+    rank, 32 bytes of the call's name, the digest, the count; :func:`mesh_gather_rows`),
+    or one over ``group``; nothing for one process, a one-rank mesh, or with
     ``DTENSOR_EMA_AGREE_CALLS=0``.
 
     Raises:

@@ -25,6 +25,7 @@ unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import warnings
@@ -41,7 +42,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtensor_ema._collectives import (
-    CallIdentity,
     agree,
     agree_on_call,
     entering,
@@ -50,6 +50,7 @@ from dtensor_ema._collectives import (
     rank_of,
 )
 from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.engine import EmaEngine
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.reader import (
@@ -94,9 +95,10 @@ def save_checkpoint(
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
     call this with the same keys and the same ``path``, after the same number of updates
-    of each EMA in ``state`` (the ranks agree on the EMAs and their counts first, in one
-    small all-gather: :func:`~dtensor_ema._collectives.agree_on_call`). Without a process
-    group it saves from one process.
+    of each EMA in ``state`` (the ranks agree on the EMAs and their counts first: one small
+    all-gather over the group, then one per mesh dim of each EMA's mesh,
+    :func:`~dtensor_ema._collectives.agree_on_call`; pipeline stages' EMAs each agree over
+    their own mesh). Without a process group it saves from one process.
 
     First the ranks compare a digest of their resolved ``path`` (``Path.resolve()``), in
     one small all-reduce that also hands every rank the save id rank 0 drew: if any rank's
@@ -136,7 +138,7 @@ def save_checkpoint(
     group = group_of(process_group)
     with entering("save_checkpoint", group=group):
         agreed = agree_on_path(group, Path(path), "save_checkpoint")
-        agree_on_call("save_checkpoint", _identity(state, counted=True), group=group)
+        _agree_on_emas("save_checkpoint", state, group, counted=True)
         _save(state, Path(path), group, checksums, agreed.save_id)
 
 
@@ -246,9 +248,10 @@ def load_checkpoint(
     """Load ``state`` in place from the DCP checkpoint at ``path``, checking it first.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
-    call this with the same keys, the same EMAs and the same ``path`` (agreed in one small
-    all-gather first, :func:`~dtensor_ema._collectives.agree_on_call`). Without a process
-    group it loads in one process. The checkpoint may come from any world size, and from
+    call this with the same keys, the same EMAs and the same ``path`` (agreed first in small
+    all-gathers over the group and each EMA's mesh,
+    :func:`~dtensor_ema._collectives.agree_on_call`). Without a process group it loads in
+    one process. The checkpoint may come from any world size, and from
     DDP or FSDP2 (DCP reshards). First the ranks compare a digest of their resolved
     ``path`` in one small all-reduce; if any rank's differs, every rank raises
     ``ValueError`` naming the paths of rank 0 and the first differing ranks, before anything
@@ -320,7 +323,7 @@ def load_checkpoint(
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
         agree_on_path(group, Path(path), "load_checkpoint")
-        agree_on_call("load_checkpoint", _identity(state, counted=False), group=group)
+        _agree_on_emas("load_checkpoint", state, group, counted=False)
         _load(state, Path(path), group, verify, common_subset)
 
 
@@ -387,20 +390,25 @@ def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:
     return emas
 
 
-def _identity(state: Mapping[str, Any], *, counted: bool) -> CallIdentity:
-    """Which EMAs ``state`` holds (their keys and digests) and, for a save, their update
-    counts: what the ranks agree on before the call (a load replaces the counts)."""
+def _agree_on_emas(name: str, state: Mapping[str, Any], group: Any, *, counted: bool) -> None:
+    """Before a save or load: the ranks of ``group`` agree that they make this call with
+    EMAs under the same keys, then the ranks of each EMA's own mesh agree that it is the
+    same EMA (its digest) and, for a save, at the same update count. Pipeline stages, whose
+    EMAs differ by design, each agree over their own mesh. **Collective**: one small
+    all-gather over ``group``, then one per mesh dim of each EMA's mesh (in ``state``'s
+    order, the same on every rank)."""
+    emas = _emas_in(state)
+    keys = " ".join("/".join(where) for where in emas)
+    agree_on_call(name, lambda: (zlib.crc32(keys.encode()), 0), group=group)
+    for ema in emas.values():
+        engine = ema.engine
+        identity = engine.call_identity if counted else functools.partial(_uncounted, engine)
+        agree_on_call(name, identity, mesh=ema.mesh)
 
-    def identity() -> tuple[int, int]:
-        parts, first = [], 0
-        for where, ema in _emas_in(state).items():
-            digest, count = ema.engine.call_identity()
-            count = count if counted else 0
-            parts.append(f"{'/'.join(where)}={digest}@{count}")
-            first = first or count
-        return zlib.crc32(" ".join(parts).encode()), first
 
-    return identity
+def _uncounted(engine: EmaEngine) -> tuple[int, int]:
+    """Which EMA, without its count (a load replaces it)."""
+    return engine.identity(), 0
 
 
 def _set_nested(root: dict[str, Any], where: tuple[str, ...], value: Any) -> None:

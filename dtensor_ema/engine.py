@@ -442,10 +442,11 @@ class EmaEngine:
         current = self.graph_decision
         failed_capture = current.reason.startswith(CAPTURE_FAILED)
         if decision != current and not failed_capture:  # a failure stays eager
-            closed = self._updater.closed
-            self._decision = decision
+            old, self._decision = self._updater, decision
+            was_closed = old.closed
+            old.close()  # its work is done (flushed above)
             self._updater = self._new_updater()
-            if closed:
+            if was_closed:  # a closed EMA stays closed
                 self._updater.close()
             log_decision(decision, self.device.type)
 

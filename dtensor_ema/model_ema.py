@@ -213,8 +213,7 @@ class ModelEMA:
         self.mesh = resolve_world_mesh(mesh, model_tensors(self.model).values(), device)
         with entering("ModelEMA", mesh=self.mesh):
             self.engine = EmaEngine(self.model, self.mesh, options, device=device, updates=updates)
-        """The machinery (:class:`~dtensor_ema.engine.EmaEngine`): plan, counter, update
-        groups, updater. Other modules use its public surface."""
+        """Plan, counter, update groups, updater (:class:`~dtensor_ema.engine.EmaEngine`)."""
         self._module: nn.Module | None = None
 
     # ------------------------------------------------------------------ reading
@@ -647,9 +646,10 @@ class ModelEMA:
         """Rebuild from :meth:`__getstate__`: construct over ``state["model"]`` in this
         process (its process group decides the layout, as for a new ``ModelEMA``), then
         load the EMA values and the counter. Collective where construction is."""
-        options: EmaOptions = state["options"]
+        options = _pickled_options(state)
         unchecked = dataclasses.replace(options, verify_replicas=False)  # values loaded next
         self._start(state["model"], None, unchecked, state["updates"])
+        self.options = options  # the EMA's own, for the next copy
         self.engine.load_whole_state(state["ema"], state["updates"])
 
     def __repr__(self) -> str:
@@ -661,3 +661,16 @@ class ModelEMA:
             f"decay={self.decay}, tau={self.tau}, updates={self.engine.counter.current()}, "
             f"tensors={len(plan.entries)}{untracked}, local_numel={self.local_numel()})"
         )
+
+
+def _pickled_options(state: dict[str, Any]) -> EmaOptions:
+    """The options of a pickled :class:`ModelEMA` (one pickled before ``replicate_buffers``
+    and ``parameters_as_bucket_view`` joined the options kept them beside it)."""
+    options: EmaOptions = state["options"]
+    if "replicate_buffers" not in state:
+        return options
+    return dataclasses.replace(
+        options,
+        replicate_buffers=state["replicate_buffers"],
+        bucket_view=state["parameters_as_bucket_view"],
+    )

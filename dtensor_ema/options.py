@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -283,6 +283,18 @@ class EmaOptions:
     identical across their replicas (:mod:`dtensor_ema.replicas`). Not part of the
     checkpoint config."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict[str, Any] | list[Any]) -> None:
+        """Unpickle; a state pickled before ``bucket_view``, ``replicate_buffers`` and
+        ``verify_replicas`` joined the options (a list of the older fields, in order)
+        gets their defaults."""
+        names = [f.name for f in fields(self)]
+        values = dict(zip(names, state, strict=False)) if isinstance(state, list) else state
+        for f in fields(self):
+            object.__setattr__(self, f.name, values.get(f.name, f.default))
+
     def __post_init__(self) -> None:
         for name in ("update_every", "update_after_step"):
             value = getattr(self, name)
@@ -424,13 +436,15 @@ class EmaOptions:
         return fqn in self.exclude
 
     def agreement(self) -> dict[str, str]:
-        """Every option as text, for the ranks to compare at construction: each rank of the
-        world must build the EMA with the same values (a decay that differs between ranks
-        would stitch rows of two EMAs together). Predicates and functions are named by
-        their qualified name (``module.qualname``)."""
+        """Every option that shapes the EMA, as text, for the ranks to compare at
+        construction: each rank of the world must build the EMA with the same values (a
+        decay that differs between ranks would stitch rows of two EMAs together).
+        Predicates and functions are named by their qualified name (``module.qualname``),
+        ``exclude`` names sorted; ``verify_replicas`` (a check, not a property of the EMA)
+        is left out."""
+        # Names in a fixed order: a set iterates in an order each process's hash seed decides.
         exclude = self.exclude
-        if callable(exclude):
-            exclude = _callable_name(exclude)
+        exclude = _callable_name(exclude) if callable(exclude) else sorted(exclude or ())
         track = self.track if isinstance(self.track, str) else _callable_name(self.track)
         schedule = dict(self.schedule.config())
         values: dict[str, Any] = {"schedule": schedule.pop("schedule", type(self.schedule))}
@@ -449,7 +463,6 @@ class EmaOptions:
             "formula": self.formula,
             "parameters_as_bucket_view": self.bucket_view,
             "replicate_buffers": self.replicate_buffers,
-            "verify_replicas": self.verify_replicas,
         }
         return {k: str(v) for k, v in values.items()}
 

@@ -181,7 +181,10 @@ class EmaPlan:
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
                 f"after changing the model): {problems[:5]}{' ...' if len(problems) > 5 else ''}"
             )
-        self.followed = {k: v for k, v in current.items() if not is_averageable(v)}
+        parameter_ids = {id(p) for p in self.module.parameters()}
+        self.followed = {
+            k: v for k, v in current.items() if not is_averageable(v, id(v) in parameter_ids)
+        }
         self.untracked = {k: current[k] for k in self.untracked}
         self._parameters = [(k, current[k]) for k, _ in self._parameters]
         self.watch.rewatch()
@@ -278,8 +281,7 @@ class EmaPlan:
             for fqn in names
         ]
         check_live(self.module, new)
-        tracked = {e.fqn for e in self.entries} | set(names)
-        structure = _structure(model_tensors(self.module), tracked)
+        structure = _structure(model_tensors(self.module), set(self.untracked) - set(names))
         agree_on_structure(self.world, structure, self.options.agreement())
         check_replicas(new, self.world)
         order = {k: i for i, k in enumerate(self.keys)}
@@ -313,8 +315,7 @@ class EmaPlan:
             )
         mesh_agree(self.world, error, "dropping tensors from the EMA")
         assert self.options is not None
-        tracked = {e.fqn for e in self.entries} - set(names)
-        structure = _structure(model_tensors(self.module), tracked)
+        structure = _structure(model_tensors(self.module), set(self.untracked) | set(names))
         agree_on_structure(self.world, structure, self.options.agreement())
         dropped = [e for e in self.entries if e.fqn in set(names)]
         self.entries = [e for e in self.entries if e.fqn not in set(names)]
@@ -433,12 +434,12 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return live_tensors(module)
 
 
-def is_averageable(tensor: torch.Tensor) -> bool:
+def is_averageable(tensor: torch.Tensor, is_parameter: bool) -> bool:
     """Whether a model tensor is of the kind the EMA tracks, or else reads from the model as
-    untracked: real floating-point tensors, and complex ones (which are never averaged:
-    tracking one is refused, see :func:`build_plan`). Integer and bool buffers follow the
-    model."""
-    return tensor.is_floating_point() or tensor.is_complex()
+    untracked: real floating-point tensors, and complex parameters (which are never
+    averaged: tracking one is refused, see :func:`build_plan`). Integer, bool and complex
+    buffers (a persistent ``freqs_cis`` table) follow the model."""
+    return tensor.is_floating_point() or (is_parameter and tensor.is_complex())
 
 
 def _complex_refusal(names: list[str]) -> str:
@@ -573,11 +574,11 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             "creating its EMA"
         )
     entries: list[PlanEntry] = []
-    followed = {k: t for k, t in tensors.items() if not is_averageable(t)}
+    parameter_ids = {id(p) for p in module.parameters()}
+    followed = {k: t for k, t in tensors.items() if not is_averageable(t, id(t) in parameter_ids)}
     untracked: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
-    parameter_ids = {id(p) for p in module.parameters()}
     builder = LayoutBuilder(world)
     complex_tracked: list[str] = []
     for fqn, tensor in tensors.items():
@@ -609,7 +610,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             f"(state dict keys: {list(followed)[:5]})"
         )
     check_live(module, entries)
-    structure = _structure(tensors, {e.fqn for e in entries})
+    structure = _structure(tensors, set(untracked))
     agree_on_structure(world, structure, options.agreement())
     if options.verify_replicas:
         check_replicas(entries, world)
@@ -640,12 +641,11 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     return plan
 
 
-def _structure(tensors: Mapping[str, torch.Tensor], tracked: set[str]) -> dict[str, str]:
-    """``fqn -> "shape dtype"`` of every tensor, marked where the EMA does not hold it: the
-    fingerprint every rank of the world must share."""
+def _structure(tensors: Mapping[str, torch.Tensor], untracked: set[str]) -> dict[str, str]:
+    """``fqn -> "shape dtype"`` of every tensor, marked where the EMA leaves it untracked:
+    the fingerprint every rank of the world must share."""
     return {
-        k: f"{tuple(t.shape)} {t.dtype}"
-        + ("" if k in tracked or not is_averageable(t) else " untracked")
+        k: f"{tuple(t.shape)} {t.dtype}" + (" untracked" if k in untracked else "")
         for k, t in tensors.items()
     }
 

@@ -16,7 +16,9 @@ plan to one re-walk, which reshards and finds nothing changed).
 
 A watch holds its model weakly, so ``copy.deepcopy`` and ``pickle`` treat it specially: a
 copy watches the copy of the model (the one made through the same ``memo``, or the one
-pickled with it), never the original.
+pickled with it), never the original. What the modules had registered at the last
+(re)watch is held strongly (to compare identities), so a submodule replaced in the model
+stays alive until the next ``update()`` re-walks.
 """
 
 from __future__ import annotations

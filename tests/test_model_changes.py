@@ -7,7 +7,8 @@
   refuse, naming the tensor, as a replacement with another shape is refused.
 * Complex parameters used to be filed with the integer buffers: copied from the model,
   never averaged. Now tracking one is refused, naming complex dtypes; left untracked
-  (``track=``), they are read from the model like any untracked tensor.
+  (``track=``), they are read from the model like any untracked tensor. Complex buffers
+  still follow the model, as integer buffers do.
 """
 
 from __future__ import annotations
@@ -140,3 +141,25 @@ def test_untracked_complex_parameters_are_read_from_the_model() -> None:
         expected = model.real.weight.detach() - 1.0
         expected = expected.lerp(model.real.weight.detach(), 0.5)
     assert torch.equal(full["real.weight"], expected)
+
+
+class WithComplexBuffer(nn.Module):
+    """Meta-llama's pattern: a persistent complex rotary table beside real weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 2)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(4), torch.arange(4.0)))
+
+
+def test_complex_buffers_follow_the_model() -> None:
+    """Complex buffers are not parameters: they follow the model, as integer buffers do
+    (refusing them would refuse every model with a persistent ``freqs_cis``)."""
+    model = WithComplexBuffer()
+    ema = ModelEMA(model, decay=0.5, tau=None)
+    assert "freqs_cis" not in ema.ema_tensors() and ema.untracked == []
+    with torch.no_grad():
+        model.freqs_cis.mul_(2.0)
+    ema.update()
+    full, _ = ema.get_model_state_dict()
+    assert torch.equal(full["freqs_cis"], model.freqs_cis)

@@ -3,6 +3,7 @@ group) and W=3, and survives a DCP round trip from W=3 to W=2 with its trajector
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from dtensor_ema import (
     RampDecay,
     WarmupDecay,
 )
+from dtensor_ema.options import EmaOptions
 from dtensor_ema.updater import OffloadUpdater
 
 
@@ -429,3 +431,35 @@ def test_multi_ema_at_w3_and_resumed_at_w2(resumed: Any) -> None:
     for r in loaded:
         assert r["multi"]["updates"] == {"fast": RESUME_STEPS, "slow": RESUME_STEPS}
         assert r["multi"]["mismatch"] == {"fast": [], "slow": []}
+
+
+def test_exclude_names_agree_whatever_their_order() -> None:
+    """A set of names iterates in the order each process's hash seed decides (torchrun
+    gives every rank its own): the options the ranks compare sort the names."""
+    names = [f"layer{i}.weight" for i in range(8)]
+    schedule = RampDecay(decay=0.9, tau=10.0)
+    forward = EmaOptions(schedule=schedule, exclude=names).agreement()
+    backward = EmaOptions(schedule=schedule, exclude=list(reversed(names))).agreement()
+    assert forward == backward
+
+
+def test_options_pickled_before_the_construction_flags_joined_load_with_defaults() -> None:
+    """EmaOptions pickled with the twelve fields it had before ``bucket_view``,
+    ``replicate_buffers`` and ``verify_replicas`` joined (a list state) load with their
+    defaults, and a ModelEMA pickled then keeps its flags (stored beside the options)."""
+    schedule = RampDecay(decay=0.9, tau=10.0)
+    old = EmaOptions(schedule=schedule, update_every=2)
+    older_fields = [getattr(old, f.name) for f in dataclasses.fields(old)][:12]
+    restored = EmaOptions.__new__(EmaOptions)
+    restored.__setstate__(older_fields)
+    assert restored == old
+    model = torch.nn.Linear(3, 2)
+    ema = ModelEMA(model, decay=0.9, tau=10.0, update_every=2)
+    state = ema.__getstate__()
+    state["options"] = restored
+    state |= {"replicate_buffers": True, "parameters_as_bucket_view": True}
+    copy = ModelEMA.__new__(ModelEMA)
+    copy.__setstate__(state)
+    assert copy.options.replicate_buffers and copy.options.bucket_view
+    assert copy.options.verify_replicas  # the check skipped on load is not kept
+    assert mismatches(copy.ema_tensors(), ema.ema_tensors()) == []

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dtensor_ema import ModelEMA, PostHocEMA, export_ema, load_checkpoint, save_checkpoint
 from dtensor_ema._collectives import CHECK_ENV, agree_on_call, entering
+from dtensor_ema.reader import open_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -131,6 +132,21 @@ def agreement_body(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
     finally:
         del os.environ[CHECK_ENV]
     out["timeout_hint"] = _error(timeout_inside)
+    # Pipeline stages: one EMA per stage over the stage's own mesh; they differ by design,
+    # so saving, loading and snapshotting them together over the world must work.
+    world = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    stage = _model()
+    stage[2 * (1 - rank)] = nn.Identity()  # rank 0 keeps the first layer, rank 1 the last
+    staged = ModelEMA(stage, world["dp"], decay=0.5, tau=None)
+    staged.update()
+    pp_dir = Path(tmp_dir) / "pp"
+    out["stages_save"] = _error(lambda: save_checkpoint({"ema": staged}, pp_dir))
+    dist.barrier()
+    saved = open_checkpoint(pp_dir).entries_under(("ema",)) if pp_dir.exists() else []
+    out["stages_saved"] = sorted({str(k).split(".", 2)[-1] for k in saved if "weight" in str(k)})
+    stage_ph = PostHocEMA(stage, mesh=world["dp"], snapshot_dir=Path(tmp_dir) / "pp_phema")
+    stage_ph.update()
+    out["stages_snapshot"] = _error(stage_ph.snapshot)
     os.environ["DTENSOR_EMA_AGREE_CALLS"] = "0"  # the check can be turned off
     try:
         ema.update()
@@ -240,6 +256,17 @@ def test_two_emas_gathered_crosswise_are_refused(
         assert error is not None and f"{call}() on EMA" in error
         ids = [part.split(" on EMA ")[1].split()[0] for part in error.split("; ")]
         assert len(set(ids)) == 2, error  # two different EMAs named
+
+
+def test_pipeline_stages_save_and_snapshot_their_own_emas(
+    results: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world, outs = results
+    if world == 1:
+        pytest.skip("stages need two ranks")
+    for out in outs:
+        assert out["stages_save"] is None and out["stages_snapshot"] is None
+        assert out["stages_saved"] == ["0.weight", "2.weight"]  # both stages, one checkpoint
 
 
 def test_timeout_message_does_not_ask_for_a_variable_already_set(

@@ -17,7 +17,6 @@ shards) with a manifest (:mod:`dtensor_ema.snapshots`).
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -320,7 +319,8 @@ class PostHocEMA:
         """Save every profile as one sharded DCP checkpoint under ``snapshot_dir``.
 
         **Collective** over ``process_group``: the ranks first agree that each takes this
-        snapshot of the same profiles at the same step (one small all-gather,
+        snapshot at the same step (one small all-gather over ``process_group``), and each
+        profile's ranks that it is the same profile (one per mesh dim of its mesh,
         :func:`~dtensor_ema._collectives.agree_on_call`), then every rank writes only its
         own shards (plus DCP's metadata on rank 0). Written into ``step-<N>.partial`` and renamed to
         ``step-<N>`` with its ``manifest.json`` only once every rank has written, so a crash
@@ -344,7 +344,9 @@ class PostHocEMA:
             raise ValueError("nothing to snapshot before the first update()")
         self.wait()
         group = _group(self._process_group)
-        agree_on_call("snapshot", self._call_identity, group=group)
+        agree_on_call("snapshot", lambda: (0, self._steps), group=group)
+        for ema in self.emas.values():  # each profile over its own mesh (pipeline stages)
+            agree_on_call("snapshot", ema.engine.call_identity, mesh=ema.mesh)
         name = snap.snapshot_name(self._steps)
         error: Exception | None = None
         if _rank(group) == 0:
@@ -508,12 +510,6 @@ class PostHocEMA:
 
     def _config(self) -> dict[str, Any]:
         return {"sigma_rels": list(self.sigma_rels)}
-
-    def _call_identity(self) -> tuple[int, int]:
-        """Which profiles (their EMAs' digests) and which step, for the ranks to agree on
-        before a snapshot (:func:`~dtensor_ema._collectives.agree_on_call`)."""
-        digests = [str(ema.engine.call_identity()[0]) for ema in self.emas.values()]
-        return zlib.crc32(" ".join(digests).encode()), self._steps
 
     def __repr__(self) -> str:
         return (
