@@ -18,16 +18,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
 
@@ -35,6 +32,7 @@ from dtensor_ema import ModelEMA
 from dtensor_ema._collectives import CALLS_ENV, agree_on_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gloo_ranks import run_gloo_ranks
 from workloads import get_spec
 
 
@@ -56,39 +54,25 @@ def _with_agreement(on: bool, fn: Callable[[], Any]) -> float:
         os.environ.pop(CALLS_ENV, None)
 
 
-def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(os.path.join(store, "store"), world_size),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=1800),
-    )
-    try:
-        torch.manual_seed(0)
-        model = get_spec(args.model).build()
-        ema = ModelEMA(model, decay=0.9, tau=None)
-        ema.update()
-        alone = [
-            _timed(lambda: agree_on_call("bench", ema.engine.call_identity, mesh=ema.mesh))
-            for _ in range(20 * args.repeat)
-        ]
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for i in range(args.repeat):
-            for on in (False, True) if i % 2 == 0 else (True, False):
-                times[on].append(_with_agreement(on, ema.get_model_state_dict))
-        queue.put(
-            {
-                "rank": rank,
-                "alone_ms": 1e3 * statistics.median(alone),
-                "off_s": statistics.median(times[False]),
-                "on_s": statistics.median(times[True]),
-                "bytes": ema.local_nbytes(),
-            }
-        )
-    finally:
-        dist.destroy_process_group()
+def _body(rank: int, world_size: int, folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = get_spec(args.model).build()
+    ema = ModelEMA(model, decay=0.9, tau=None)
+    ema.update()
+    alone = [
+        _timed(lambda: agree_on_call("bench", ema.engine.call_identity, mesh=ema.mesh))
+        for _ in range(20 * args.repeat)
+    ]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(args.repeat):
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            times[on].append(_with_agreement(on, ema.get_model_state_dict))
+    return {
+        "alone_ms": 1e3 * statistics.median(alone),
+        "off_s": statistics.median(times[False]),
+        "on_s": statistics.median(times[True]),
+        "bytes": ema.local_nbytes(),
+    }
 
 
 def main() -> None:
@@ -99,18 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = get_spec(args.model)
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as store:
-        procs = [
-            ctx.Process(target=_rank, args=(r, args.world_size, store, args, queue))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        rows = sorted((queue.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join()
+    rows = run_gloo_ranks(_body, args.world_size, args)
     print(
         f"{spec.note} fp32 EMA, W={args.world_size} gloo, median of {args.repeat}, "
         f"torch {torch.__version__}, one thread per rank; load average before: {load_before}"

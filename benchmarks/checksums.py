@@ -28,16 +28,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
 
@@ -47,6 +44,7 @@ from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_ema.reader import open_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gloo_ranks import run_gloo_ranks
 from workloads import get_spec
 
 
@@ -126,30 +124,19 @@ def _collective_check(
     return out
 
 
-def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(os.path.join(store, "store"), world_size),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=1800),
-    )
-    try:
-        if args.crc32_only:  # as without the optional xxhash package
-            checksums.ALGORITHMS = {"crc32": checksums.ALGORITHMS["crc32"]}
-        torch.manual_seed(0)
-        model = get_spec(args.model).build()
-        ema = ModelEMA(model, decay=0.9, tau=None)
-        ema.update()
-        root = Path(args.dir or store) / "ckpt"
-        out: dict[str, Any] = {"rank": rank, "bytes": ema.local_nbytes()}
-        out.update(_checksums(ema, root, args.repeat))
-        if args.collective_check:
-            out.update(_collective_check(model, ema, root, args.repeat))
-        queue.put(out)
-    finally:
-        dist.destroy_process_group()
+def _body(rank: int, world_size: int, folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    if args.crc32_only:  # as without the optional xxhash package
+        checksums.ALGORITHMS = {"crc32": checksums.ALGORITHMS["crc32"]}
+    torch.manual_seed(0)
+    model = get_spec(args.model).build()
+    ema = ModelEMA(model, decay=0.9, tau=None)
+    ema.update()
+    root = Path(args.dir or folder) / "ckpt"
+    out: dict[str, Any] = {"bytes": ema.local_nbytes()}
+    out.update(_checksums(ema, root, args.repeat))
+    if args.collective_check:
+        out.update(_collective_check(model, ema, root, args.repeat))
+    return out
 
 
 def main() -> None:
@@ -165,18 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = get_spec(args.model)
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as store:
-        procs = [
-            ctx.Process(target=_rank, args=(r, args.world_size, store, args, queue))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        rows = sorted((queue.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join()
+    rows = run_gloo_ranks(_body, args.world_size, args)
     digests = "CRC-32" if args.crc32_only or len(checksums.ALGORITHMS) == 1 else "CRC-32 + XXH3-64"
     print(
         f"{spec.note} fp32 EMA, W={args.world_size} gloo, median of {args.repeat}, "
