@@ -7,6 +7,7 @@ The reference is written here, simply, and never imported from the library: plai
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -249,3 +250,13 @@ def tiny_unet() -> nn.Module:
         down_block_types=("DownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "UpBlock2D"),
     )
+
+
+@torch.no_grad()
+def perturb_trainable_(model: nn.Module, step: int) -> None:
+    """Step ``step`` of a trajectory: each trainable parameter gets a delta seeded by the
+    step and its name (the same at any W and in any process)."""
+    for fqn, p in model.named_parameters():
+        if p.requires_grad:
+            g = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(fqn.encode()))
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import re
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from crafted_snapshots import (
     shrink_chunk,
 )
 from dist_harness import run_ranks
-from models import make_model
+from models import make_model, perturb_trainable_
 from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
@@ -113,15 +112,6 @@ def _full_emas(ph: PostHocEMA) -> list[dict[str, torch.Tensor]]:
 
 # ----------------------------------------------------------------- issue 34: LoRA, track=
 LORA_STEPS = 6
-
-
-@torch.no_grad()
-def perturb_trainable_(model: nn.Module, step: int) -> None:
-    """Each trainable parameter gets a seeded delta (the same at any W)."""
-    for fqn, p in model.named_parameters():
-        if p.requires_grad:
-            g = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(fqn.encode()))
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 def _lora_run(rank: int, world: int, root: Path) -> dict[str, Any]:

@@ -10,7 +10,6 @@ power-function EMA with plain ``lerp_``; float64 sums of snapshots read by plain
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_harness import require_extra
-from models import make_model
+from models import make_model, perturb_trainable_
 from torch import nn
 
 from dtensor_ema import PostHocEMA, merge_snapshots, synthesize
@@ -27,15 +26,6 @@ from dtensor_ema.posthoc.cli import main as cli_main
 
 SIGMAS = (0.05, 0.10)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-@torch.no_grad()
-def perturb_trainable_(model: nn.Module, step: int) -> None:
-    """Step ``step`` of the trajectory: each trainable parameter gets a seeded delta."""
-    for fqn, p in model.named_parameters():
-        if p.requires_grad:
-            g = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(fqn.encode()))
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 class RefPowerEMA:
