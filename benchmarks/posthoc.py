@@ -28,7 +28,6 @@ import re
 import shutil
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from gloo_ranks import run_gloo_ranks
 from torch import nn
 
 from dtensor_ema import PostHocEMA, synthesize
@@ -90,71 +90,47 @@ def peak_extra_bytes(fn: Any) -> tuple[Any, int]:
 
 
 # ---------------------------------------------------------------------------- 1. snapshots
-def _snapshot_rank(
-    rank: int, world: int, store_dir: str, sizes: list[int], repeats: int, queue: Any
-) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
-    )
-    try:
-        rows = []
-        for mib in sizes:
-            model = make_model(mib)
-            for label, kwargs in (
-                ("fp32", {}),
-                ("bf16", {"snapshot_dtype": torch.bfloat16}),
-                ("async fp32", {"async_save": True}),
-            ):
-                root = Path(store_dir) / f"{mib}-{label.replace(' ', '_')}"
-                ph = PostHocEMA(model, (0.05, 0.10), snapshot_dir=root, **kwargs)
-                times = []
-                for _ in range(repeats):
-                    ph.update()
-                    dist.barrier()
-                    start = time.perf_counter()
-                    ph.snapshot()
-                    times.append(time.perf_counter() - start)
-                    ph.wait()
-                    dist.barrier()
-                last = max(root.glob("step-*"))
-                own = sum(f.stat().st_size for f in last.glob(f"__{rank}_*.distcp"))
-                rows.append(
-                    {
-                        "mib": mib,
-                        "mode": label,
-                        "s": min(times),
-                        "bytes": own,
-                        "local_ema_bytes": sum(ph.profile(s).local_nbytes() for s in ph.sigma_rels),
-                    }
-                )
+def _snapshot_body(rank: int, world: int, store_dir: str, args: Any) -> dict[str, Any]:
+    sizes, repeats = args
+    rows = []
+    for mib in sizes:
+        model = make_model(mib)
+        for label, kwargs in (
+            ("fp32", {}),
+            ("bf16", {"snapshot_dtype": torch.bfloat16}),
+            ("async fp32", {"async_save": True}),
+        ):
+            root = Path(store_dir) / f"{mib}-{label.replace(' ', '_')}"
+            ph = PostHocEMA(model, (0.05, 0.10), snapshot_dir=root, **kwargs)
+            times = []
+            for _ in range(repeats):
+                ph.update()
                 dist.barrier()
-                if rank == 0:
-                    shutil.rmtree(root)
-        queue.put((rank, rows))
-    finally:
-        dist.destroy_process_group()
+                start = time.perf_counter()
+                ph.snapshot()
+                times.append(time.perf_counter() - start)
+                ph.wait()
+                dist.barrier()
+            last = max(root.glob("step-*"))
+            own = sum(f.stat().st_size for f in last.glob(f"__{rank}_*.distcp"))
+            rows.append(
+                {
+                    "mib": mib,
+                    "mode": label,
+                    "s": min(times),
+                    "bytes": own,
+                    "local_ema_bytes": sum(ph.profile(s).local_nbytes() for s in ph.sigma_rels),
+                }
+            )
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(root)
+    return {"rows": rows}
 
 
 def snapshot_costs(world: int, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_snapshot_rank, args=(r, world, tmp, sizes, repeats, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1200) for _ in procs)
-        for p in procs:
-            p.join()
-    rows = []
-    for r in range(world):
-        for row in results[r]:
-            rows.append({"rank": r, **row})
-    return rows
+    ranks = run_gloo_ranks(_snapshot_body, world, (sizes, repeats), timeout_s=1200)
+    return [{"rank": r["rank"], **row} for r in ranks for row in r["rows"]]
 
 
 # ---------------------------------------------------------------------------- 2. synthesize
