@@ -9,6 +9,7 @@ reader that unpickles ``.metadata`` with plain ``pickle`` creates the marker fil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shlex
@@ -77,7 +78,8 @@ def refused_globals(directory: Path) -> set[tuple[str, str]]:
 
     from dtensor_ema.reader import METADATA_GLOBALS, open_checkpoint
 
-    open_checkpoint(directory)
+    with contextlib.suppress(FileNotFoundError):  # a test's incomplete copy: still read
+        open_checkpoint(directory)
     dtypes = {n for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
     return {
         (module, name)

@@ -309,8 +309,8 @@ OUTSIDE = {
     r"which is not a plain file name inside",
     "symlink": r".*outside-symlink/\.metadata \(entry '.*'\) names '__0_0\.distcp', a "
     r"symbolic link that leaves .*outside-symlink: refused before any file was opened",
-    "checksum-file": r"checksum file __0\.checksums\.json names '\.\./other/__0_0\.distcp', "
-    r"which is not a plain file name inside",
+    "checksum-file": r"/__0\.checksums\.json names '\.\./other/__0_0\.distcp', which is not a "
+    r"plain file name inside",
 }
 
 
