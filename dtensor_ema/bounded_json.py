@@ -27,6 +27,7 @@ MIN_BYTES_PER_VALUE = 8
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"\\')
 
 
 class JsonProblem(ValueError):
@@ -52,16 +53,16 @@ def read_json(file: Path, *, max_bytes: int) -> Any:
 
 def parse_json(data: bytes) -> Any:
     """:func:`read_json` of bytes already read (bounded by the caller)."""
-    values = data.count(b",") + data.count(b"[") + data.count(b"{")
-    if values > len(data) // MIN_BYTES_PER_VALUE + 64:
-        _bad(f"{values} values in {len(data)} bytes: not a file dtensor_ema writes")
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKET)
+    brackets = _brackets(data)
     for _ in range(MAX_DEPTH):
         if not brackets:
             break
         brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
     if b"[]" in brackets or b"{}" in brackets:
         _bad(f"nested more than {MAX_DEPTH} levels deep")
+    values = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if values > len(data) // MIN_BYTES_PER_VALUE + 64:
+        _bad(f"{values} values in {len(data)} bytes: not a file dtensor_ema writes")
     try:
         return json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except UnicodeDecodeError as e:
@@ -70,6 +71,14 @@ def parse_json(data: bytes) -> Any:
         _bad(f"nested more than {MAX_DEPTH} levels deep")
     except ValueError as e:  # JSONDecodeError, and ours: no bytes of the file are quoted
         _bad(f"not valid JSON: {e}")
+
+
+def _brackets(data: bytes) -> bytes:
+    """The brackets of ``data`` outside its strings, in order."""
+    kept = data.translate(None, _NOT_STRUCTURE)
+    if b"\\" in kept:  # escaped characters: find the strings the slow way
+        return _STRING.sub(b"", data).translate(None, _NOT_BRACKET)
+    return b"".join(kept.split(b'"')[::2])  # without escapes, quotes pair up in order
 
 
 def _bad(what: str) -> NoReturn:

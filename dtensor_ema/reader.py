@@ -806,6 +806,10 @@ class _Slice(io.RawIOBase):
         super().__init__()
         self._file, self._start, self._length, self._position = file, start, length, 0
 
+    @property
+    def length(self) -> int:
+        return self._length
+
     def readable(self) -> bool:
         return True
 
@@ -834,10 +838,34 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-def _load_item(stream: _Slice, length: int, where: str) -> object:
+def _load_item(stream: _Slice, where: str, *, checked: bool = False) -> object:
     """The object ``torch.save`` stored in ``stream`` (one item's bytes), read with
-    ``weights_only``, once its archive was checked to store every record uncompressed
-    inside the item (``torch.load`` inflates a compressed record to the size it claims)."""
+    ``weights_only``, once its archive is known to store every record uncompressed inside
+    the item (:func:`_check_archive`, here unless ``checked``)."""
+    if not checked:
+        _check_archive(stream, stream.length, where)
+    stream.seek(0)
+    try:
+        return torch.load(cast(IO[bytes], stream), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if _refers_to_other_objects(e):
+            raise _refused_entry(where) from None
+        raise CheckpointError(f"{where} is corrupted: its pickle cannot be read") from None
+    except MemoryError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{where} is corrupted: {_one_line(e)}") from None
+
+
+def _check_archive(stream: _Slice, length: int, where: str) -> None:
+    """The item in ``stream`` is a zip archive (what ``torch.save`` writes) whose records
+    are all stored uncompressed inside it: ``torch.load`` inflates a compressed record to
+    the size it claims, so 600 KB could take 600 MB. Reads the central directory only.
+
+    Raises:
+        CheckpointError: not an archive (corrupted), too many records, a compressed
+            record, or one outside the item.
+    """
     try:
         with zipfile.ZipFile(stream) as archive:  # reads the central directory only
             records = archive.infolist()
@@ -855,17 +883,6 @@ def _load_item(stream: _Slice, length: int, where: str) -> object:
             )
         if record.header_offset + record.compress_size > length:
             raise CheckpointError(f"{where} is corrupted: a record of its archive lies outside it")
-    stream.seek(0)
-    try:
-        return torch.load(cast(IO[bytes], stream), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if _refers_to_other_objects(e):
-            raise _refused_entry(where) from None
-        raise CheckpointError(f"{where} is corrupted: its pickle cannot be read") from None
-    except MemoryError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{where} is corrupted: {_one_line(e)}") from None
 
 
 def _where(file: Path, index: MetadataIndex) -> str:
@@ -887,7 +904,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         data = value.getvalue()
         where = f"checkpoint {self.checkpoint}: entry {read_item.storage_index.fqn!r}"
         with _Slice(value, 0, len(data)) as stream:
-            self.load_value(read_item, _load_item(stream, len(data), where))
+            self.load_value(read_item, _load_item(stream, where))
 
     def load_value(self, read_item: ReadItem, loaded: object) -> None:
         """Put a value already read into the state dict being loaded."""
@@ -925,17 +942,35 @@ class _Reader(FileSystemReader):
         # DCP's planning step: every rank runs it before any rank reads, and DCP gathers
         # its failures to every rank. Our planner's global plan changes nothing, so these
         # are exactly the items read_data will read.
+        indices = [item.storage_index for item in plan.items]
         if self._verify:
-            indices = [item.storage_index for item in plan.items]
             self._checkpoint.verify_reads(indices)
             self._verified = {item_key(index) for index in indices}
+        self._check_archives(indices)
         return super().prepare_local_plan(plan)
 
+    def _check_archives(self, indices: list[MetadataIndex]) -> None:
+        """Every item to read is a ``torch.save`` archive that stores its records
+        uncompressed inside the item (:func:`_check_archive`; its central directory only,
+        a few hundred bytes each), before any item is read."""
+        checkpoint = self._checkpoint
+        storage = checkpoint.metadata.storage_data
+        by_file: dict[str, list[MetadataIndex]] = {}
+        for index in indices:
+            by_file.setdefault(storage[index].relative_path, []).append(index)
+        for relative, found in sorted(by_file.items()):
+            file = checkpoint.path / relative
+            with open(file, "rb") as f:
+                for index in sorted(found, key=lambda i: storage[i].offset):
+                    info = storage[index]
+                    with _Slice(f, info.offset, info.length) as stream:
+                        _check_archive(stream, info.length, _where(file, index))
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read every item of ``plan``, one data file at a time, in file order: each
-        item's archive checked (:func:`_load_item`), each tensor checked to have the dtype
-        and sizes ``.metadata`` gives its chunk, then narrowed to the part requested and
-        copied into its destination. Peak extra memory: one item."""
+        """Read every item of ``plan``, one data file at a time, in file order (their
+        archives were checked while DCP planned: :meth:`_check_archives`), each tensor
+        checked to have the dtype and sizes ``.metadata`` gives its chunk, then narrowed to
+        the part requested and copied into its destination. Peak extra memory: one item."""
         if self._verify:
             unverified = {item_key(item.storage_index) for item in plan.items} - self._verified
             if unverified:  # a planner that changes plans globally: not ours
@@ -955,7 +990,7 @@ class _Reader(FileSystemReader):
                     info = storage[item.storage_index]
                     where = _where(file, item.storage_index)
                     with _Slice(f, info.offset, info.length) as stream:
-                        loaded = _load_item(stream, info.length, where)
+                        loaded = _load_item(stream, where, checked=True)  # in planning
                     if item.type == LoadItemType.BYTE_IO:
                         if isinstance(planner, SafeLoadPlanner):
                             planner.load_value(item, loaded)
