@@ -14,11 +14,19 @@ bytes.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["MAX_DEPTH", "MIN_BYTES_PER_VALUE", "JsonProblem", "parse_json", "read_json"]
+__all__ = [
+    "MAX_DEPTH",
+    "MIN_BYTES_PER_VALUE",
+    "JsonProblem",
+    "parse_json",
+    "read_at_most",
+    "read_json",
+]
 
 MAX_DEPTH = 8
 """Deepest nesting of objects and lists accepted (the files we write nest 4 deep)."""
@@ -44,11 +52,21 @@ def read_json(file: Path, *, max_bytes: int) -> Any:
         JsonProblem: larger than ``max_bytes``, nested too deep, too many values for its
             size, not valid UTF-8 JSON, a duplicate key, or ``NaN``/``Infinity``.
     """
-    with open(file, "rb") as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
+    data = read_at_most(file, max_bytes)
+    if data is None:
         _bad(f"larger than {max_bytes} bytes, the most this file may hold")
     return parse_json(data)
+
+
+def read_at_most(file: Path, max_bytes: int) -> bytes | None:
+    """The bytes of ``file``, or ``None`` when it holds more than ``max_bytes`` (its size
+    is looked at first: ``read(n)`` sizes its buffer by ``n``, not by the file)."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            return None
+        data = f.read(size + 1)  # one more: a file that grew since is refused, not cut
+    return data if len(data) <= max_bytes else None
 
 
 def parse_json(data: bytes) -> Any:

@@ -7,9 +7,10 @@ Every reader of the package opens checkpoints here: :func:`~dtensor_ema.load_che
 Lightning drop-in's and callback's loads of sharded checkpoints.
 
 * :func:`open_checkpoint` reads ``.metadata`` (refused when larger than the data files it
-  could describe) with a restricted unpickler. torch's ``FileSystemReader.read_metadata``
-  calls ``pickle.load``, so a crafted ``.metadata`` runs its code in plain ``dcp.load``
-  before any check. Here only the globals DCP's metadata is made of
+  could describe, or when its memo indices exceed its size: :mod:`dtensor_ema.pickle_scan`)
+  with a restricted unpickler. torch's ``FileSystemReader.read_metadata`` calls
+  ``pickle.load``, so a crafted ``.metadata`` runs its code in plain ``dcp.load`` before any
+  check. Here only the globals DCP's metadata is made of
   (:data:`METADATA_GLOBALS`, and torch dtypes) can be built; any other global raises
   :class:`CheckpointError` naming it and the file, before anything else of the checkpoint
   is read.
@@ -72,7 +73,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from dtensor_ema._collectives import MESSAGE_RANKS, describe, quiet_single_process, same_error
-from dtensor_ema.bounded_json import JsonProblem, read_json
+from dtensor_ema.bounded_json import JsonProblem, read_at_most, read_json
 from dtensor_ema.checksums import (
     FORMAT,
     METADATA_FILE,
@@ -86,6 +87,7 @@ from dtensor_ema.checksums import (
 )
 from dtensor_ema.coverage import coverage_problem
 from dtensor_ema.metadata_check import Facts, MetadataProblem, check_metadata
+from dtensor_ema.pickle_scan import memo_problem
 
 __all__ = [
     "METADATA_GLOBALS",
@@ -200,6 +202,9 @@ class _Unreadable(Exception):
 
 
 def _unpickle_metadata(data: bytes, file: Path) -> object:
+    problem = memo_problem(data)  # before the C unpickler sizes its memo by it
+    if problem is not None:
+        raise MetadataProblem(f"its pickle names {problem}, not a pickle DCP writes")
     try:
         return _MetadataUnpickler(io.BytesIO(data)).load()
     except _Refused as e:
@@ -582,9 +587,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             "save did not finish, or this is not a checkpoint directory)"
         )
     limit = max(METADATA_FLOOR_BYTES, _other_files_bytes(path))
-    with open(file, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
+    data = read_at_most(file, limit)
+    if data is None:
         raise CheckpointError(
             f"{file}: larger than the {limit} bytes of the checkpoint's other files together: "
             "not what DCP writes (its metadata is a fraction of the data it describes); "

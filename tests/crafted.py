@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import random
 import shlex
 import shutil
 from collections.abc import Callable
@@ -124,15 +125,19 @@ def sidecars(directory: Path) -> dict[Path, dict[str, Any]]:
     return {f: json.loads(f.read_text()) for f in sorted(directory.glob("__*.checksums.json"))}
 
 
-def rewrite(directory: Path, metadata: Any, *, checksums: str = "fix") -> None:
+def rewrite(
+    directory: Path, metadata: Any, *, checksums: str = "fix", data: bytes | None = None
+) -> None:
     """Write ``metadata`` as ``directory``'s ``.metadata`` (a plain pickle, as DCP writes
     it). ``checksums="fix"``: rewrite the checksum files to match: rank 0's digest of
     ``.metadata``, and each item's place and digests from the new metadata (read from the
     files it names, inside or outside the folder); ``"drop"``: delete them (a plain
-    ``dcp.save`` checkpoint)."""
+    ``dcp.save`` checkpoint). ``data``: the bytes to write instead of ``metadata``'s pickle
+    (items still placed by ``metadata``)."""
     import json
 
-    data = pickle.dumps(metadata)
+    if data is None:
+        data = pickle.dumps(metadata)
     (directory / ".metadata").write_bytes(data)
     if checksums == "drop":
         for f in directory.glob("__*.checksums.json"):
@@ -380,3 +385,68 @@ def deflated_archive(numel: int) -> bytes:
         )
     )
     return out.getvalue()
+
+
+# ----------------------------------------------------------------- random structural edits
+_ODD_VALUES: list[Any] = [
+    None,
+    -1,
+    0,
+    2**63,
+    10**30,
+    1e308,
+    "",
+    "x" * 300,
+    [],
+    {},
+    [[[[[[[[[[]]]]]]]]]],
+    True,
+    3.5,
+    "../x",
+    [10**6, 10**6],
+]
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def mutate_object(value: Any, rng: random.Random, depth: int = 0) -> Any:
+    """``value`` (an unpickled ``.metadata``, parsed JSON) with one field, item or attribute,
+    chosen by ``rng``, replaced by an odd value (another type, a huge or negative number,
+    nested lists), removed, or mutated itself; at most 6 levels down. In place where it
+    can be: pass a copy. Used by the fuzzers (``fuzz_readers.py``, ``test_fuzz.py``)."""
+    children: list[tuple[Any, Any]] = []
+    if isinstance(value, dict):
+        children = [("key", k) for k in value]
+    elif isinstance(value, list):
+        children = [("index", i) for i in range(len(value))]
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        children = [("attr", k) for k in vars(value)]
+    elif isinstance(value, tuple) and value:
+        items = list(value)
+        i = rng.randrange(len(items))
+        items[i] = mutate_object(items[i], rng, depth + 1)
+        return type(value)(items) if type(value) is not _torch().Size else _size(items, value)
+    if not children or depth > 6 or rng.random() < 0.2:
+        return rng.choice(_ODD_VALUES + ([_torch().Size([2**40, 3])] if depth else []))
+    how, key = rng.choice(children)
+    if how == "attr":
+        if rng.random() < 0.15:
+            delattr(value, key)
+        else:
+            setattr(value, key, mutate_object(getattr(value, key), rng, depth + 1))
+    elif how == "key" and rng.random() < 0.15:
+        del value[key]
+    else:
+        value[key] = mutate_object(value[key], rng, depth + 1)
+    return value
+
+
+def _size(items: list[Any], fallback: Any) -> Any:
+    try:
+        return _torch().Size(items)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return fallback

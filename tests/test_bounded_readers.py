@@ -12,7 +12,7 @@ wrong, within :data:`SECONDS` and :data:`PEAK_MIB` (generous margins: the fixed 
 take milliseconds and a few MiB). The subprocess limits its address space and interrupts
 a case after 30 s, so an unbounded reader fails its case, not the machine.
 
-Before the fix (the issue's measurements): a 594 KB archive inflated to 600 MiB, a
+Before the fix (measured on ``main`` with this module): a 594 KB archive inflated to 600 MiB, a
 snapshot claiming a 20000x20000 tensor allocated 3.2 GB, 10**12 elements reached torch's
 allocator, 30000 profiles asked 7.2 GB for a Gram matrix, 60 MiB of nested brackets took
 1.4 GB and 25 s, 160 nested chunks took minutes, a 50k-tensor manifest 18 s to list;
@@ -43,6 +43,7 @@ from crafted import (
     index_of,
     read_metadata,
     replace_item,
+    rewrite,
     sidecars,
 )
 from crafted_snapshots import edit_manifest, reseal
@@ -115,6 +116,14 @@ def _flip_pickle(d: Path) -> None:
     )
     data[header + 30 + names + extra] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def _huge_memo_index(d: Path) -> bytes:
+    """``d``'s ``.metadata`` behind ``None``, ``LONG_BINPUT 688482452``, ``POP``: the same
+    metadata, but CPython's C unpickler first grows its memo to 1.4 billion entries."""
+    data = (d / ".metadata").read_bytes()
+    assert data[:2] == b"\x80\x04", data[:2]  # protocol 4: ops may follow PROTO freely
+    return b"\x80\x04N" + b"r" + (688482452).to_bytes(4, "little") + b"0" + data[2:]
 
 
 def _strip_ids(d: Path) -> None:
@@ -302,6 +311,13 @@ def _cases(clean: dict[str, Path], root: Path) -> dict[str, Case]:
         lambda d: edit_metadata(d, lambda m: setattr(m, "state_dict_metadata", None)),
         "CheckpointError",
         r"/\.metadata: its state_dict_metadata is a NoneType, not a dict",
+    )
+    checkpoint(  # found by tests/fuzz_readers.py: five bytes that asked for 11 GB
+        "memo-index",
+        lambda d: rewrite(d, read_metadata(d), data=_huge_memo_index(d)),
+        "CheckpointError",
+        r"/\.metadata: its pickle names a memo index beyond its \d+ bytes \(LONG_BINPUT at "
+        r"byte 3\), not a pickle DCP writes",
     )
     checkpoint(
         "nested-checksums",
@@ -520,6 +536,7 @@ CASE_NAMES = [
             "field-size",
             "field-offset",
             "field-entries",
+            "memo-index",
             "nested-checksums",
             "staircase",
             "stripped-ids",
