@@ -207,11 +207,14 @@ def _targets(seeds: Seeds, scratch: Path) -> list[Target]:
 def _structured(target: Target, data: bytes, rng: random.Random) -> bytes | None:
     """A structure-aware mutation of ``data`` (or of the clean file when ``data`` does not
     parse): one field of the object it holds changed, written back in its format."""
+    from dtensor_ema.pickle_scan import memo_problem
     from dtensor_ema.reader import _MetadataUnpickler  # the restricted unpickler (no code)
 
     for source in (data, target.clean):
         try:
             if target.kind == "pickle":
+                if memo_problem(source) is not None:  # the C unpickler would take gigabytes
+                    continue
                 value = _MetadataUnpickler(io.BytesIO(source)).load()
             else:
                 value = json.loads(source)

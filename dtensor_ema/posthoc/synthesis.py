@@ -15,8 +15,10 @@ warmup-stable-merge style weights). Both run on one engine:
   a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
 
 Snapshots are read through :mod:`dtensor_ema.reader`, so reading someone else's snapshots
-runs no code from them: every selected snapshot's ``.metadata`` is read with a restricted
-unpickler, and its data files checked, before any tensor is read; values are read with
+runs no code from them and allocates no more than their files hold: every selected
+snapshot's ``.metadata`` is read with a restricted unpickler and checked, its data files and
+its save id checked (the manifest's, the checksum files'), before any tensor is read; every
+read is verified against the snapshot's checksums; values are read with
 ``weights_only=True``.
 """
 
@@ -301,10 +303,14 @@ def synthesize(
             checksum differs), or leads outside ``snapshot_dir`` (a ``ValueError``; see
             ``dtensor_ema.posthoc.snapshots.read_manifest``).
         CheckpointError: a snapshot's ``.metadata`` refers to a global that is not DCP
-            metadata (a crafted snapshot: refused before any tensor is read, nothing run);
-            a snapshot's data lacks an entry its manifest names, holds it in another shape
-            or dtype, or its chunks do not cover it exactly once (refused before any tensor
-            is read, on every rank); or DCP failed to read a snapshot.
+            metadata (a crafted snapshot: refused before any tensor is read, nothing run),
+            is not what DCP writes or claims more than its files hold, or was written by
+            another save than its manifest names; a snapshot's data lacks an entry its
+            manifest names, holds it in another shape or dtype, or its chunks do not cover
+            it exactly once (refused before any tensor is read, on every rank); or DCP
+            failed to read a snapshot.
+        ChecksumError: a snapshot has no checksum files, one of another save, or bytes
+            that differ from those saved (another step's data file in its folder).
     """
     many = not isinstance(sigma_rel, (int, float))
     sigmas = (
