@@ -5,8 +5,10 @@ one's outcome, wall time and peak extra resident memory: the subprocess that
 Usage: ``python tests/bounded_run.py cases.json`` where each case is ``{"name", "call",
 "args"}``; ``call`` names a function below. Prints one JSON line per case: ``name``,
 ``outcome`` (``"ok"``, or the exception's type), ``message``, ``value`` (what the call
-returned, when JSON), ``seconds`` and ``peak_mib`` (the high-water mark of resident memory
-during the case, less the resident memory before it: ``/proc/self/clear_refs`` resets it).
+returned, when JSON), ``seconds`` (wall), ``cpu_seconds`` (this process's CPU time: what a
+quiet machine's wall time would be, on a shared one) and ``peak_mib`` (the high-water mark
+of resident memory during the case, less the resident memory before it:
+``/proc/self/clear_refs`` resets it).
 
 Guards, so that a reader that is not bounded (today's ``main``) fails its case instead of
 the machine: the address space is limited to what the process holds at start plus
@@ -32,14 +34,16 @@ HEADROOM = 3 << 30
 CASE_SECONDS = 30
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``, ``VmSize``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
+    """Start a new high-water mark of resident memory (``VmHWM``)."""
     Path("/proc/self/clear_refs").write_text("5")
 
 
@@ -52,22 +56,15 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 # ------------------------------------------------------------------------ the calls
-def _small_model() -> Any:
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
-
-
 def load(path: str, verify: Any = True) -> dict[str, Any]:
     """``load_checkpoint`` into a fresh EMA of the tests' small model; on failure, whether
     the EMA was left as it was."""
     import torch
+    from models import reader_model
 
     from dtensor_ema import ModelEMA, load_checkpoint
 
-    ema = ModelEMA(_small_model(), decay=0.5, tau=None)
+    ema = ModelEMA(reader_model(), decay=0.5, tau=None)
     before = {k: v.clone() for k, v in ema.ema_tensors().items()}
     try:
         load_checkpoint({"ema": ema}, path, verify=verify)
@@ -126,13 +123,13 @@ def main() -> None:
     import dtensor_ema
     import dtensor_ema.posthoc.cli  # noqa: F401
 
-    limit = _status("VmSize") + HEADROOM
+    limit = proc_status("VmSize") + HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGALRM, _alarm)
     for case in cases:
-        _reset_peak()
-        before = _status("VmRSS")
-        start = time.perf_counter()
+        reset_peak()
+        before = proc_status("VmRSS")
+        start, cpu = time.perf_counter(), time.process_time()
         signal.alarm(CASE_SECONDS)
         report: dict[str, Any] = {"name": case["name"]}
         try:
@@ -144,7 +141,8 @@ def main() -> None:
         finally:
             signal.alarm(0)
         report["seconds"] = time.perf_counter() - start
-        report["peak_mib"] = (_status("VmHWM") - before) / 2**20
+        report["cpu_seconds"] = time.process_time() - cpu
+        report["peak_mib"] = (proc_status("VmHWM") - before) / 2**20
         print(json.dumps(report), flush=True)
 
 

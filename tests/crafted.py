@@ -336,46 +336,13 @@ def deflated_archive(numel: int) -> bytes:
             method, body, size, digest = 0, content, len(content), zlib.crc32(content)
         encoded = name.encode()
         offset = out.tell()
-        out.write(
-            struct.pack(
-                "<IHHHHHIIIHH",
-                0x04034B50,
-                20,
-                0,
-                method,
-                0,
-                0x21,
-                digest,
-                len(body),
-                size,
-                len(encoded),
-                0,
-            )
+        # flags, method, time, date, crc, sizes, name length, extra length: in both headers
+        fields = struct.pack(
+            "<HHHHIIIHH", 0, method, 0, 0x21, digest, len(body), size, len(encoded), 0
         )
-        out.write(encoded + body)
-        central.append(
-            struct.pack(
-                "<IHHHHHHIIIHHHHHII",
-                0x02014B50,
-                20,
-                20,
-                0,
-                method,
-                0,
-                0x21,
-                digest,
-                len(body),
-                size,
-                len(encoded),
-                0,
-                0,
-                0,
-                0,
-                0,
-                offset,
-            )
-            + encoded
-        )
+        out.write(struct.pack("<IH", 0x04034B50, 20) + fields + encoded + body)
+        tail = struct.pack("<HHHII", 0, 0, 0, 0, offset)  # comment, disk, attributes, offset
+        central.append(struct.pack("<IHH", 0x02014B50, 20, 20) + fields + tail + encoded)
     start = out.tell()
     for entry in central:
         out.write(entry)

@@ -46,8 +46,9 @@ from typing import Any
 
 import atheris
 import torch
+from bounded_run import proc_status, reset_peak
 from crafted import mutate_object
-from torch import nn
+from models import reader_model
 
 READERS = [
     f"dtensor_ema.{m}"
@@ -87,18 +88,6 @@ DOCUMENTED = (CheckpointError, ValueError, FileNotFoundError)
 SIGMA = 0.08
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 class Seeds:
     """The clean directories, written once (save ids fixed, so that inputs replay)."""
 
@@ -107,7 +96,7 @@ class Seeds:
         real = uuid.uuid4
         uuid.uuid4 = lambda: next(ids)  # type: ignore[assignment]
         try:
-            model = _model()
+            model = reader_model()
             ema = ModelEMA(model, decay=0.5, tau=None)
             posthoc = PostHocEMA(model, (0.05, 0.10), snapshot_every=2, snapshot_dir=root / "s")
             g = torch.Generator().manual_seed(0)
@@ -173,7 +162,7 @@ def _targets(seeds: Seeds, scratch: Path) -> list[Target]:
     out = scratch / "out.pt"
 
     def checkpoint_readers(d: Path) -> None:
-        ema = ModelEMA(_model(), decay=0.5, tau=None)
+        ema = ModelEMA(reader_model(), decay=0.5, tau=None)
         loaded, _ = _documented(lambda: load_checkpoint({"ema": ema}, d))
         if loaded:
             _equal(dict(ema.ema_tensors()), seeds.ema)
@@ -251,14 +240,14 @@ class Harness:
         if not data:
             return
         target = self.targets[data[0] % len(self.targets)]
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _status("VmRSS")
+        reset_peak()
+        before = proc_status("VmRSS")
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             target.run(data[1:])
         seconds = time.perf_counter() - start
-        peak = (_status("VmHWM") - before) / 2**20
+        peak = (proc_status("VmHWM") - before) / 2**20
         if seconds > SECONDS or peak > PEAK_MIB:
             raise AssertionError(
                 f"{target.name}: {seconds:.1f} s and {peak:.0f} MiB of extra memory, more than "

@@ -4,13 +4,13 @@ a snapshot's data to its manifest as a checkpoint's.
 
 Each case below is built here, from a clean checkpoint and a clean snapshot directory, with
 DCP's own classes only (what the restricted unpickler may build), checksum files rewritten
-to match where a case must get past them (as whoever crafts it would). All cases run in
-ONE subprocess (``tests/bounded_run.py``) that reports, per case, what the reader raised,
-its wall time and its peak extra resident memory (``VmHWM`` reset per case): each must be
-refused with the library's documented exception naming the file, the entry and what is
-wrong, within :data:`SECONDS` and :data:`PEAK_MIB` (generous margins: the fixed readers
-take milliseconds and a few MiB). The subprocess limits its address space and interrupts
-a case after 30 s, so an unbounded reader fails its case, not the machine.
+to match where a case must get past them (as whoever crafts it would). All cases run in ONE
+subprocess (``tests/bounded_run.py``) that reports, per case, what the reader raised, its
+wall and CPU time and its peak extra resident memory (``VmHWM`` reset per case): each must
+be refused with the library's documented exception naming the file, the entry and what is
+wrong, within :data:`SECONDS` of CPU time and :data:`PEAK_MIB` (generous margins: the fixed
+readers take milliseconds and a few MiB). The subprocess limits its address space and
+interrupts a case after 30 s, so an unbounded reader fails its case, not the machine.
 
 Before the fix (measured on ``main`` with this module): a 594 KB archive inflated to 600 MiB, a
 snapshot claiming a 20000x20000 tensor allocated 3.2 GB, 10**12 elements reached torch's
@@ -47,34 +47,21 @@ from crafted import (
     sidecars,
 )
 from crafted_snapshots import edit_manifest, reseal
-from torch import nn
+from models import perturb_trainable_, reader_model
 
 from dtensor_ema import ModelEMA, PostHocEMA, save_checkpoint
 
 SECONDS = 10.0
 PEAK_MIB = 500.0
-LIST_SECONDS = 5.0
-"""A legitimate 50k-tensor manifest lists in under a second on a quiet machine
-(``docs/guarantees.md``); 5 s leaves room for a loaded one (before: 18 s, quiet)."""
+LIST_SECONDS = 3.0
+"""A legitimate 50k-tensor manifest lists in under a second of CPU time
+(``docs/guarantees.md``); 3 s is the margin (before: 18 s)."""
+WALL_FACTOR = 5
+"""Wall time may exceed the CPU-time bound by this factor (a loaded 2-core machine)."""
 SIGMAS = (0.05, 0.10)
 WEIGHT = "ema.ema.0.weight"  # Linear(5, 6): shape (6, 5)
 LAST = "step-000000000012"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _model() -> nn.Module:  # the same as bounded_run._small_model
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
-
-
-@torch.no_grad()
-def _perturb(model: nn.Module, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    for v in model.state_dict().values():
-        if v.is_floating_point():
-            v.add_(torch.randn(v.shape, generator=g) * 0.1)
-        else:
-            v.add_(1)
 
 
 # ------------------------------------------------------------------------ the crafters
@@ -132,23 +119,31 @@ def _strip_ids(d: Path) -> None:
         f.write_text(json.dumps(payload))
 
 
-def _nested_cubes(d: Path, n: int) -> None:
-    """``WEIGHT`` as an ``(n, n, n, n)`` tensor of ``n`` nested cubes (``[j, n)`` in every
-    dim): a staircase of chunks that overlap, about 100 bytes of ``.metadata`` each."""
+def _rechunk(
+    d: Path, shape: tuple[int, ...], chunks: list[tuple[Any, Any]], place: Callable[[int, Any], Any]
+) -> None:
+    """``WEIGHT`` as a tensor of ``shape`` saved as ``chunks`` (``(offsets, sizes)``), chunk
+    ``j`` stored at ``place(j, its first storage item)``; checksums fixed."""
 
     def change(m: Any) -> None:
         md = m.state_dict_metadata[WEIGHT]
         info = m.storage_data[index_of(m, WEIGHT)]
         m.storage_data = {i: v for i, v in m.storage_data.items() if i.fqn != WEIGHT}
         chunk, index = type(md.chunks[0]), type(index_of(m, "ema.ema.0.bias"))
-        md.size = torch.Size([n] * 4)
+        md.size = torch.Size(shape)
         md.chunks = []
-        for j in range(n):
-            offsets = torch.Size([j] * 4)
-            md.chunks.append(chunk(offsets=offsets, sizes=torch.Size([n - j] * 4)))
-            m.storage_data[index(WEIGHT, offsets)] = info
+        for j, (offsets, sizes) in enumerate(chunks):
+            md.chunks.append(chunk(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            m.storage_data[index(WEIGHT, torch.Size(offsets))] = place(j, info)
 
     edit_metadata(d, change)
+
+
+def _nested_cubes(d: Path, n: int) -> None:
+    """``WEIGHT`` as an ``(n, n, n, n)`` tensor of ``n`` nested cubes (``[j, n)`` in every
+    dim): a staircase of chunks that overlap, about 100 bytes of ``.metadata`` each."""
+    cubes = [((j,) * 4, (n - j,) * 4) for j in range(n)]
+    _rechunk(d, (n,) * 4, cubes, lambda j, info: info)
 
 
 def _staircase(d: Path, n: int) -> torch.Tensor:
@@ -178,21 +173,7 @@ def _staircase(d: Path, n: int) -> torch.Tensor:
         torch.save(part.clone(), data)
         places.append((start, data.tell() - start))
     (d / "__0_9.distcp").write_bytes(data.getvalue())
-
-    def change(m: Any) -> None:
-        md = m.state_dict_metadata[WEIGHT]
-        info = m.storage_data[index_of(m, WEIGHT)]
-        m.storage_data = {i: v for i, v in m.storage_data.items() if i.fqn != WEIGHT}
-        chunk, index = type(md.chunks[0]), type(index_of(m, "ema.ema.0.bias"))
-        md.size = torch.Size([n] * 4)
-        md.chunks = []
-        for (offsets, sizes), (start, length) in zip(boxes, places, strict=True):
-            md.chunks.append(chunk(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-            m.storage_data[index(WEIGHT, torch.Size(offsets))] = type(info)(
-                "__0_9.distcp", start, length
-            )
-
-    edit_metadata(d, change)
+    _rechunk(d, (n,) * 4, boxes, lambda j, info: type(info)("__0_9.distcp", *places[j]))
     return full
 
 
@@ -248,7 +229,11 @@ Case = tuple[str, list[Any], str, str]
 
 def _cases(clean: dict[str, Path], root: Path) -> dict[str, Case]:
     ckpt, snaps = clean["ckpt"], clean["snaps"]
-    cases: dict[str, Case] = {}
+    # First, untimed: the clean files, so that no case pays for the first DCP load.
+    cases: dict[str, Case] = {
+        "warm-up/load": ("load", [str(ckpt)], "ok", ""),
+        "warm-up/synthesize": ("synthesize", [str(snaps), 0.08], "ok", ""),
+    }
     meta = r"/\.metadata: entry 'ema\.ema\.0\.weight'"
 
     def checkpoint(name: str, craft: Callable[[Path], Any], kind: str, pattern: str) -> Path:
@@ -337,29 +322,28 @@ def _cases(clean: dict[str, Path], root: Path) -> dict[str, Case]:
         "ChecksumError",
         r"/__0\.checksums\.json: records no save id: refused",
     )
-    aliased = _copy(ckpt, root, "aliased")
-    edit_metadata(
-        aliased, lambda m: m.planner_data.__setitem__(WEIGHT, ("ema", "ema", "2", "weight"))
-    )
-    cases["aliased/convert"] = (
-        "convert",
-        [str(aliased), str(root / "aliased.pt")],
-        "CheckpointError",
-        r"/\.metadata: its planner_data files entry 'ema\.ema\.0\.weight' under another name: "
-        r"aliased",
-    )
-    retyped = _copy(ckpt, root, "retyped")
-    edit_metadata(
-        retyped,
-        lambda m: setattr(m.state_dict_metadata[WEIGHT].properties, "dtype", torch.int64),
-    )
-    cases["retyped/convert"] = (
-        "convert",
-        [str(retyped), str(root / "retyped.pt")],
-        "CheckpointError",
-        r"/__0_0\.distcp: entry 'ema\.ema\.0\.weight' \(chunk at offsets \(0, 0\)\): holds "
-        r"torch\.float32 data, but \.metadata says torch\.int64: refused \(retyped",
-    )
+    for name, change, pattern in (
+        (
+            "aliased",
+            lambda m: m.planner_data.__setitem__(WEIGHT, ("ema", "ema", "2", "weight")),
+            r"/\.metadata: its planner_data files entry 'ema\.ema\.0\.weight' under another "
+            r"name: aliased",
+        ),
+        (
+            "retyped",
+            lambda m: setattr(m.state_dict_metadata[WEIGHT].properties, "dtype", torch.int64),
+            r"/__0_0\.distcp: entry 'ema\.ema\.0\.weight' \(chunk at offsets \(0, 0\)\): holds "
+            r"torch\.float32 data, but \.metadata says torch\.int64: refused \(retyped",
+        ),
+    ):
+        d = _copy(ckpt, root, name)
+        edit_metadata(d, change)
+        cases[f"{name}/convert"] = (
+            "convert",
+            [str(d), str(root / f"{name}.pt")],
+            "CheckpointError",
+            pattern,
+        )
     corrupted = _copy(ckpt, root, "corrupted")
     _flip_pickle(corrupted)
     for call, args in (
@@ -481,11 +465,11 @@ def _cases(clean: dict[str, Path], root: Path) -> dict[str, Case]:
 def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A checkpoint and snapshots at steps 4, 8, 12 of the small model."""
     root = tmp_path_factory.mktemp("clean42")
-    model = _model()
+    model = reader_model()
     ema = ModelEMA(model, decay=0.5, tau=None)
     posthoc = PostHocEMA(model, SIGMAS, snapshot_every=4, snapshot_dir=root / "snaps")
     for step in range(1, 13):
-        _perturb(model, step)
+        perturb_trainable_(model, step)
         ema.update()
         posthoc.update()
     save_checkpoint({"ema": ema}, root / "ckpt")
@@ -580,7 +564,9 @@ def test_crafted_input_is_refused_in_bounded_time_and_memory(
     report = reports.get(name)
     assert report is not None, f"the subprocess did not report {name} (it died before)"
     limit = LIST_SECONDS if kind == "list" else SECONDS
-    assert report["seconds"] < limit, report
+    # CPU time: the bound holds on a machine shared with other jobs (wall time there is
+    # several times longer); the wall time gets a looser bound of its own.
+    assert report["cpu_seconds"] < limit and report["seconds"] < WALL_FACTOR * limit, report
     assert report["peak_mib"] < PEAK_MIB, report
     if kind == "list":  # a legitimate manifest: listed
         assert report["outcome"] == "ok" and report["value"]["rc"] == 0, report

@@ -442,7 +442,6 @@ def test_fuzz_distributed(world_size: int, tmp_path: Path) -> None:
 # SECONDS`` runs it for longer (``DTENSOR_EMA_FUZZ_SECONDS``); every crash it finds becomes
 # an input in ``tests/fuzz_regressions/`` (replayed by every run) and a named test.
 
-READER_EXAMPLES = int(os.environ.get("DTENSOR_EMA_FUZZ_EXAMPLES", "0")) or None
 FUZZ_SECONDS = int(os.environ.get("DTENSOR_EMA_FUZZ_SECONDS", "0"))
 FUZZ_RUNS = 40
 """The inputs of the seeded atheris run in the normal suite (a few seconds)."""
@@ -472,13 +471,7 @@ def _rows(text: str, what: str) -> set[int]:
     return rows
 
 
-@settings(
-    max_examples=READER_EXAMPLES or 200,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
+@fuzz_settings(100)
 @given(case=boxes)
 def test_coverage_agrees_with_counting_every_element(case: Any) -> None:
     """``coverage_problem`` (grid fast path, signed-corner sweep) against a count of every
@@ -523,13 +516,7 @@ def clean_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@settings(
-    max_examples=READER_EXAMPLES or 60,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
+@fuzz_settings(40)
 @given(seed=st.integers(0, 2**32 - 1), edits=st.integers(1, 3))
 def test_edited_metadata_is_read_or_refused(clean_checkpoint: Path, seed: int, edits: int) -> None:
     """A ``.metadata`` with fields edited at random (``crafted.mutate_object``: another type,
