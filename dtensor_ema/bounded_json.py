@@ -82,11 +82,17 @@ def parse_json(data: bytes) -> Any:
     if values > len(data) // MIN_BYTES_PER_VALUE + 64:
         _bad(f"{values} values in {len(data)} bytes: not a file dtensor_ema writes")
     try:
-        # Without a hook per object (which doubles the time): the keys parsed are counted
-        # against the colons of the text, and only a file with fewer keys than colons (a
-        # duplicate kept once) is parsed again, to name the duplicate.
-        value = json.loads(data, parse_constant=_no_constant)
-        if _keys(value) != structure.count(b":"):
+        # The keys each object kept are counted against the colons of the text (cheaper
+        # than a hook over each object's pairs); only a file with fewer keys than colons
+        # (a duplicate, kept once) is parsed again, to name the duplicate.
+        keys = [0]
+
+        def count(obj: dict[str, Any]) -> dict[str, Any]:
+            keys[0] += len(obj)
+            return obj
+
+        value = json.loads(data, object_hook=count, parse_constant=_no_constant)
+        if keys[0] != structure.count(b":"):
             json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
         return value
     except UnicodeDecodeError as e:
@@ -103,19 +109,6 @@ def _structure(data: bytes) -> bytes:
     if b"\\" in kept:  # escaped characters: find the strings the slow way
         return _STRING.sub(b"", data).translate(None, _NOT_STRUCTURE)
     return b"".join(kept.split(b'"')[::2])  # without escapes, quotes pair up in order
-
-
-def _keys(value: Any) -> int:
-    """The keys of every object in the parsed ``value`` (at most 8 deep: checked)."""
-    count, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if type(item) is dict:
-            count += len(item)
-            stack.extend(v for v in item.values() if type(v) in (dict, list))
-        elif type(item) is list:
-            stack.extend(v for v in item if type(v) in (dict, list))
-    return count
 
 
 def _bad(what: str) -> NoReturn:

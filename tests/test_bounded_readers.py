@@ -592,3 +592,31 @@ def test_crafted_input_is_refused_in_bounded_time_and_memory(
             assert "untouched=True" in report["notes"], report
     if call == "convert" and kind != "ok":
         assert not (Path(cases[name][1][1])).exists()
+
+
+def test_bounded_json_and_pickle_scan_accept_what_is_written() -> None:
+    """The pre-checks refuse only what no writer produces: JSON with brackets, colons and
+    escaped quotes inside strings, 8 levels deep, parses; 9 levels, a duplicate key at any
+    depth, or one value per 2 bytes do not. Pickles of every protocol pass the memo walk;
+    one ``LONG_BINPUT`` or ``PUT`` beyond the pickle's length does not."""
+    import pickle
+
+    from dtensor_ema.bounded_json import JsonProblem, parse_json
+    from dtensor_ema.pickle_scan import memo_problem
+
+    text = {"a[:": [1, {"b": ']]"\\{'}], "c": 'x"[:', "d": [[[[[[[]]]]]]]}
+    assert parse_json(json.dumps(text).encode()) == text
+    refused = {
+        b'{"d": [[[[[[[[[]]]]]]]]]}': "nested more than 8 levels deep",
+        b'{"a": {"t": 1, "t": 2}}': r"duplicate keys \['t'\]",
+        b"[" + b"0," * 500 + b"0]": "values in 1003 bytes",
+        b'{"t": NaN}': "NaN is not a number",
+    }
+    for data, message in refused.items():
+        with pytest.raises(JsonProblem, match=message):
+            parse_json(data)
+    value = {"t": [(i, str(i) * i, None, 1.5) for i in range(200)]}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert memo_problem(pickle.dumps(value, protocol=protocol)) is None, protocol
+    for op in (b"r" + (10**6).to_bytes(4, "little"), b"p1000000\n"):
+        assert "a memo index beyond its" in str(memo_problem(b"\x80\x02N" + op + b"0N."))
