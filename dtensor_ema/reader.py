@@ -182,7 +182,10 @@ def _allowed(module: str, name: str) -> bool:
 class _Refused(pickle.UnpicklingError):
     def __init__(self, module: str, name: str) -> None:
         super().__init__(f"{module}.{name}")
-        self.name = f"{module[:80]}.{name[:80]}"
+        # As the pickle spells it, but on one line: a name can hold any character.
+        self.name = "".join(
+            c if c.isprintable() else repr(c)[1:-1] for c in f"{module[:80]}.{name[:80]}"
+        )
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -304,6 +304,12 @@ def _cases(clean: dict[str, Path], root: Path) -> dict[str, Case]:
         r"/\.metadata: its pickle names a memo index beyond its \d+ bytes \(LONG_BINPUT at "
         r"byte 3\), not a pickle DCP writes",
     )
+    checkpoint(  # found by the fuzzer: the name was echoed, newline and all
+        "global-newline",
+        lambda d: rewrite(d, read_metadata(d), data=b"\x80\x04\x8c\x05posix\x8c\x07sys\ntem\x93."),
+        "CheckpointError",
+        r"/\.metadata: refers to the global posix\.sys\\ntem, which is not part of DCP's",
+    )
     checkpoint(
         "nested-checksums",
         lambda d: (d / "__0.checksums.json").write_text(_nested_json(60 << 20)),
@@ -521,6 +527,7 @@ CASE_NAMES = [
             "field-offset",
             "field-entries",
             "memo-index",
+            "global-newline",
             "nested-checksums",
             "staircase",
             "stripped-ids",
