@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_ema.integrations._common import decay_name
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
 from dtensor_ema.multi import MultiModelEMA
@@ -157,9 +158,9 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         self.config = config
         self.model_parts = parts
         schedules: dict[str, Any] = (
-            {_name("decay", d): _Fixed(d) for d in config.decays}
+            {decay_name("decay", d): _Fixed(d) for d in config.decays}
             if config.decays
-            else {_name("hlf", f): _HalfLifeFraction(f) for f in config.half_life_fractions}
+            else {decay_name("hlf", f): _HalfLifeFraction(f) for f in config.half_life_fractions}
         )
         self.names: list[str] = list(schedules) if config.enable else []
         """The EMAs' names (empty when disabled)."""
@@ -422,10 +423,6 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         return json.dumps(
             {"emas": self.names, "buffer_patterns": sorted(c.buffer_patterns)}, sort_keys=True
         )
-
-
-def _name(kind: str, value: float) -> str:
-    return f"{kind}_{value:g}".replace(".", "_")
 
 
 def _check_disjoint(parts: list[nn.Module]) -> None:
