@@ -371,4 +371,4 @@ def test_callback_checks_its_fields_and_runs_before_the_checkpointer() -> None:
         with pytest.raises(ValueError, match=match):
             EMACallback(**bad)
     with pytest.raises(RuntimeError, match="no EMA yet"):
-        EMACallback().emas
+        _ = EMACallback().emas
