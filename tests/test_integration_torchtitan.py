@@ -229,10 +229,8 @@ def test_torchtitan_ema_load_state_dict_common_subset() -> None:
     another tracked set (other ``buffer_patterns``, a parameter frozen then and one frozen
     now) loads the tensors both hold bit for bit, leaves this EMA's others as they were,
     loads the counter; without it, refused naming the difference; EMA names must match
-    and at least one tensor must be common. And the fused/unfused QKV check of the
-    trainer's checkpoint load, on fqns."""
-    from dtensor_ema.integrations.torchtitan.trainer import _qkv_mismatch
-
+    and at least one tensor must be common. And the pairing of fused/unfused Q/K/V
+    projections of the trainer's checkpoint load, on fqns."""
     model = _titan()
     model.register_buffer("running_bias", torch.zeros(4))
     model.norm.weight.requires_grad_(False)  # frozen when saved: not in the state
@@ -275,18 +273,94 @@ def test_torchtitan_ema_load_state_dict_common_subset() -> None:
         now.load_state_dict(disjoint, common_subset=True)
     assert _differ(now["decay_0_5"].ema_tensors(), got) == []  # refused: unchanged
 
+    from dtensor_ema.integrations.torchtitan.qkv import find_conversions
+
     fused = {"layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.wo.weight"}
     unfused = {f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")}
     unfused.add("layers.0.attention.wo.weight")
-    assert _qkv_mismatch(fused, unfused) == (
-        "layers.0.attention.qkv_linear.wqkv.weight",
-        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
-    )
-    assert _qkv_mismatch(unfused, fused) == (
-        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
-        "layers.0.attention.qkv_linear.wqkv.weight",
-    )
-    assert _qkv_mismatch(fused, fused) is None and _qkv_mismatch(fused, {"x"}) is None
+    module = model.layers["0"].attention.qkv_linear  # fused: head_dim 16, 1 query head per KV
+    modules = {"layers.0.attention.qkv_linear": module}
+    (split,) = find_conversions(saved=fused, ours=unfused, modules=modules)
+    assert split.saved == ("layers.0.attention.qkv_linear.wqkv.weight",) and not split.fuses
+    assert (split.head_dim, split.heads_per_kv) == (16, 1)
+    (fuse,) = find_conversions(saved=unfused, ours=fused, modules=modules)
+    assert fuse.fuses and fuse.ours == split.saved
+    assert find_conversions(fused, fused, modules) == []
+    assert find_conversions(fused, {"x"}, {}) == []
+
+
+def _perturbed_ema(model: nn.Module, config: TorchtitanEMA.Config) -> TorchtitanEMA:
+    """An EMA of ``model`` one step away from its weights (weights moved, then a step)."""
+    ema = TorchtitanEMA(config, model_parts=[model])
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    ema.step(1)
+    return ema
+
+
+def _load_converting(ema: TorchtitanEMA, path: Path) -> int:
+    """DCP's load of ``path`` into ``ema`` as the trainer's checkpoint manager does it:
+    through ``EMALoad``, then its conversion."""
+    from dtensor_ema.integrations.torchtitan.resume import EMALoad
+    from dtensor_ema.reader import open_checkpoint
+
+    load = EMALoad(ema, open_checkpoint(path))
+    dcp.load({"ema": load}, checkpoint_id=str(path))
+    return load.convert(None)
+
+
+def test_qkv_resume_converts_the_ema_both_ways(tmp_path: Path) -> None:
+    """The EMA of torchtitan's fused qwen3 debugmodel (``wqkv``: 16 query heads over 8 KV
+    heads, head_dim 128) saved with DCP and read into the EMA of its
+    ``debugmodel_non_fused_qkv`` (``wq``/``wk``/``wv``), and the other way, as the trainer's
+    checkpoint manager reads it: every converted projection equals, bit for bit, what
+    torchtitan's own ``FusedQKVLinear`` hooks give for the same values (its
+    ``state_dict()`` splits, its ``load_state_dict()`` fuses), every other tensor and the
+    counter load as saved; a projection whose head layout the model does not tell is
+    refused, naming the way out."""
+    from titan_models import qwen3_debugmodel
+
+    from dtensor_ema.integrations.torchtitan.resume import EMALoad
+    from dtensor_ema.reader import open_checkpoint
+
+    config = TorchtitanEMA.Config(enable=True, decays=[0.9])
+    fused, unfused = qwen3_debugmodel(seed=0), qwen3_debugmodel(fused=False, seed=1)
+
+    # fused -> unfused
+    saved = _perturbed_ema(fused, config)
+    dcp.save({"ema": saved}, checkpoint_id=str(tmp_path / "fused"))
+    with torch.no_grad():  # torchtitan's own split of the EMA's values: the reference
+        for name, p in fused.named_parameters():
+            p.copy_(saved["decay_0_9"].ema_tensors()[canonical_fqn(name)])
+    want = fused.state_dict()
+    into = TorchtitanEMA(config, model_parts=[unfused])
+    assert _load_converting(into, tmp_path / "fused") == 2  # the wqkv weight of 2 layers
+    got = into["decay_0_9"].ema_tensors()
+    assert "layers.1.attention.qkv_linear.wk.weight" in got
+    assert _differ(got, {k: want[k] for k in got}) == [] and into["decay_0_9"].updates == 1
+
+    # unfused -> fused
+    saved = _perturbed_ema(unfused, config)
+    dcp.save({"ema": saved}, checkpoint_id=str(tmp_path / "unfused"))
+    with torch.no_grad():
+        for name, p in unfused.named_parameters():
+            p.copy_(saved["decay_0_9"].ema_tensors()[canonical_fqn(name)])
+    reference = qwen3_debugmodel(seed=2)
+    reference.load_state_dict(unfused.state_dict())  # torchtitan's fuse
+    want = {canonical_fqn(k): v for k, v in reference.named_parameters()}
+    into = TorchtitanEMA(config, model_parts=[qwen3_debugmodel(seed=3)])
+    assert _load_converting(into, tmp_path / "unfused") == 2
+    got = into["decay_0_9"].ema_tensors()
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in got
+    assert _differ(got, {k: want[k].detach() for k in got}) == []
+
+    # No head layout to read: refused before anything is read.
+    for module in unfused.modules():
+        if type(module).__name__ == "QKVLinear":
+            del module.head_dim
+    with pytest.raises(ValueError, match=r"wqkv.weight and this model .*wq.weight.*cannot be read"):
+        EMALoad(TorchtitanEMA(config, model_parts=[unfused]), open_checkpoint(tmp_path / "fused"))
 
 
 def test_torchtitan_ema_pipeline_stages_save_one_layout(tmp_path: Path) -> None:
