@@ -10,10 +10,11 @@ and its EMA sharded over them, this measures per rank:
   fixed at 64 KiB so fresh allocations show), as a multiple of this rank's EMA bytes and
   of the model's float bytes; and the same for the naive ``ema.state_dict()`` (live
   tensors, no copy: nothing);
-* the time of one served state against one ``ema.update()``, alternating, medians (before
-  the mmap threshold is fixed): the longest the training thread waits when it updates
-  while a peer is being served. The copy writes fresh memory (its pages are faulted in),
-  the update writes the EMA in place.
+* the time of one served state against one ``ema.update()``, in rotating order, medians
+  (before the mmap threshold is fixed): the longest the training thread waits when it
+  updates while a peer is being served. The copy writes fresh memory (its pages are
+  faulted in), the update writes the EMA in place; a copy of the shards into buffers
+  allocated once is timed beside them, to tell the two apart.
 
 torchft itself is not needed: a stand-in for the manager's two calls.
 
@@ -96,12 +97,19 @@ def _body(rank: int, world_size: int, folder: str, args: argparse.Namespace) -> 
     ema.update()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ema_bytes = ema.local_nbytes()
-    serve_s: list[float] = []
-    update_s: list[float] = []
+    shards = [e.ema_local for e in ema.engine.plan]
+    kept = [torch.empty_like(t) for t in shards]
+
+    def copy_into_kept() -> None:
+        for out, t in zip(kept, shards, strict=True):
+            out.copy_(t)
+
+    times: dict[str, list[float]] = {"serve": [], "update": [], "copy": []}
+    calls = [("serve", served), ("update", ema.update), ("copy", copy_into_kept)]
     for i in range(args.repeat):  # with glibc's own malloc settings, as in training
-        pair = [(serve_s, served), (update_s, ema.update)]
-        for times, fn in pair if i % 2 == 0 else pair[::-1]:
-            times.append(_seconds(fn))
+        for name, fn in calls[i % 3 :] + calls[: i % 3]:
+            times[name].append(_seconds(fn))
+    kept.clear()  # free them before the memory is measured
     with contextlib.suppress(OSError):  # not glibc: the peak may undercount
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     copy = _peak_extra(served)
@@ -112,8 +120,7 @@ def _body(rank: int, world_size: int, folder: str, args: argparse.Namespace) -> 
         "served_x_ema": copy / ema_bytes,
         "served_x_model": copy / model_bytes,
         "naive_x_ema": naive / ema_bytes,
-        "serve_ms": 1e3 * statistics.median(serve_s),
-        "update_ms": 1e3 * statistics.median(update_s),
+        **{f"{name}_ms": 1e3 * statistics.median(t) for name, t in times.items()},
     }
 
 
@@ -127,15 +134,16 @@ def main() -> None:
     print(f"{args.model}, W={args.world_size}, medians of {args.repeat}")
     print(
         "| rank | EMA shards | model | served state: peak extra | x model | "
-        "`ema.state_dict()`: peak extra | served state | `update()` | served / update |"
+        "`ema.state_dict()`: peak extra | served state | `update()` | served / update | "
+        "copy into kept buffers |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['rank']} | {r['ema_mib']:.0f} MiB | {r['model_mib']:.0f} MiB | "
             f"{r['served_x_ema']:.2f}x the EMA shards | {r['served_x_model']:.2f} | "
             f"{r['naive_x_ema']:.2f}x | {r['serve_ms']:.1f} ms | {r['update_ms']:.1f} ms | "
-            f"{r['serve_ms'] / r['update_ms']:.2f} |"
+            f"{r['serve_ms'] / r['update_ms']:.2f} | {r['copy_ms']:.1f} ms |"
         )
 
 
