@@ -61,7 +61,14 @@ class _Manager(Protocol):
 
 
 class FaultTolerantEMA:
-    """An EMA registered with a ``torchft.Manager`` (made by :func:`register_ema`).
+    """An EMA registered with a ``torchft.Manager`` (made by :func:`register_ema`, which
+    checks the arguments and registers it; the constructor itself registers nothing).
+
+    Args:
+        manager: as for :func:`register_ema`.
+        ema: as for :func:`register_ema`.
+        update: what one committed step does (``ema.update`` for an EMA).
+        key: as for :func:`register_ema`.
 
     Attributes:
         manager: the replica group's ``torchft.Manager`` (this rank's).
@@ -93,14 +100,16 @@ class FaultTolerantEMA:
         Called by the step post-hook :func:`register_ema` installs; call it yourself after
         ``optimizer.step()`` when you registered without an optimizer. Holds the lock that
         :meth:`state_dict` takes, so the quorum thread never copies a half-updated EMA.
+        Peak extra memory: that of the update itself (``ema.update()``: none for a
+        ``ModelEMA`` updated inline).
 
         Returns:
             Whether the EMA was updated: ``False`` when ``manager.current_step()`` did not
             move since the last update (the step was not committed, or this step's update
             already ran).
         """
-        step = self.manager.current_step()
         with self._lock:
+            step = self.manager.current_step()
             if step == self._seen:
                 return False
             self._update()
@@ -165,7 +174,9 @@ def register_ema(
 
     Call it on every rank of every replica group, after building the EMA and the
     optimizer, before the first step (the registration is local: each rank registers with
-    its own manager). Nothing is registered when an argument is refused.
+    its own manager). Nothing is registered when an argument is refused. Peak extra memory:
+    none; serving a recovering peer costs one copy of this rank's EMA shards (see
+    :meth:`FaultTolerantEMA.state_dict`).
 
     Args:
         manager: this rank's ``torchft.Manager``.
