@@ -66,6 +66,7 @@ from torch import nn
 
 require_extra("torchtitan", "zoo")
 
+from dtensor_ema import load_checkpoint, save_checkpoint  # noqa: E402
 from dtensor_ema.integrations.torchtitan import TorchtitanEMA  # noqa: E402
 from dtensor_ema.model_keys import canonical_fqn, live_tensors  # noqa: E402
 
@@ -987,8 +988,18 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     run = _train(trainer)
     reference = run.pop("reference")
     run["ema_mesh"] = [e.mesh.size() for emas in trainer.ema.parts for e in emas.values()]
-    run["hf_file"] = str(trainer.export_hf(base / "pp" / "hf_ema"))
+    run["hf_file"] = str(trainer.export_hf(base / "pp" / "hf_ema", bucket_bytes=100_000))
     torch.save(reference.emas["decay_0_9"], base / "pp" / f"reference{rank}.pt")
+    # Stage checkpoints back into the stages, at the same layout: each rank's stage EMA
+    # through save_checkpoint/load_checkpoint, and the trainer's own step-2 checkpoint.
+    save_checkpoint({"ema": trainer.ema.parts[0]}, base / "pp" / "stages")
+    trainer.ema.reset()
+    load_checkpoint({"ema": trainer.ema.parts[0]}, base / "pp" / "stages")
+    want = reference.emas["decay_0_9"]
+    run["stages_loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", reference.keys), want)
+    trainer.ema.reset()
+    trainer.checkpointer.load(step=2)
+    run["trainer_loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", reference.keys), want)
     trainer.close()
     out["llama_pp"] = run
 
@@ -1124,6 +1135,43 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     weights = reference.weights()
     run["no_ema"] = {n: _differ(_trainer_ema_full(trainer, n, keys), weights) for n in trainer.ema}
     run["no_ema_to_step3"] = _differ(weights, saved["weights"][3])
+    # common_subset through the checkpoint manager: a checkpoint of an EMA that left
+    # norm.weight out (frozen when it was built) is refused by this EMA (it tracks it)
+    # before anything is read, naming --ema.load_common_subset; with it, the tensors both
+    # hold load, norm.weight keeps its value.
+    norm = trainer.model_parts[0].norm.weight
+    norm.requires_grad_(False)
+    narrow = TorchtitanEMA(trainer.config.ema, model_parts=trainer.model_parts)
+    norm.requires_grad_(True)
+    with torch.no_grad():
+        for emas in narrow.parts:
+            for e in emas.values():
+                for t in e.ema_tensors().values():
+                    t.to_local().add_(1.0)
+    dcp.save({"ema": narrow}, checkpoint_id=str(base / "narrow"))
+    narrow_full = {
+        n: {k: _full(t) for e in narrow.parts for k, t in e[n].ema_tensors().items()}
+        for n in narrow
+    }
+    before = {n: _trainer_ema_full(trainer, n, keys) for n in trainer.ema}
+    states = {"ema": trainer.ema}
+    try:
+        checkpointer.dcp_load(dict(states), str(base / "narrow"), False, False)
+        run["subset_refused"] = ""
+    except ValueError as error:
+        run["subset_refused"] = str(error)
+    run["subset_unchanged"] = {
+        n: _differ(_trainer_ema_full(trainer, n, keys), before[n]) for n in trainer.ema
+    }
+    trainer.ema.config.load_common_subset = True
+    checkpointer.dcp_load(dict(states), str(base / "narrow"), False, False)
+    trainer.ema.config.load_common_subset = False
+    after = {n: _trainer_ema_full(trainer, n, keys) for n in trainer.ema}
+    run["subset_loaded"] = {
+        n: (_differ({k: v for k, v in after[n].items() if k != "norm.weight"}, narrow_full[n]),
+            torch.equal(after[n]["norm.weight"], before[n]["norm.weight"]))
+        for n in trainer.ema
+    }  # fmt: skip
     # An HF export that fails on rank 0 (its folder's path is a file) raises on every rank
     # with rank 0's message; before the fix the other ranks waited in a barrier that rank 0
     # never reached (here: rank 0 went on to the next collective with them still in it).
@@ -1168,8 +1216,40 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer.close()
     out["moe_resume"] = run
 
+    out["pp_resume"] = _pp_resume(base, Path(w4_root) / "pp")
     out["hand_loop"] = _hand_loop(world_size, str(base / "hand"))
     return out
+
+
+def _pp_resume(base: Path, w4_pp: Path) -> dict[str, Any]:
+    """llama3 PP 2 (FSDP2 1) at W=2, resumed from the W=4 PP 2 x FSDP2 2 run's step-2
+    checkpoint (another layout); the W=4 stages' ``save_checkpoint`` folder loaded into
+    these stages by ``load_checkpoint``; one more step against the reference."""
+    config = _config(base / "pp", "llama3", pp=2, shard=1, steps=3, checkpoint_every=10)
+    config.ema.decays = [0.9]
+    config.checkpoint.initial_load_path = str(w4_pp / "outputs" / "checkpoint" / "step-2")
+    config.checkpoint.initial_load_model_only = False
+    config.checkpoint.exclude_from_loading = ["dataloader"]
+    trainer = build_cpu_trainer(config)
+    reference = TrainerReference(trainer)
+    keys = reference.keys
+    saved = {k: v for k, v in _merged_references(w4_pp).items() if k in keys}
+    run: dict[str, Any] = {"restored_log": _load_logged(trainer), "loaded_step": trainer.step}
+    run["loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", keys), saved)
+    trainer.ema.reset()
+    load_checkpoint({"ema": trainer.ema.parts[0]}, w4_pp / "stages")
+    run["stages_loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", keys), saved)
+    reference.emas = {"decay_0_9": {k: v.clone() for k, v in saved.items()}}
+    trainer.train()
+    full = _trainer_ema_full(trainer, "decay_0_9", keys)
+    run["differ"] = {"decay_0_9": _differ(full, reference.emas["decay_0_9"])}
+    run["moved"] = {"decay_0_9": _differ(full, saved) != []}
+    run["fired"] = reference.fired
+    run["stage"] = trainer.parallel_dims.get_mesh("pp").get_local_rank()
+    run["local_numel"] = sum(e["decay_0_9"].local_numel() for e in trainer.ema.parts)
+    run["model_numel"] = sum(v.numel() for v in saved.values())
+    trainer.close()
+    return run
 
 
 # ------------------------------------------------------------------ fixtures
@@ -1245,6 +1325,8 @@ def test_w4_ema_bit_exact_on_every_layout(w4: tuple[Path, list[dict[str, Any]]])
         assert all(has_ep), (key, meshes)
     assert [r["moe_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert [r["llama_pp"]["stage"] for r in results] == [0, 0, 1, 1]
+    for r in results:  # stage checkpoints back into the stages, same layout
+        assert r["llama_pp"]["stages_loaded"] == [] and r["llama_pp"]["trainer_loaded"] == []
     assert all(r["llama_pp"]["ema_mesh"] == [2] for r in results)  # the stage's 2 ranks
     assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp_ep"]["keys"])
 
@@ -1270,6 +1352,12 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
         assert run["reseeded_to_step2"] == [], rank
         assert run["no_ema"] == {"decay_0_9": [], "decay_0_5": []}, rank
         assert run["no_ema_to_step3"] == [], rank
+    for rank, result in enumerate(w2):
+        run = result["llama_resume"]
+        assert "lacks ['norm.weight'], which this EMA tracks" in run["subset_refused"], rank
+        assert "--ema.load_common_subset" in run["subset_refused"]
+        assert run["subset_unchanged"] == {"decay_0_9": [], "decay_0_5": []}, rank
+        assert run["subset_loaded"] == {"decay_0_9": ([], True), "decay_0_5": ([], True)}, rank
     refused = [result["llama_resume"]["export_refused"] for result in w2]
     assert refused[0] and refused == [refused[0]] * len(w2), refused
     assert "Hugging Face format failed on rank 0: " in refused[0], refused[0]
@@ -1287,6 +1375,20 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
         assert result["moe_resume"]["loaded_step"] == 2 and result["moe_resume"]["loaded"] == []
     _assert_run(w2, "moe_resume", [3])
     _assert_validation(w2, "moe_resume", 3)
+
+
+@pytest.mark.distributed
+def test_w2_pipeline_stages_resume_the_w4_stages(w2: list[dict[str, Any]]) -> None:
+    """PP 2 x FSDP2 2 at W=4 -> PP 2 at W=2: the trainer's checkpoint and the stages'
+    ``save_checkpoint`` folder load into the new stages bit for bit (other stages' tensors
+    are theirs, not unexpected), and the EMA goes on exactly."""
+    assert [r["pp_resume"]["stage"] for r in w2] == [0, 1]
+    for rank, result in enumerate(w2):
+        run = result["pp_resume"]
+        assert run["loaded_step"] == 2 and run["loaded"] == [], (rank, run["loaded"][:5])
+        assert run["stages_loaded"] == [], (rank, run["stages_loaded"][:5])
+    assert w2[0]["pp_resume"]["restored_log"][0].endswith("(step 2): decay_0_9 2 updates")
+    _assert_run(w2, "pp_resume", [3])
 
 
 # ------------------------------------------------------------------ one process

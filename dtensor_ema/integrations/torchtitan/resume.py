@@ -66,7 +66,9 @@ class EMALoad:
 
     Raises:
         ValueError: a projection in the other Q/K/V layout whose head layout cannot be
-            read from the model (:func:`~dtensor_ema.integrations.torchtitan.qkv.find_conversions`).
+            read from the model (:func:`~dtensor_ema.integrations.torchtitan.qkv.find_conversions`);
+            without ``common_subset``, a tensor this EMA tracks that the checkpoint's lacks
+            (naming it and ``--ema.load_common_subset``).
     """
 
     def __init__(
@@ -96,6 +98,15 @@ class EMALoad:
             theirs = saved.get(name, set())
             conversions = find_conversions(theirs, ours, modules) if theirs else []
             keep = ours - {k for c in conversions for k in c.ours}
+            missing = sorted(keep - theirs)
+            if missing and theirs and not common_subset:
+                raise ValueError(
+                    f"checkpoint {checkpoint.path}: its EMA {name!r} lacks {missing[:5]}"
+                    f"{' and more' if len(missing) > 5 else ''}, which this EMA tracks (saved "
+                    "with another tracked set: other buffer_patterns, parameters frozen "
+                    "then); resume with --ema.load_common_subset to load the tensors both "
+                    "hold and keep this EMA's others"
+                )
             self.conversions[name] = conversions
             self.keep[name] = keep & theirs if common_subset else keep
 
