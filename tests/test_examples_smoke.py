@@ -361,7 +361,7 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
     # The same checkpoint into the unfused model: torchtitan converts its model entry, the
     # EMA's is converted too (logged); torchtitan does not convert its optimizer's state, so
     # the optimizer starts afresh, as for a fine-tune. The EMA starts late (no update in
-    # steps 3-4), so the final save's EMA folder holds the converted step-2 EMA exactly.
+    # steps 3-4), so the final (full) checkpoint holds the converted step-2 EMA exactly.
     unfused = [
         "dataloader,optimizer,lr_scheduler" if f == "dataloader" else
         f.replace("titan_models.sdpa_on_cpu", "titan_models.sdpa_on_cpu,titan_models.unfused_qkv")
@@ -370,7 +370,7 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
     out = _run([*launch, *unfused, "--training.steps=4", "--checkpoint.load_step=2",
                 "--ema.start_step=100"], tmp_path, nproc=1, env_extra=env, timeout=600)  # fmt: skip
     converted = re.findall(r"EMA (decay_0_\d): converted (\d+) Q/K/V projection\(s\)", out)
-    assert converted == [("decay_0_9", "2"), ("decay_0_5", "2")], out[-3000:]
+    assert converted == [("decay_0_9", "6"), ("decay_0_5", "6")], out[-3000:]  # 6 layers
     assert "Training starts at step 3" in out, out[-3000:]
     fused = checkpoint / "step-2"
     for name in ("decay_0_9", "decay_0_5"):
@@ -380,7 +380,9 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
         # torchtitan's fused layout, per head (16 heads, 16 KV heads, head_dim 16): q, k, v
         rows = saved[key].reshape(16, 3, 16, 256)
         want = {w: rows[:, i].reshape(256, 256) for i, w in enumerate(("wq", "wk", "wv"))}
-        got = {f"layers.1.attention.qkv_linear.{w}.weight": torch.empty(256, 256) for w in want}
-        dcp.load(got, checkpoint_id=str(checkpoint / "step-4" / "ema" / name))
+        got = {f"ema.{name}.ema.layers.1.attention.qkv_linear.{w}.weight": torch.empty(256, 256)
+               for w in want}  # fmt: skip
+        dcp.load(got, checkpoint_id=str(checkpoint / "step-4"))  # a full one: the EMA in it
         for w, value in want.items():
-            assert torch.equal(got[f"layers.1.attention.qkv_linear.{w}.weight"], value), (name, w)
+            assert torch.equal(got[f"ema.{name}.ema.layers.1.attention.qkv_linear.{w}.weight"],
+                               value), (name, w)  # fmt: skip

@@ -19,13 +19,23 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtensor_ema._collectives import agree, all_reduce, reduce_device
+from dtensor_ema.model_keys import live_tensors, to_model_keys
+
+if TYPE_CHECKING:
+    from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 
 __all__ = [
+    "EXPORT_BUCKET_BYTES",
     "HF_FILE",
     "SafetensorsFile",
     "StateDictAdapter",
@@ -34,6 +44,7 @@ __all__ = [
     "export_hf",
     "hf_layout",
     "keys_mapped_jointly",
+    "stream_hf",
     "write_hf_tensors",
 ]
 
@@ -282,3 +293,189 @@ def export_hf(
         raise RuntimeError(f"{stream.path}: {missing[:5]} were not written")
     copy_hf_configs(sd_adapter, out)
     return stream.path
+
+
+EXPORT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Default bound on the full tensors one bucket of :func:`stream_hf` gathers."""
+
+
+def stream_hf(
+    ema: TorchtitanEMA,
+    model_parts: list[nn.Module],
+    sd_adapter: StateDictAdapter,
+    path: str | os.PathLike[str],
+    *,
+    stage_ranks: Sequence[int] | None = None,
+    name: str | None = None,
+    raw: bool = False,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = EXPORT_BUCKET_BYTES,
+) -> Path | None:
+    """Write EMA ``name`` of ``ema`` (default: the first), or with ``raw=True`` the weights
+    of ``model_parts``, as ``path/model.safetensors`` in Hugging Face format, streamed.
+
+    **Collective**: every rank of the default process group calls it. The header (every HF
+    tensor's name, shape, dtype and byte range, from ``to_hf`` on meta tensors of the whole
+    model: one ``all_gather_object`` of the ranks' key lists) is written by rank 0 first;
+    then each model part is gathered bucket by bucket
+    (:meth:`dtensor_ema.ModelEMA.iter_state_dict`: at most ``bucket_bytes`` of full
+    tensors, or one larger tensor, per bucket) to one writer per pipeline stage, which
+    converts each tensor with ``to_hf`` and writes it at its offset in the file
+    (:class:`SafetensorsFile`). Without pipeline parallelism (``stage_ranks=None``) rank 0
+    writes everything, the buckets gathered to it alone; with it (``stage_ranks``: the
+    global ranks of this rank's stage) the stage holding rank 0 writes through rank 0,
+    every other stage through its first rank (the stage all-gathers each bucket), so
+    ``path`` must be on a file system every rank sees. Then one sum all-reduce of the
+    tensors written (each exactly once) and one flag all-reduce, so that a failed write
+    raises on every rank, with the failing rank's message.
+
+    Peak extra memory per rank: one bucket (``bucket_bytes``, or the largest tensor when
+    that is larger) plus one tensor in flight (what ``to_hf`` and the cast to ``dtype``
+    allocate for it: torchtitan's Llama adapter permutes Q and K into a copy); measured in
+    ``benchmarks/export_hf_memory.py``. Ranks that receive no bucket hold their send buffer
+    only. ``raw=True`` with the EMA disabled reads each part's own ``state_dict()`` (its
+    hooks gather every fused ``wqkv`` first), one gathered tensor at a time.
+
+    Args:
+        ema: the EMA (its model parts are ``model_parts``).
+        model_parts: this rank's model parts (one per pipeline stage it holds).
+        sd_adapter: the model spec's adapter; its ``hf_assets_path``'s ``config.json`` and
+            ``generation_config.json`` are copied beside the weights.
+        path: output folder (created).
+        stage_ranks: the global ranks of this rank's pipeline stage; ``None`` without
+            pipeline parallelism.
+        name: the EMA to write (default: the first).
+        raw: write the model's weights instead.
+        dtype: cast floating-point tensors to it; ``None`` keeps the model's.
+        bucket_bytes: bound on one bucket's full tensors.
+
+    Returns:
+        The written file on rank 0, ``None`` elsewhere.
+
+    Raises:
+        NotImplementedError: an adapter whose ``to_hf`` maps some keys only together
+            (:func:`keys_mapped_jointly`), with pipeline parallelism; without it each
+            model part is then converted whole on rank 0.
+        KeyError: no EMA is called ``name``.
+        ValueError: ``to_hf`` would drop keys (on every rank).
+        OSError: a writer could not write ``path`` (on every rank).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ranks = list(stage_ranks) if stage_ranks is not None else [0]
+    writer, with_rank0 = min(ranks), 0 in ranks
+    specs: dict[str, Spec] = {}
+    for part_specs in _all_ranks(_model_key_specs(model_parts)):
+        specs.update(part_specs)
+    check_to_hf_keys(sd_adapter, _meta(specs))
+    joint = keys_mapped_jointly(sd_adapter, specs)
+    if joint and stage_ranks is not None:
+        raise NotImplementedError(
+            f"{type(sd_adapter).__name__}.to_hf maps {joint[:3]} only together with other "
+            "keys: a streamed export under pipeline parallelism converts key by key"
+        )
+    key = _ema_name(ema, name, raw)
+    out = SafetensorsFile(Path(path) / HF_FILE, hf_layout(sd_adapter, specs, dtype))
+    group = dist.group.WORLD if dist.is_initialized() else None
+    what = f"exporting to {path} in Hugging Face format"
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            out.create()
+        except OSError as e:
+            error = e
+    agree(group, error, what)
+    pieces = _pieces(
+        ema, model_parts, key, raw, with_rank0=with_rank0,
+        bucket_bytes=sys.maxsize if joint else bucket_bytes,
+    )  # fmt: skip
+    for piece in pieces:  # every rank drains every gather, also after a failed write
+        if rank == writer and error is None:
+            try:
+                if joint:
+                    for hf_key, value in sd_adapter.to_hf(piece).items():
+                        out.write(hf_key, value.detach().to(out.layout[hf_key][1]))
+                else:
+                    write_hf_tensors(out, piece, sd_adapter)
+            except Exception as e:  # the other ranks must not wait for this one
+                error = e
+        piece.clear()
+    written = torch.tensor([len(out.written)], dtype=torch.int64)
+    if group is not None:
+        written = written.to(reduce_device(group))
+        all_reduce(written, group)
+    if rank == 0 and error is None:
+        try:
+            if int(written.item()) != len(out.layout) or len(set(out.written)) != len(out.written):
+                raise RuntimeError(
+                    f"{out.path}: {int(written.item())} tensors written, {len(out.layout)} in "
+                    "its header"
+                )
+            copy_hf_configs(sd_adapter, out.path.parent)
+        except (OSError, RuntimeError) as e:
+            error = e
+    agree(group, error, what)
+    return out.path if rank == 0 else None
+
+
+def _ema_name(ema: TorchtitanEMA, name: str | None, raw: bool) -> str | None:
+    """The EMA to read (for ``raw``, any: its plan reads the model); ``None`` when
+    disabled (raw only)."""
+    if not ema.names:
+        if not raw:
+            raise RuntimeError("the EMA is disabled (config.enable=False)")
+        return None
+    key = ema.names[0] if name is None else name
+    if key not in ema.names:
+        raise KeyError(f"no EMA named {key!r}; the EMAs are {ema.names}")
+    return key
+
+
+def _pieces(
+    ema: TorchtitanEMA,
+    model_parts: list[nn.Module],
+    key: str | None,
+    raw: bool,
+    *,
+    with_rank0: bool,
+    bucket_bytes: int,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Full CPU tensors of this rank's model parts, keyed like the model, bucket by bucket
+    (gathered to rank 0 alone in its stage, to every rank of the others). Collective over
+    each part's mesh."""
+    if key is None:
+        keep = not with_rank0 or not dist.is_initialized() or dist.get_rank() == 0
+        for part in model_parts:
+            for k, value in part.state_dict().items():
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                yield {k: full.detach().to("cpu", copy=True)} if keep else {}
+        return
+    for emas in ema.parts:
+        yield from emas[key].iter_state_dict(
+            "model" if raw else "ema",
+            only_rank0_receives=with_rank0,
+            cpu_offload=True,
+            bucket_bytes=bucket_bytes,
+        )
+
+
+def _model_key_specs(parts: list[nn.Module]) -> dict[str, Spec]:
+    """``model key -> (global shape, dtype)`` of the parts' ``state_dict()`` (their hooks
+    run on meta tensors: torchtitan's fused ``wqkv`` gives ``wq``/``wk``/``wv``). Local."""
+    out: dict[str, Spec] = {}
+    for part in parts:
+        meta = {
+            k: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+            for k, t in live_tensors(part).items()
+        }
+        out.update({k: _spec(v) for k, v in to_model_keys(part, meta).items()})
+    return out
+
+
+def _all_ranks(value: Any) -> list[Any]:
+    """``value`` of every rank (``all_gather_object`` over the default group; ``[value]``
+    without one). Collective."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

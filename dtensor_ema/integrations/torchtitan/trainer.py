@@ -39,16 +39,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import MODEL, TRAIN_STATE, CheckpointManager
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.validate import Validator
@@ -59,16 +56,11 @@ from dtensor_ema._collectives import agree, group_of
 from dtensor_ema.integrations._common import is_rank0
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.hf import (
-    HF_FILE,
-    SafetensorsFile,
+    EXPORT_BUCKET_BYTES,
     check_to_hf_keys,
-    copy_hf_configs,
-    hf_layout,
-    keys_mapped_jointly,
-    write_hf_tensors,
+    stream_hf,
 )
 from dtensor_ema.integrations.torchtitan.resume import EMALoad, saved_emas
-from dtensor_ema.model_keys import live_tensors, to_model_keys
 from dtensor_ema.reader import Checkpoint, open_checkpoint
 
 __all__ = ["EMA", "EMACheckpointManager", "EMATrainer", "EMAValidator", "stage_mesh", "with_ema"]
@@ -77,9 +69,6 @@ logger = logging.getLogger(__name__)
 
 EMA = "ema"
 """The key of the EMA in the checkpoint manager's ``states`` (and so in the checkpoint)."""
-
-EXPORT_BUCKET_BYTES = 256 * 1024 * 1024
-"""Default bound on the full tensors one bucket of :meth:`EMATrainer.export_hf` gathers."""
 
 EMA_LOSS = "validation_metrics/ema_loss"
 """Prefix of the validator's EMA metrics: ``validation_metrics/ema_loss/<name>``."""
@@ -416,120 +405,36 @@ class EMATrainer(Trainer):
     ) -> Path | None:
         """Write EMA ``name`` (default: the first), or with ``raw=True`` the model's own
         weights, in Hugging Face format to ``path/model.safetensors`` through the model
-        spec's ``state_dict_adapter``, streamed: no rank ever holds the whole model.
-
-        **Collective**: every rank calls it. The header (every HF tensor's name, shape,
-        dtype and byte range, from ``to_hf`` on meta tensors of the whole model: one
-        ``all_gather_object`` of the ranks' key lists) is written by rank 0 first; then
-        each model part is gathered bucket by bucket (:meth:`dtensor_ema.ModelEMA.iter_state_dict`,
-        at most ``bucket_bytes`` of full tensors, or one larger tensor, per bucket) to one
-        writer per pipeline stage, which converts each tensor with ``to_hf`` and writes it
-        at its offset in the file
-        (:class:`~dtensor_ema.integrations.torchtitan.hf.SafetensorsFile`).
-        Without pipeline parallelism rank 0 writes everything (the buckets are gathered to
-        it alone); with it, the stage holding rank 0 writes through rank 0, every other
-        stage through its first rank (the stage all-gathers each bucket): ``path`` must be
-        on a file system every rank sees. Then one flag all-reduce, so that a failed write
-        raises on every rank, with the failing rank's message.
-
-        Peak extra memory per rank: one bucket (``bucket_bytes``, or the largest tensor
-        when that is larger) plus one tensor in flight (what ``to_hf`` and the cast to
-        ``dtype`` allocate for it: torchtitan's Llama adapter permutes Q and K into a
-        copy); measured in ``benchmarks/export_hf_memory.py``. Ranks that receive no
-        bucket hold their send buffer only. ``raw=True`` with the EMA disabled reads the
-        model's own ``state_dict()`` (its hooks gather every fused ``wqkv`` first), one
-        gathered tensor at a time.
+        spec's ``state_dict_adapter``, streamed: no rank ever holds the whole model
+        (:func:`~dtensor_ema.integrations.torchtitan.hf.stream_hf`, with one writer per
+        pipeline stage; every rank calls it). Peak extra memory per rank: one bucket
+        (``bucket_bytes`` of full tensors, or the largest tensor when larger) plus one
+        tensor in flight.
 
         Returns:
             The written file on rank 0, ``None`` elsewhere.
 
         Raises:
-            NotImplementedError: a model spec without ``state_dict_adapter``; an adapter
-                whose ``to_hf`` maps some keys only together, with pipeline parallelism
-                (without it, each model part is then converted whole on rank 0).
-            ValueError: ``to_hf`` would drop keys (on every rank).
-            OSError: a writer could not write ``path`` (on every rank).
+            NotImplementedError: a model spec without ``state_dict_adapter``; see
+                :func:`~dtensor_ema.integrations.torchtitan.hf.stream_hf` for the others.
         """
         spec = self.config.model_spec
         assert spec is not None
         if spec.state_dict_adapter is None:
             raise NotImplementedError(f"model {spec.name} has no state_dict_adapter (no HF format)")
         adapter = spec.state_dict_adapter(self.model_config, self.config.hf_assets_path)
-        rank = dist.get_rank() if dist.is_initialized() else 0
         stage = stage_mesh(self.parallel_dims)
-        ranks = stage.mesh.flatten().tolist() if stage is not None else [0]
-        writer, with_rank0 = min(ranks), 0 in ranks
-        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for part_specs in _all_ranks(_model_key_specs(self.model_parts)):
-            specs.update(part_specs)
-        check_to_hf_keys(
-            adapter, {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in specs.items()}
+        return stream_hf(
+            self.ema,
+            self.model_parts,
+            adapter,
+            path,
+            stage_ranks=None if stage is None else stage.mesh.flatten().tolist(),
+            name=name,
+            raw=raw,
+            dtype=dtype,
+            bucket_bytes=bucket_bytes,
         )
-        joint = keys_mapped_jointly(adapter, specs)
-        if joint and stage is not None:
-            raise NotImplementedError(
-                f"{type(adapter).__name__}.to_hf maps {joint[:3]} only together with other "
-                "keys: a streamed export under pipeline parallelism converts key by key"
-            )
-        out = SafetensorsFile(Path(path) / HF_FILE, hf_layout(adapter, specs, dtype))
-        what = f"exporting to {path} in Hugging Face format"
-        error: Exception | None = None
-        if rank == 0:
-            try:
-                out.create()
-            except OSError as e:
-                error = e
-        agree(group_of(None), error, what)
-        pieces = self._export_pieces(
-            raw, name, with_rank0=with_rank0, bucket_bytes=sys.maxsize if joint else bucket_bytes
-        )
-        for piece in pieces:  # every rank drains every gather, also after a failed write
-            if rank == writer and error is None:
-                try:
-                    if joint:
-                        for key, value in adapter.to_hf(piece).items():
-                            out.write(key, value.detach().to(out.layout[key][1]))
-                    else:
-                        write_hf_tensors(out, piece, adapter)
-                except Exception as e:  # the other ranks must not wait for this one
-                    error = e
-            piece.clear()
-        written = [k for keys in _all_ranks(out.written) for k in keys]
-        if rank == 0 and error is None:
-            missing = sorted(set(out.layout) - set(written))
-            twice = sorted({k for k in written if written.count(k) > 1})
-            try:
-                if missing or twice:
-                    raise RuntimeError(f"{out.path}: not written {missing[:5]}, twice {twice[:5]}")
-                copy_hf_configs(adapter, out.path.parent)
-            except (OSError, RuntimeError) as e:
-                error = e
-        agree(group_of(None), error, what)
-        return out.path if rank == 0 else None
-
-    def _export_pieces(
-        self, raw: bool, name: str | None, *, with_rank0: bool, bucket_bytes: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        """Full CPU tensors of this rank's model parts, keyed like the model, bucket by
-        bucket (gathered to rank 0 alone in its stage, to every rank of the others).
-        Collective over each part's mesh."""
-        if raw and not self.ema.names:
-            for part in self.model_parts:
-                for key, value in part.state_dict().items():
-                    full = value.full_tensor() if isinstance(value, DTensor) else value
-                    keep = not with_rank0 or not dist.is_initialized() or dist.get_rank() == 0
-                    yield {key: full.detach().to("cpu", copy=True)} if keep else {}
-            return
-        key = self.ema.names[0] if name is None else name
-        if key not in self.ema.names:
-            raise KeyError(f"no EMA named {key!r}; the EMAs are {self.ema.names}")
-        for emas in self.ema.parts:
-            yield from emas[key].iter_state_dict(
-                "model" if raw else "ema",
-                only_rank0_receives=with_rank0,
-                cpu_offload=True,
-                bucket_bytes=bucket_bytes,
-            )
 
 
 def with_ema(
@@ -673,26 +578,3 @@ def _saved_ema(checkpoint_id: str) -> dict[str, set[str]] | None:
     Raises as :func:`_local_checkpoint`."""
     checkpoint = _local_checkpoint(checkpoint_id)
     return None if checkpoint is None else saved_emas(checkpoint)
-
-
-def _model_key_specs(parts: list[nn.Module]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``model key -> (global shape, dtype)`` of the parts' ``state_dict()`` (their hooks
-    run on meta tensors: torchtitan's fused ``wqkv`` gives ``wq``/``wk``/``wv``). Local."""
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for part in parts:
-        meta = {
-            k: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-            for k, t in live_tensors(part).items()
-        }
-        out.update({k: (tuple(v.shape), v.dtype) for k, v in to_model_keys(part, meta).items()})
-    return out
-
-
-def _all_ranks(value: Any) -> list[Any]:
-    """``value`` of every rank (``all_gather_object`` over the default group; ``[value]``
-    without one). Collective."""
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
