@@ -290,6 +290,41 @@ def test_torchtitan_ema_load_state_dict_common_subset() -> None:
     assert find_conversions(fused, {"x"}, {}) == []
 
 
+def test_iter_state_dict_streams_bucket_by_bucket(tmp_path: Path) -> None:
+    """What the streamed HF export reads: ``ModelEMA.iter_state_dict`` gives the EMA's
+    whole state dict (the model's hooks applied: ``wq``/``wk``/``wv`` of the fused
+    ``wqkv``) in pieces of at most ``bucket_bytes`` of full tensors, a larger tensor alone,
+    a fused ``wqkv``'s three outputs in one piece; and ``stream_hf`` writes, with a
+    bucket far below the model, the file ``export_hf`` writes from the whole dict."""
+    from safetensors.torch import load_file
+    from torchtitan.models.llama3 import model_registry
+
+    from dtensor_ema.integrations.torchtitan import export_hf
+    from dtensor_ema.integrations.torchtitan.hf import stream_hf
+
+    model = _titan()
+    ema = _perturbed_ema(model, TorchtitanEMA.Config(enable=True, decays=[0.9]))
+    whole = ema.get_ema_state_dict()
+    bucket = 200_000
+    pieces = list(ema["decay_0_9"].iter_state_dict(bucket_bytes=bucket))
+    assert len(pieces) > 5
+    merged: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        nbytes = sum(v.numel() * v.element_size() for v in piece.values())
+        assert nbytes <= bucket or len({k.rsplit(".", 2)[0] for k in piece}) == 1, list(piece)
+        assert not set(piece) & set(merged)
+        merged.update(piece)
+    assert list(merged) == list(whole) and _differ(merged, whole) == []
+    wq = "layers.0.attention.qkv_linear.wq.weight"
+    (with_q,) = [p for p in pieces if wq in p]
+    assert {wq.replace("wq", w) for w in ("wk", "wv")} <= set(with_q)
+    spec = model_registry("debugmodel")
+    adapter = spec.state_dict_adapter(spec.model, None)
+    streamed = load_file(stream_hf(ema, [model], adapter, tmp_path / "s", bucket_bytes=bucket))
+    written = load_file(export_hf(whole, adapter, tmp_path / "w"))
+    assert streamed.keys() == written.keys() and _differ(streamed, written) == []
+
+
 def _perturbed_ema(model: nn.Module, config: TorchtitanEMA.Config) -> TorchtitanEMA:
     """An EMA of ``model`` one step away from its weights (weights moved, then a step)."""
     ema = TorchtitanEMA(config, model_parts=[model])
