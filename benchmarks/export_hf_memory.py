@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import shutil
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from rss import reset_peak, status_kib  # noqa: E402
 from shapes import fake_world, materialize  # noqa: E402
 
 from dtensor_ema.integrations.torchtitan import TorchtitanEMA  # noqa: E402
@@ -48,21 +48,13 @@ from dtensor_ema.integrations.torchtitan.hf import export_hf, stream_hf  # noqa:
 MIB = 1024 * 1024
 
 
-def _status_kib(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    assert match is not None, field
-    return int(match.group(1))
-
-
 def _peak_mib(fn: Any) -> float:
     """Peak resident MiB above the resident size before ``fn()``."""
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = _status_kib("VmRSS")
+    before = reset_peak()
     fn()
     gc.collect()
-    return (_status_kib("VmHWM") - before) / 1024
+    return (status_kib("VmHWM") - before) / 1024
 
 
 def _build(spec: Any, tag: str) -> tuple[Any, Any]:
