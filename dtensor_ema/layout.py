@@ -804,10 +804,18 @@ class PlanEntry:
     def whole_view(self) -> torch.Tensor | None:
         """The model's whole value of a tensor it also holds in pieces, when it holds one
         now (a ZeRO-3 parameter between a gather and its release: persistent ones after a
-        forward), which a swap must keep equal to the pieces; else ``None``. Local."""
+        step, every one after a forward without backward), which a swap must keep equal to
+        the pieces; else ``None``. Local."""
         if self.layout.flat is None:
             return None
         return zero_partition.whole_view(self.source)
+
+    def drop_cached_copies(self) -> None:
+        """Forget the model's cached copies of the piece after it was written (ZeRO++ hpZ's
+        secondary partition, rebuilt by DeepSpeed from the whole parameter on its next
+        release). Local."""
+        if self.layout.flat is not None:
+            zero_partition.drop_secondary(self.source)
 
     @property
     def mesh(self) -> DeviceMesh | None:

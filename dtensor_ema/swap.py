@@ -11,9 +11,12 @@ DDP does not keep identical across ranks, are backed up whole).
 
 A ZeRO-3 parameter's piece is its partition, which DeepSpeed's own forward gathers: writing
 the EMA there is the whole swap, with no copy of the model. Where DeepSpeed also holds a
-parameter whole beside its partition (persistent parameters after a forward), the next
-forward reads the whole copy instead, so it is refreshed from the pieces after each write
-(:func:`_refresh_wholes`: one flat all-gather of those small tensors on entry and on exit).
+parameter whole beside its partition (persistent parameters after a step; every parameter
+after a forward without backward, such as an evaluation), the next forward reads the whole
+copy instead, so it is refreshed from the pieces after each write
+(:func:`_refresh_wholes`: bucketed flat all-gathers of those tensors on entry and on exit),
+and ZeRO++ hpZ's secondary partitions (copies that backward gathers from) are dropped, as
+DeepSpeed drops them after each optimizer step.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ def swapped_in(plan: EmaPlan, model: nn.Module, bucket_bytes: int) -> Iterator[N
 
     Peak extra memory: the backup (this rank's EMA-sized rows of each parameter, ``1/W`` of
     the swapped bytes; full local copies of plain buffers) plus one gathered bucket (at most
-    ``bucket_bytes``, twice: the received rows and the rebuilt tensors), plus, for ZeRO-3
-    parameters DeepSpeed holds whole (persistent ones after a forward), one gathered copy
-    of those.
+    ``bucket_bytes``, twice: the received rows and the rebuilt tensors); for ZeRO-3
+    parameters DeepSpeed holds whole (persistent ones after a step, every one after a
+    forward without backward), one bucket of their gathered values.
     """
     reshard_fsdp(model)
     backups = [_backup(entry) for entry in plan]
@@ -92,18 +95,36 @@ def _restore(entries: Sequence[PlanEntry], backups: Sequence[Backup], bucket_byt
 
 def _refresh_wholes(entries: Sequence[PlanEntry], bucket_bytes: int) -> None:
     """Write the model's whole copies (:meth:`~dtensor_ema.layout.PlanEntry.whole_view`)
-    from its pieces, which were just written. **Collective** over those entries' meshes
-    when any has one (DeepSpeed keeps the ranks in the same state); nothing otherwise."""
-    wholes = [(e, w) for e in entries if (w := e.whole_view()) is not None]
-    if not wholes:
-        return
+    from its pieces, which were just written, and drop its cached copies of them
+    (:meth:`~dtensor_ema.layout.PlanEntry.drop_cached_copies`). **Collective** over those
+    entries' meshes when any has a whole copy (DeepSpeed keeps the ranks in the same
+    state); nothing otherwise. Gathered in runs of at most ``bucket_bytes`` whole bytes."""
+    for entry in entries:
+        entry.drop_cached_copies()
+    run: list[tuple[PlanEntry, torch.Tensor]] = []
+    size = 0
+    for entry in entries:
+        whole = entry.whole_view()
+        if whole is None:
+            continue
+        nbytes = whole.numel() * whole.element_size()
+        if run and size + nbytes > bucket_bytes:
+            _write_wholes(run, bucket_bytes)
+            run, size = [], 0
+        run.append((entry, whole))
+        size += nbytes
+    if run:
+        _write_wholes(run, bucket_bytes)
+
+
+def _write_wholes(run: list[tuple[PlanEntry, torch.Tensor]], bucket_bytes: int) -> None:
     pieces = [
         LocalPiece(e.fqn, e.source_piece, e.ema.shape, e.layout.mesh, e.layout.placements, w.dtype)
-        for e, w in wholes
+        for e, w in run
     ]
     full = gather_full_tensors(pieces, bucket_bytes=bucket_bytes)
-    for entry, whole in wholes:
-        whole.copy_(full[entry.fqn].view(whole.shape))
+    for entry, whole in run:
+        whole.copy_(full.pop(entry.fqn).view(whole.shape))
 
 
 def _backup(entry: PlanEntry) -> Backup:

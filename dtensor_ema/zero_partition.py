@@ -9,8 +9,12 @@ model built inside ``deepspeed.zero.Init``) every parameter ``p`` of the module 
   flattened tensor with ``c = ceil(ds_numel / W)`` over ``p.ds_process_group`` (``W`` ranks,
   this one ``r``); the last ranks' ranges run past ``ds_numel`` and are padding,
 * ``p.ds_persist``: small parameters (``stage3_param_persistence_threshold``) that stay
-  whole on every rank after the first forward, beside their partition (``p.ds_status`` is
-  ``AVAILABLE`` then, and ``p`` has its real shape).
+  whole on every rank beside their partition once trained (DeepSpeed gathers them after
+  every optimizer step); ``p.ds_status`` is ``AVAILABLE`` then and ``p`` has its real
+  shape. A forward without backward (an evaluation) leaves every parameter whole that
+  way until the next step,
+* ``p.ds_secondary_tensor``: with ZeRO++ hpZ (``zero_hpz_partition_size > 1``), a second,
+  node-local partition that backward gathers from; DeepSpeed drops it after each step.
 
 The optimizer writes the partition (and gathers persistent parameters from it after each
 step), so the partition is what the EMA reads, before and after any forward: the padding
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "drop_secondary",
     "is_partitioned",
     "partition_group",
     "partition_piece",
@@ -40,8 +45,6 @@ __all__ = [
     "unwrap_engine",
     "whole_view",
 ]
-
-_ADVICE = "(deepspeed.initialize with zero_optimization.stage 3 and these defaults works)"
 
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
@@ -79,7 +82,8 @@ def partition_piece(param: torch.Tensor) -> torch.Tensor:
 
 def whole_view(param: torch.Tensor) -> torch.Tensor | None:
     """The parameter's whole value when DeepSpeed holds one beside the partition (a
-    persistent parameter after a forward, or any parameter while gathered): a view of
+    persistent parameter after a step, any parameter after a forward without backward):
+    a view of
     ``param`` in its real shape, which the next forward reads instead of the partition.
     ``None`` between gathers."""
     status = getattr(param, "ds_status", None)
@@ -87,6 +91,15 @@ def whole_view(param: torch.Tensor) -> torch.Tensor | None:
     if getattr(status, "name", None) == "AVAILABLE" and whole:
         return param.detach().view(real_shape(param))
     return None
+
+
+def drop_secondary(param: torch.Tensor) -> None:
+    """Forget the ZeRO++ hpZ secondary partition (``zero_hpz_partition_size > 1``: a copy
+    of the partition that backward gathers from), as DeepSpeed does after each optimizer
+    step, so that nothing reads it after the partition was written; the next release
+    builds it again from the whole parameter. Local."""
+    if getattr(param, "ds_secondary_tensor", None) is not None:
+        param.ds_secondary_tensor = None  # type: ignore[attr-defined]
 
 
 def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -> str | None:
@@ -107,19 +120,13 @@ def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -
         return (
             f"{fqn!r}: ZeRO-3 parameter offload to NVMe (offload_param.device='nvme') keeps "
             "the partitions on disk between uses, where the EMA cannot read them in place; "
-            "set offload_param.device to 'cpu' or 'none' " + _ADVICE
+            "set offload_param.device to 'cpu' or 'none'"
         )
     if hasattr(ds_tensor, "ds_quant_scale"):
         return (
             f"{fqn!r}: its ZeRO-3 partition is quantized (zero_quantized_nontrainable_weights)"
             ": it holds int8 codes, not weights; set zero_quantized_nontrainable_weights to "
-            "false " + _ADVICE
-        )
-    if getattr(param, "ds_zero_param_process_group", None) is not None:
-        return (
-            f"{fqn!r}: ZeRO++ hierarchical partitioning (zero_hpz_partition_size > 1) keeps a "
-            "second partition the next forward reads, which evaluating the EMA in place "
-            "would leave stale; set zero_hpz_partition_size to 1 " + _ADVICE
+            "false"
         )
     group = partition_group(param)
     group_ranks = dist.get_process_group_ranks(group)
@@ -142,7 +149,7 @@ def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -
             f"{fqn!r}: its ZeRO-3 partition lives on {ds_tensor.device.type} "
             f"(offload_param.device='cpu'?) while the EMA's mesh is on {device_type!r}: "
             "the EMA's gathers would run on that group with tensors of the other device; "
-            "set offload_param.device to 'none' " + _ADVICE
+            "set offload_param.device to 'none'"
         )
     if not ds_tensor.is_floating_point() or ds_tensor.dtype != param.dtype:
         return (
