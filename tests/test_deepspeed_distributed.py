@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,7 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ ZeRO-3 fp32
-def zero3_fp32(tmp: Path, plan: dict[str, Any]) -> dict[str, Any]:
+def zero3_fp32(out: dict[str, Any], tmp: Path, plan: dict[str, Any]) -> None:
     """The fp32 ZeRO-3 engine: two EMAs (one built before any forward through the engine,
     one through ``engine.module`` after a step, when the persistent parameters are whole)
     against references, then evaluation, full state dicts, export, a checkpoint, and the
@@ -171,7 +172,7 @@ def zero3_fp32(tmp: Path, plan: dict[str, Any]) -> dict[str, Any]:
 
     engine = _engine(_config(3))
     module = engine.module
-    out: dict[str, Any] = {"keys": list(Net().state_dict())}
+    out["keys"] = list(Net().state_dict())
     before = ModelEMA(engine, decay=DECAY, tau=None)
     ref_before = ReferenceEMA(gathered(module), DECAY, None)
     out["whole_at_build"] = _whole(module)
@@ -262,7 +263,6 @@ def zero3_fp32(tmp: Path, plan: dict[str, Any]) -> dict[str, Any]:
         out["saved"] = ref_before.ema
     out["loads"] = _load_into_zero3(module, plan.get("load", []))
     out["refusals"] = _refusals(engine, before)
-    return out
 
 
 def _valid(param: nn.Parameter) -> int:
@@ -318,7 +318,7 @@ def _refusals(engine: Any, ema: Any) -> dict[str, str | None]:
 
 
 # ------------------------------------------------------------------------------ ZeRO-3 bf16
-def zero3_bf16() -> dict[str, Any]:
+def zero3_bf16(out: dict[str, Any]) -> None:
     """bf16 ZeRO-3: an fp32 EMA of the bf16 partitions, one fused pass, bit-exact; the first
     evaluation runs before any training forward (persistent parameters partitioned on
     entry, whole on exit)."""
@@ -328,12 +328,14 @@ def zero3_bf16() -> dict[str, Any]:
     module = engine.module
     ema = ModelEMA(engine, decay=DECAY, tau=None)
     ref = ReferenceEMA(gathered(module), DECAY, None)
-    out: dict[str, Any] = {
-        "dtypes": sorted({str(e.ema_local.dtype) for e in ema.engine.plan}),
-        "model_dtype": str(next(module.parameters()).dtype),
-        "groups": sorted(str(g.source_locals[0].dtype) for g in ema.engine.groups),
-        "buffer_dtype": str(module.scale.dtype),
-    }
+    out.update(
+        {
+            "dtypes": sorted({str(e.ema_local.dtype) for e in ema.engine.plan}),
+            "model_dtype": str(next(module.parameters()).dtype),
+            "groups": sorted(str(g.source_locals[0].dtype) for g in ema.engine.groups),
+            "buffer_dtype": str(module.scale.dtype),
+        }
+    )
     x = _batch(98, torch.bfloat16)
     raw = gathered(module)
     out["whole_before"] = _whole(module)
@@ -349,7 +351,6 @@ def zero3_bf16() -> dict[str, Any]:
         ref.update(gathered(module))
         steps.append(_local_mismatches(ema, ref.ema))
     out["steps"] = steps
-    return out
 
 
 def _local_mismatches(ema: Any, expected: dict[str, torch.Tensor]) -> list[str]:
@@ -374,7 +375,7 @@ def _local_mismatches(ema: Any, expected: dict[str, torch.Tensor]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- other engines
-def zero_init_first() -> dict[str, Any]:
+def zero_init_first(out: dict[str, Any]) -> None:
     """An EMA built on a model partitioned by ``deepspeed.zero.Init``, before
     ``deepspeed.initialize`` moves every partition into the optimizer's flat buffers: the
     EMA follows them."""
@@ -397,44 +398,46 @@ def zero_init_first() -> dict[str, Any]:
         ema.update()
         ref.update(gathered(model))
         steps.append(mismatches(ema.get_ema_state_dict(), ref.ema))
-    return {"moved": moved, "steps": steps}
+    out.update(moved=moved, steps=steps)
 
 
-def hpz(world_size: int) -> dict[str, Any]:
-    """ZeRO++ hpZ (a secondary partition backward gathers from): an evaluation between
-    steps leaves training exactly where a twin without it goes."""
+def hpz(out: dict[str, Any], world_size: int) -> None:
+    """ZeRO++ hpZ: a micro-step's backward leaves secondary partitions (copies that every
+    gather reads while they exist) until the optimizer step; an evaluation in the middle
+    of gradient accumulation must compute with the EMA, and the training after it must
+    equal a twin's that never evaluated."""
     from dtensor_ema import ModelEMA
 
-    config = _config(3, zero_hpz_partition_size=world_size)
+    config = {**_config(3, zero_hpz_partition_size=world_size), "gradient_accumulation_steps": 2}
     engine, twin = _engine(config), _engine(config)
     ema = ModelEMA(engine, decay=DECAY, tau=None)
     ref = ReferenceEMA(gathered(engine.module), DECAY, None)
-    steps = []
+    steps, secondaries = [], []
     for step in range(STEPS):
-        _train_step(engine, step)
-        _train_step(twin, step)
-        ema.update()
-        ref.update(gathered(engine.module))
-        steps.append(mismatches(ema.get_ema_state_dict(), ref.ema))
-        engine.eval()
-        with torch.no_grad():
-            engine(_batch(50 + step))  # builds the secondary partitions from raw weights
+        for model in (engine, twin):
+            _train_step(model, 2 * step)  # a micro-step: no optimizer step yet
+        secondaries.append(
+            sum(p.ds_secondary_tensor is not None for p in engine.module.parameters())
+        )
         x = _batch(60 + step)
+        engine.eval()
         with ema.average_parameters(), torch.no_grad():
             y = engine(x)
         steps.append([] if torch.equal(y, _plain(ref.ema, torch.float32)(x)) else ["forward"])
-    return {
-        "steps": steps,
-        "twin": mismatches(gathered(engine.module), gathered(twin.module)),
-    }
+        for model in (engine, twin):
+            _train_step(model, 2 * step + 1)  # the optimizer step
+        ema.update()
+        ref.update(gathered(engine.module))
+        steps.append(mismatches(ema.get_ema_state_dict(), ref.ema))
+    out.update(steps=steps, secondaries=secondaries)
+    out["twin"] = mismatches(gathered(engine.module), gathered(twin.module))
 
 
-def zero012() -> dict[str, Any]:
+def zero012(out: dict[str, Any]) -> None:
     """Stages 0-2 keep whole parameters on every rank: ``ModelEMA(engine)`` and
     ``ModelEMA(engine.module)`` give the plain model's keys and the reference's values."""
     from dtensor_ema import ModelEMA
 
-    out = {}
     for stage in (0, 1, 2):
         engine = _engine(_config(stage))
         emas = [
@@ -449,10 +452,9 @@ def zero012() -> dict[str, Any]:
         out[stage] = [
             (list(sd), mismatches(sd, ref.ema)) for sd in (e.get_ema_state_dict() for e in emas)
         ]
-    return out
 
 
-def other_layouts(plan: dict[str, Any], tmp: Path) -> dict[str, Any]:
+def other_layouts(out: dict[str, Any], plan: dict[str, Any]) -> None:
     """The ZeRO-3 checkpoint loaded into an FSDP2 EMA and a DDP EMA of a plain ``Net``; the
     FSDP2 EMA saves its own (which :func:`zero3_fp32` loads back into ZeRO-3)."""
     from torch.distributed.fsdp import fully_shard
@@ -460,7 +462,6 @@ def other_layouts(plan: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
     from dtensor_ema import ModelEMA, load_checkpoint, save_checkpoint
 
-    out: dict[str, Any] = {}
     torch.manual_seed(0)
     sharded = Net()
     fully_shard(sharded.fc)
@@ -472,7 +473,6 @@ def other_layouts(plan: dict[str, Any], tmp: Path) -> dict[str, Any]:
         load_checkpoint({"ema": ema}, plan["zero3_ckpt"])
         out[name] = (ema.updates, ema.get_ema_state_dict())
     save_checkpoint({"ema": fsdp}, plan["fsdp_ckpt"])
-    return out
 
 
 def ds_body(rank: int, world_size: int, tmp: str, plan: dict[str, Any]) -> dict[str, Any]:
@@ -484,19 +484,31 @@ def ds_body(rank: int, world_size: int, tmp: str, plan: dict[str, Any]) -> dict[
     root = Path(tmp)
     out: dict[str, Any] = {}
     if plan.get("zero3_ckpt"):
-        out["others"] = other_layouts(plan, root)
-    out["zero3"] = zero3_fp32(root, plan)
-    out["bf16"] = zero3_bf16()
-    out["zero_init"] = zero_init_first()
-    out["zero012"] = zero012()
+        out["others"] = _section(other_layouts, plan)
+    out["zero3"] = _section(zero3_fp32, root, plan)
+    out["bf16"] = _section(zero3_bf16)
+    out["zero_init"] = _section(zero_init_first)
+    out["zero012"] = _section(zero012)
     if plan.get("hpz"):
-        out["hpz"] = hpz(world_size)
+        out["hpz"] = _section(hpz, world_size)
     if plan.get("posthoc"):
-        out["posthoc"] = posthoc(plan["posthoc"])
+        out["posthoc"] = _section(posthoc, plan["posthoc"])
     return out
 
 
-def posthoc(snapshot_dir: str) -> dict[str, Any]:
+def _section(fn: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """What ``fn(out, *args)`` put in ``out``, with ``"error"`` (the traceback) if it raised:
+    a failing engine fails the tests of what it did not record (every rank fails alike:
+    DeepSpeed and the EMA keep them in step)."""
+    out: dict[str, Any] = {}
+    try:
+        fn(out, *args)
+    except Exception:
+        out["error"] = traceback.format_exc()
+    return out
+
+
+def posthoc(out: dict[str, Any], snapshot_dir: str) -> None:
     """``PostHocEMA`` on ZeRO-3: its snapshot holds real shapes and synthesizes back to the
     tracked profile exactly."""
     from dtensor_ema import PostHocEMA
@@ -507,7 +519,7 @@ def posthoc(snapshot_dir: str) -> dict[str, Any]:
         _train_step(engine, step)
         ph.update()
     ph.snapshot()
-    return {"p0": ph.emas["p0"].get_ema_state_dict()}
+    out["p0"] = ph.emas["p0"].get_ema_state_dict()
 
 
 # --------------------------------------------------------------------------------- fixtures
@@ -523,9 +535,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     w3 = run_ranks(ds_body, 3, tmp, str(tmp), {"save": ckpt[3], "posthoc": str(tmp / "snaps")})
     torch.manual_seed(0)
     plain = ModelEMA(Net(), decay=DECAY, tau=None)
-    load_checkpoint({"ema": plain}, ckpt[3])
-    one_process = (plain.updates, plain.get_ema_state_dict())
-    save_checkpoint({"ema": plain}, single)
+    try:  # in this process, with no process group
+        load_checkpoint({"ema": plain}, ckpt[3])
+        one_process: Any = (plain.updates, plain.get_ema_state_dict())
+        save_checkpoint({"ema": plain}, single)
+    except (OSError, ValueError, RuntimeError):
+        one_process = traceback.format_exc()
     fsdp = str(tmp / "fsdp")
     w2 = run_ranks(
         ds_body,
@@ -556,11 +571,31 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 WORLDS = (1, 2, 3)
 
 
+class Section(dict):  # type: ignore[type-arg]
+    """One section of a rank's result: reading what it did not record fails the test with
+    the traceback of what it raised."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise AssertionError(f"{key!r} was not recorded; the section raised:\n{self.get('error')}")
+
+
+def _part(result: dict[str, Any], name: str) -> Section:
+    return Section(result[name])
+
+
 def _zero3(runs: dict[str, Any], world: int) -> list[dict[str, Any]]:
-    return [r["zero3"] for r in runs[world]]
+    return [_part(r, "zero3") for r in runs[world]]
 
 
 # ------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_engine_ran_to_the_end(runs: dict[str, Any], world: int) -> None:
+    """No section of any rank raised (the tests below name what each one checks)."""
+    for rank, result in enumerate(runs[world]):
+        for name, section in result.items():
+            assert "error" not in section, f"rank {rank}, {name}:\n{section['error']}"
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_zero3_ema_is_bit_exact_at_every_step(runs: dict[str, Any], world: int) -> None:
     """Item 2: the EMA of each rank's partitions equals a plain lerp of the gathered weights
@@ -589,15 +624,15 @@ def test_zero3_ema_holds_one_wth_and_updates_in_place(runs: dict[str, Any], worl
     sizes = {k: v.numel() for k, v in Net().state_dict().items()}
     totals = []
     for rank, result in enumerate(_zero3(runs, world)):
-        assert result["groups"] == 1
-        assert result["reads_partitions"]
-        assert all(not counts for counts in result["update_collectives"])
         expected = 0
         for numel in sizes.values():
             chunk = math.ceil(numel / world)
             expected += max(0, min(numel - rank * chunk, chunk))
         assert result["local_nbytes"] == 4 * expected
         totals.append(result["local_nbytes"])
+        assert result["groups"] == 1
+        assert result["reads_partitions"]
+        assert all(not counts for counts in result["update_collectives"])
     assert sum(totals) == 4 * sum(sizes.values())
 
 
@@ -608,11 +643,11 @@ def test_engine_and_module_keys_match_the_plain_model(runs: dict[str, Any], worl
     Fails on main: ``ModelEMA(engine)`` keeps DeepSpeed's ``module.`` prefix."""
     keys = list(Net().state_dict())
     for result in runs[world]:
-        assert result["zero3"]["ema_keys"] == keys
         for stage in (0, 1, 2):
-            for got_keys, bad in result["zero012"][stage]:
+            for got_keys, bad in _part(result, "zero012")[stage]:
                 assert got_keys == keys, stage
                 assert bad == [], stage
+        assert _part(result, "zero3")["ema_keys"] == keys
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -620,7 +655,7 @@ def test_bf16_partitions_get_an_fp32_ema(runs: dict[str, Any], world: int) -> No
     """Item 2: bf16 ZeRO-3 parameters, fp32 EMA by default, one fused pass, bit-exact; an
     evaluation before any training forward works and restores."""
     for result in runs[world]:
-        bf16 = result["bf16"]
+        bf16 = _part(result, "bf16")
         assert bf16["model_dtype"] == "torch.bfloat16"
         assert bf16["dtypes"] == ["torch.float32"]
         # one fused pass per source dtype: the bf16 partitions, and the buffer if it is not
@@ -670,16 +705,19 @@ def test_partitions_moved_by_deepspeed_initialize_are_followed(runs: dict[str, A
     moved the partitions into the optimizer's buffers, follows them."""
     for world in WORLDS:
         for result in runs[world]:
-            assert result["zero_init"]["moved"]
-            assert result["zero_init"]["steps"] == [[], []]
+            assert _part(result, "zero_init")["moved"]
+            assert _part(result, "zero_init")["steps"] == [[], []]
 
 
 def test_hpz_secondary_partitions_never_see_the_ema(runs: dict[str, Any]) -> None:
-    """ZeRO++ hpZ: the EMA follows the primary partitions; evaluating it drops the
-    secondary ones, so the training after it equals a twin's that never evaluated."""
+    """ZeRO++ hpZ: the EMA follows the primary partitions; evaluating it in the middle of
+    gradient accumulation drops the secondary ones, so the forward computes with the EMA
+    and the training after it equals a twin's that never evaluated."""
     for result in runs[2]:
-        assert result["hpz"]["steps"] == [[]] * (2 * STEPS)
-        assert result["hpz"]["twin"] == []
+        hpz = _part(result, "hpz")
+        assert all(hpz["secondaries"])  # the case this test is about
+        assert hpz["steps"] == [[]] * (2 * STEPS)
+        assert hpz["twin"] == []
 
 
 def test_checkpoint_stores_real_shapes_as_chunks(runs: dict[str, Any]) -> None:
@@ -700,21 +738,22 @@ def test_checkpoints_cross_world_sizes_and_layouts_exactly(runs: dict[str, Any])
     """Item 4: the ZeRO-3 checkpoint of W = 3 loads bit-exactly into ZeRO-3 at W = 2, into
     FSDP2 and DDP EMAs, and into one process without a process group; that one's checkpoint
     and the FSDP2 EMA's load back into ZeRO-3 (W = 2); W = 2's into ZeRO-3 at W = 1."""
-    saved3 = runs[3][0]["zero3"]["saved"]
+    saved3 = _part(runs[3][0], "zero3")["saved"]
     updates = STEPS + 1
+    assert not isinstance(runs["one_process"], str), runs["one_process"]
     assert runs["one_process"][0] == updates
     assert mismatches(runs["one_process"][1], saved3) == []
     for result in runs[2]:
-        loads = result["zero3"]["loads"]
+        loads = _part(result, "zero3")["loads"]
         for path in (runs["ckpt"][3], runs["single"], runs["fsdp"]):
             assert loads[path][0] == updates
             assert mismatches(loads[path][1], saved3) == [], path
         for name in ("fsdp", "ddp"):
-            assert result["others"][name][0] == updates, name
-            assert mismatches(result["others"][name][1], saved3) == [], name
-    saved2 = runs[2][0]["zero3"]["saved"]
+            assert _part(result, "others")[name][0] == updates, name
+            assert mismatches(_part(result, "others")[name][1], saved3) == [], name
+    saved2 = _part(runs[2][0], "zero3")["saved"]
     for result in runs[1]:
-        count, state = result["zero3"]["loads"][runs["ckpt"][2]]
+        count, state = _part(result, "zero3")["loads"][runs["ckpt"][2]]
         assert count == updates
         assert mismatches(state, saved2) == []
 
@@ -724,7 +763,7 @@ def test_posthoc_snapshots_under_zero3(runs: dict[str, Any]) -> None:
     synthesizes the tracked profile back exactly, in one process."""
     from dtensor_ema import synthesize
 
-    expected = runs[3][0]["posthoc"]["p0"]
+    expected = _part(runs[3][0], "posthoc")["p0"]
     got = synthesize(runs["tmp"] / "snaps", 0.05)
     assert mismatches({k: got[k] for k in expected}, expected) == []
 
