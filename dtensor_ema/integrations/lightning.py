@@ -63,7 +63,6 @@ _STATE_VERSION = 1
 _UNSUPPORTED_STRATEGIES = {
     "FSDPStrategy": "FSDP1 flattens parameters; use ModelParallelStrategy with fully_shard "
     "(FSDP2) in configure_model()",
-    "DeepSpeedStrategy": "DeepSpeed partitions parameters outside torch's DTensor",
 }
 
 MeshSpec = DeviceMesh | Callable[["pl.Trainer"], DeviceMesh | None] | None
