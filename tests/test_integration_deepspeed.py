@@ -104,10 +104,20 @@ def test_accelerate_deepspeed_plugin(w2: dict[str, Any], stage: int) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lightning_deepspeed_strategy(w2: dict[str, Any], stage: int) -> None:
     """``EMACallback`` under ``DeepSpeedStrategy`` (refused before): fit, validation (the
-    sanity check and two epoch ends) on the EMA, and ``fit(ckpt_path=...)`` from DeepSpeed's
-    checkpoint folder, bit for bit."""
+    sanity check and two epoch ends) on the EMA, ``copy_to_model_on_train_end`` (into the
+    partitions and the whole copies of persistent parameters), and ``fit(ckpt_path=...)``
+    from DeepSpeed's checkpoint folder, bit for bit. The EMA travels in DeepSpeed's own
+    files: ZeRO-2, the full EMA in rank 0's file (read by every rank); ZeRO-3, each rank's
+    own pieces (1/W) in its own file, nothing gathered."""
     for rank_out in w2[f"pl{stage}"]:
         _check_common(rank_out, updates=8)
         assert rank_out["steps"] == 8
         assert rank_out["val_sees_ema"] == [True] * 3
         assert rank_out["restore_errors"] == []
+        assert rank_out["handed_over"] == (True, True)
+        ckpt, total = rank_out["ckpt"], rank_out["total_numel"]
+        if stage == 3:
+            assert ckpt["ckpt_format"] == "rank", ckpt
+            assert ckpt["ckpt_ema_numel"] == ckpt["local_numel"] < total, (ckpt, total)
+        else:
+            assert ckpt["ckpt_format"] == "full" and ckpt["ckpt_ema_numel"] == total, ckpt
