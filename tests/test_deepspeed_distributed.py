@@ -247,6 +247,9 @@ def zero3_fp32(out: dict[str, Any], tmp: Path, plan: dict[str, Any]) -> None:
         mismatches(ema_sd, ref_before.ema),
         mismatches(model_sd, gathered(module)),
     )
+    fresh = ModelEMA(module, decay=DECAY, tau=None)
+    fresh.load_full_state_dict(ema_sd)  # each rank cuts its flat range out
+    out["load_full"] = mismatches(fresh.get_ema_state_dict(), ref_before.ema)
     rank0 = before.get_ema_state_dict(only_rank0_receives=True, cpu_offload=True)
     out["rank0_only"] = mismatches(rank0, ref_before.ema) if dist.get_rank() == 0 else list(rank0)
     path = tmp / f"export_w{dist.get_world_size()}.pt"
@@ -527,7 +530,7 @@ def posthoc(out: dict[str, Any], snapshot_dir: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """W = 3 saves; one process (no process group) loads that and saves again; W = 2 loads
     both (and FSDP2/DDP load the W = 3 one); W = 1 loads W = 2's."""
-    from dtensor_ema import ModelEMA, load_checkpoint, save_checkpoint
+    from dtensor_ema import ModelEMA, convert_checkpoint, load_checkpoint, save_checkpoint
 
     tmp = tmp_path_factory.mktemp("deepspeed")
     ckpt = {w: str(tmp / f"zero3_w{w}") for w in (1, 2, 3)}
@@ -539,8 +542,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         load_checkpoint({"ema": plain}, ckpt[3])
         one_process: Any = (plain.updates, plain.get_ema_state_dict())
         save_checkpoint({"ema": plain}, single)
+        converted: Any = convert_checkpoint(ckpt[3], tmp / "ema_w3.pt")
     except (OSError, ValueError, RuntimeError):
-        one_process = traceback.format_exc()
+        one_process = converted = traceback.format_exc()
     fsdp = str(tmp / "fsdp")
     w2 = run_ranks(
         ds_body,
@@ -562,6 +566,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "single": single,
         "fsdp": fsdp,
         "one_process": one_process,
+        "converted": converted,
         1: w1,
         2: w2,
         3: w3,
@@ -686,11 +691,13 @@ def test_evaluation_swaps_into_the_partitions_and_restores(
 @pytest.mark.parametrize("world", WORLDS)
 def test_full_state_dicts_and_export_in_real_shapes(runs: dict[str, Any], world: int) -> None:
     """Item 3: ``get_model_state_dict``, ``get_ema_state_dict(only_rank0_receives=True)``
-    and ``export_ema`` give full tensors of the real shapes that load into the plain model;
-    ``ema.module`` is refused, naming what to use."""
+    and ``export_ema`` give full tensors of the real shapes that load into the plain model
+    (and back into a ZeRO-3 EMA with ``load_full_state_dict``); ``ema.module`` is refused,
+    naming what to use."""
     for rank, result in enumerate(_zero3(runs, world)):
         assert result["full_ema"] == []
         assert result["full_model"] == []
+        assert result["load_full"] == []
         assert result["rank0_only"] == []
         if rank == 0:
             assert result["export"] == []
@@ -736,13 +743,15 @@ def test_checkpoint_stores_real_shapes_as_chunks(runs: dict[str, Any]) -> None:
 
 def test_checkpoints_cross_world_sizes_and_layouts_exactly(runs: dict[str, Any]) -> None:
     """Item 4: the ZeRO-3 checkpoint of W = 3 loads bit-exactly into ZeRO-3 at W = 2, into
-    FSDP2 and DDP EMAs, and into one process without a process group; that one's checkpoint
-    and the FSDP2 EMA's load back into ZeRO-3 (W = 2); W = 2's into ZeRO-3 at W = 1."""
+    FSDP2 and DDP EMAs, into one process without a process group, and converts offline to
+    one file; that process's checkpoint and the FSDP2 EMA's load back into ZeRO-3 (W = 2);
+    W = 2's into ZeRO-3 at W = 1."""
     saved3 = _part(runs[3][0], "zero3")["saved"]
     updates = STEPS + 1
     assert not isinstance(runs["one_process"], str), runs["one_process"]
     assert runs["one_process"][0] == updates
     assert mismatches(runs["one_process"][1], saved3) == []
+    assert mismatches(runs["converted"], saved3) == []  # convert_checkpoint, offline
     for result in runs[2]:
         loads = _part(result, "zero3")["loads"]
         for path in (runs["ckpt"][3], runs["single"], runs["fsdp"]):
