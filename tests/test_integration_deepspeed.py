@@ -93,12 +93,17 @@ def test_hf_export_loads_with_from_pretrained(w2: dict[str, Any], stage: int) ->
 def test_accelerate_deepspeed_plugin(w2: dict[str, Any], stage: int) -> None:
     """``ModelEMA(engine)`` of the engine ``accelerator.prepare`` returns: the plain model's
     keys; the engine's own forward under ``average_parameters()`` gives the loss of a plain
-    model holding the reference EMA; ``save_state`` + ``save_checkpoint`` resume exactly."""
-    for rank_out in w2[f"acc{stage}"]:
+    model holding the reference EMA; ``save_state`` + ``save_checkpoint`` resume exactly;
+    the EMA registered with ``register_for_checkpointing`` (rank 0's file) is refused on
+    rank 1."""
+    for rank, rank_out in enumerate(w2[f"acc{stage}"]):
         assert rank_out["keys_are_plain"]
         _check_common(rank_out, updates=6)
         assert rank_out["eval_sees_ema"] and rank_out["eval_loss_equal"]
         assert rank_out["restored"]
+        # what register_for_checkpointing(ema) saves: rank 0's pieces alone
+        custom = rank_out["custom_state"]
+        assert custom == "loaded" if rank == 0 else "not this rank's" in custom, custom
 
 
 @pytest.mark.parametrize("stage", [2, 3])
