@@ -5,7 +5,9 @@ the plan's own layout rule (:class:`~dtensor_ema.layout.LayoutBuilder`: which ro
 tensor's local piece this rank averages) on a meta model on purpose, so the bytes it reports
 are the library's layout, not arithmetic. Pair it with a fake process group
 (``torch.testing._internal.distributed.fake_pg``) to be any rank of any world size in one
-process, and with ``fully_shard`` on the meta model for FSDP2/HSDP layouts.
+process, and with ``fully_shard`` on the meta model for FSDP2/HSDP layouts (or DeepSpeed
+ZeRO-3's partition attributes on its parameters, ``benchmarks/shapes.py::zero3_partition``:
+the layout reads ``ds_numel`` and the partition's length, as for a real ZeRO-3 model).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, resolve_world_mesh
+from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, model_shape, resolve_world_mesh
 from dtensor_ema.plan import model_tensors, unwrap_model
 
 __all__ = ["PlanBytes", "plan_bytes"]
@@ -44,7 +46,8 @@ def plan_bytes(
     """Lay out the EMA of a ``meta``-device ``model`` and count this rank's bytes.
 
     Args:
-        model: every tensor on the ``meta`` device (plain, or ``fully_shard``-ed on meta).
+        model: every tensor on the ``meta`` device (plain, ``fully_shard``-ed on meta, or
+            with ZeRO-3 partition attributes whose ``ds_tensor`` holds no memory).
         mesh: as for :class:`~dtensor_ema.ModelEMA` (``None``: the DTensor parameters'
             root mesh, else the default process group, else no sharding).
         ema_dtype: as for :class:`~dtensor_ema.ModelEMA`.
@@ -81,6 +84,6 @@ def plan_bytes(
         n = piece.numel() if piece.dim() == 0 else layout.length * math.prod(piece.shape[1:])
         numel += n
         local += n * size
-        replicated += tensor.numel() * size
+        replicated += math.prod(model_shape(tensor)) * size  # a ZeRO-3 placeholder's ds_shape
         count += 1
     return PlanBytes(local, numel, replicated, count)

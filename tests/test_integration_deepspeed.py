@@ -95,7 +95,9 @@ def test_accelerate_deepspeed_plugin(w2: dict[str, Any], stage: int) -> None:
     keys; the engine's own forward under ``average_parameters()`` gives the loss of a plain
     model holding the reference EMA; ``save_state`` + ``save_checkpoint`` resume exactly;
     the EMA registered with ``register_for_checkpointing`` (rank 0's file) is refused on
-    rank 1."""
+    rank 1. diffusers' ``EMAModel`` drop-in on the same parameters: diffusers' numbers, bit
+    for bit, in real shapes after ``gather_for_save()``; under ZeRO-3 ``copy_to`` into the
+    placeholders raises, naming ``engine.average_parameters()``."""
     for rank, rank_out in enumerate(w2[f"acc{stage}"]):
         assert rank_out["keys_are_plain"]
         _check_common(rank_out, updates=6)
@@ -104,6 +106,11 @@ def test_accelerate_deepspeed_plugin(w2: dict[str, Any], stage: int) -> None:
         # what register_for_checkpointing(ema) saves: rank 0's pieces alone
         custom = rank_out["custom_state"]
         assert custom == "loaded" if rank == 0 else "not this rank's" in custom, custom
+        if rank == 0:  # diffusers' drop-in beside it: its numbers, and copy_to refused
+            diffusers = rank_out["diffusers"]
+            assert diffusers["equal"], diffusers
+            if stage == 3:
+                assert "ZeRO-3 partitions" in diffusers["copy_to"], diffusers
 
 
 @pytest.mark.parametrize("stage", [2, 3])
