@@ -45,7 +45,7 @@ W > 1, naming what to save instead.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ __all__ = ["EMAModel"]
 _HYPER = ("decay", "min_decay", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
 
 
-def _refuse_zero3(method: str, params: list[torch.Tensor]) -> None:
+def _refuse_zero3(method: str, params: Sequence[torch.Tensor]) -> None:
     """DeepSpeed ZeRO-3 parameters are ``(0,)`` placeholders over partitions that live on
     every rank, which only DeepSpeed's own (collective) forward gathers: writing full
     weights into them (diffusers' ``param.data.copy_``) cannot work, on the main process or
@@ -262,10 +262,10 @@ class EMAModel:
             raise RuntimeError(
                 "This ExponentialMovingAverage has no `store()`ed weights to `restore()`"
             )
-        parameters = list(parameters)
-        _refuse_zero3("restore", parameters)
+        params = list(parameters)
+        _refuse_zero3("restore", params)
         with torch.no_grad():
-            for stored, param in zip(self.temp_stored_params, parameters, strict=False):
+            for stored, param in zip(self.temp_stored_params, params, strict=False):
                 param.data.copy_(stored.data)
         self.temp_stored_params = None
 
