@@ -10,9 +10,9 @@ shards follow ``torch.chunk``, whose first chunks are the full ones.
    rank, EMA sharded over the 1-D world), FSDP2 (``fully_shard`` on a 1-D mesh) or HSDP
    (``fully_shard`` on a (W/8, 8) mesh), or DeepSpeed ZeRO-3 (every parameter given the
    partition attributes DeepSpeed sets: ``ds_numel``, ``ds_shape``, this rank's
-   ``ceil(ds_numel / W)``-element ``ds_tensor``; ``shapes.zero3_partition``);
-   :func:`dtensor_ema.simulate.plan_bytes` runs the library's own layout rule on it. Compared with a replicated EMA (timm, AveragedModel:
-   the whole model on every rank).
+   ``ceil(ds_numel / W)``-element ``ds_tensor``; ``dtensor_ema.simulate.zero3_partitioned``);
+   :func:`dtensor_ema.simulate.plan_bytes` runs the library's own layout rule on it.
+   Compared with a replicated EMA (timm, AveragedModel: the whole model on every rank).
 2. ``time``: rank 0's real local tensors (FSDP2 layout, bf16 parameters, fp32 EMA) are
    allocated on ``--device`` and updated; eager and compiled kernels against a ``copy_``
    of the same bytes (10 per value: the ideal single pass for bf16 -> fp32). A replicated

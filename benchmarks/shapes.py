@@ -3,7 +3,8 @@
 Shared by ``gpu_suite.py`` and ``scale.py``. A model is built on the ``meta`` device (no
 memory), laid out the way a W-rank job lays it out (DDP: a full replica per rank; FSDP2:
 ``fully_shard`` on a 1-D mesh; HSDP: ``fully_shard`` on a (W/8, 8) mesh; ZeRO-3: DeepSpeed's
-partition attributes on every parameter, :func:`zero3_partition`), with this process
+partition attributes on every parameter, ``dtensor_ema.simulate.zero3_partitioned``), with
+this process
 acting as rank 0 of W through torch's fake process group (collectives return at once, an
 all-gather hands back this rank's own input). :func:`materialize` then allocates only this
 rank's local tensors on a real device, so per-rank update time is measured on per-rank
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtensor_ema.simulate import zero3_partitioned
 
 LAYOUTS = ("ddp", "fsdp2", "hsdp", "zero3")
 HSDP_SHARD = 8
@@ -145,7 +148,8 @@ def lay_out(
     if layout == "ddp":
         return model, init_device_mesh(device_type, (world,), mesh_dim_names=names)
     if layout == "zero3":
-        return zero3_partition(model), init_device_mesh(device_type, (world,), mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names)
+        return zero3_partitioned(model), mesh
     if layout == "fsdp2":
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names)
     elif layout == "hsdp":
@@ -160,29 +164,6 @@ def lay_out(
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, mesh
-
-
-def zero3_partition(model: nn.Module) -> nn.Module:
-    """Give every parameter of a meta ``model`` what DeepSpeed ZeRO-3 sets on it between
-    gathers (deepspeed 0.19.8, ``runtime/zero/partition_parameters.py``): ``ds_shape``,
-    ``ds_numel``, ``ds_process_group`` (the default group of ``dist.get_world_size()``
-    ranks), ``ds_persist = False``, and this rank's partition ``ds_tensor``, the flat range
-    of ``ceil(ds_numel / W)`` elements; the parameter itself becomes a ``(0,)`` placeholder.
-
-    The partition is a CPU tensor of that length over one element of storage (an expanded
-    view): the EMA's layout rule (``dtensor_ema.layout``, ``dtensor_ema.zero_partition``)
-    reads its length, dtype and device, never its values, so a 405B model costs nothing.
-    Not a DeepSpeed model: no forward, no optimizer, bytes only.
-    """
-    world = dist.get_world_size()
-    for p in {id(p): p for p in model.parameters()}.values():
-        numel = p.numel()
-        p.ds_shape, p.ds_numel = p.shape, numel  # type: ignore[attr-defined]
-        p.ds_process_group = dist.group.WORLD  # type: ignore[attr-defined]
-        p.ds_persist = False  # type: ignore[attr-defined]
-        p.ds_tensor = torch.zeros(1, dtype=p.dtype).expand(-(-numel // world))  # type: ignore[attr-defined]
-        p.data = torch.empty(0, dtype=p.dtype, device="meta")
-    return model
 
 
 def to_empty_tied(model: nn.Module, device: torch.device | str) -> nn.Module:
