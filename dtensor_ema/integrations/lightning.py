@@ -9,8 +9,9 @@ Two lines::
 What it does, per trainer event (every rank runs every hook):
 
 * ``on_fit_start``: builds a :class:`~dtensor_ema.ModelEMA` of the module once the
-  strategy has set it up (DDP-wrapped, or sharded by ``configure_model`` under
-  ``ModelParallelStrategy``), so each rank holds ``1/W`` of the EMA;
+  strategy has set it up (DDP-wrapped, sharded by ``configure_model`` under
+  ``ModelParallelStrategy``, or wrapped and, at ZeRO stage 3, partitioned by
+  ``DeepSpeedStrategy``), so each rank holds ``1/W`` of the EMA;
 * ``on_train_batch_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer
   step (local, no communication), from ``start_step`` / ``start_epoch`` on. With
   ``track="trainable"``, ``on_train_batch_start`` (and ``on_train_batch_end``, for changes
@@ -21,7 +22,8 @@ What it does, per trainer event (every rank runs every hook):
 * validation and test run with the EMA weights (``evaluate_with_ema=True``, the default,
   like Lightning's ``WeightAveraging``), through :meth:`ModelEMA.average_parameters`;
 * checkpoints carry the EMA (see :meth:`EMACallback.on_save_checkpoint`), and ``ckpt_path``
-  resumes it exactly, at the same or another number of devices;
+  resumes it exactly, at the same or another number of devices (DeepSpeed ZeRO-3: the
+  same, as DeepSpeed's own checkpoint);
 * ``copy_to_model_on_train_end=True`` leaves the final EMA weights in the module.
 
 Requires the ``lightning`` package (``pip install "dtensor_ema[lightning]"``).
@@ -103,9 +105,12 @@ class EMACallback(Callback):
         ValueError: a value out of range (``update_every_n_steps=0``, ``decay=2``, ...).
 
     Communication: ``update()`` none; the swap for evaluation is collective for replicated
-    (DDP) tensors and free for FSDP2 parameters; saving a DDP checkpoint gathers the EMA
-    (one ``full_tensor()`` per EMA tensor, on every rank); loading is local for DDP
-    checkpoints and DCP's collectives for sharded ones.
+    (DDP, DeepSpeed ZeRO 0-2) tensors, free for FSDP2 parameters and, under ZeRO-3, free for
+    the partitions plus bucketed all-gathers of the parameters DeepSpeed holds whole; saving
+    a DDP or ZeRO 0-2 checkpoint gathers the EMA (one ``full_tensor()`` per EMA tensor, on
+    every rank), a ZeRO-3 one gathers nothing (each rank saves its own pieces), and under
+    ``DeepSpeedStrategy`` the ranks first all-gather one flag over the world group; loading
+    is local for DDP and DeepSpeed checkpoints and DCP's collectives for sharded ones.
     """
 
     def __init__(
