@@ -11,14 +11,18 @@ rank:
 * **bytes**: ``ModelEMA(engine).local_nbytes()`` (and the resident-set growth of building it)
   against the model's bytes / W (``ds_numel``: the real sizes), and against the recipe's full
   replica (the model's bytes on every rank);
-* **time**: median of ``--reps`` interleaved calls (a barrier before each, wall clock):
+* **time**: median of ``--reps`` interleaved calls (a barrier before each; wall clock, and
+  the calling thread's CPU time, which a shared machine's load leaves out but which misses
+  the recipe's communication threads):
   ``ema.update()``; ``dst.copy_(src)`` of the EMA's local bytes; and the common recipe
   (DeepSpeed issue #2056, transformers #35994, diffusers' ``EMAModel`` under ZeRO-3): gather
   every parameter with ``deepspeed.zero.GatheredParameters`` and ``lerp_`` a full fp32
   replica on every rank, once with one gather of all parameters (``recipe_all``, the
   fastest, with the whole model gathered at once) and once per parameter (``recipe_each``,
   the leanest). The targets: EMA bytes <= 1.03 x model / W and update <= 1.1 / W of the
-  recipe's time.
+  recipe's time;
+* at stage 3, whether ``dtensor_ema.simulate.plan_bytes`` of the same shapes on the meta
+  device (``zero3_partitioned``: the scale simulation's way) counts this EMA's bytes.
 
 Linux only (reads ``/proc``). Numbers depend on the machine and its load: compare rows of one
 run. Prints a table and writes ``--out`` (JSON) when given.
@@ -45,6 +49,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
 
 from dtensor_ema import ModelEMA
+from dtensor_ema.simulate import plan_bytes, zero3_partitioned
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gloo_ranks import run_gloo_ranks
@@ -86,25 +91,29 @@ def rss_growth(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, (_status_kib("VmRSS") - before) * 1024
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and this thread's CPU seconds of ``fn()``, after a barrier."""
     dist.barrier()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def interleaved(impls: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
-    """Median seconds of each, in turns (the same order on every rank: the recipe's
-    gathers are collectives), after one warm-up call each."""
+def interleaved(impls: dict[str, Callable[[], Any]], reps: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each, in turns (the same order on every rank: the
+    recipe's gathers are collectives), after one warm-up call each."""
     for fn in impls.values():
         fn()
-    samples: dict[str, list[float]] = {name: [] for name in impls}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
     names = list(impls)
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(_timed(impls[name]))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return {
+        name: (statistics.median(w for w, _ in s), statistics.median(c for _, c in s))
+        for name, s in samples.items()
+    }
 
 
 class GatherRecipe:
@@ -156,6 +165,11 @@ def _body(rank: int, world: int, folder: str, args: tuple[int, int, int]) -> dic
     model_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
     ema, ema_rss = rss_growth(lambda: ModelEMA(engine, decay=DECAY, tau=None))
     recipe, recipe_rss = rss_growth(lambda: GatherRecipe(engine.module))
+    plan_matches = None
+    if stage == 3:  # the scale simulation's count (simulate.py) against this real EMA
+        with torch.device("meta"):
+            meta = make_model(mib)
+        plan_matches = plan_bytes(zero3_partitioned(meta)).local_bytes == ema.local_nbytes()
     numel = ema.local_numel()
     src, dst = torch.randn(numel), torch.empty(numel)
     seconds = interleaved(
@@ -176,9 +190,12 @@ def _body(rank: int, world: int, folder: str, args: tuple[int, int, int]) -> dic
         "ema_over_model_per_W": ema.local_nbytes() / (model_bytes / world),
         "recipe_MiB": recipe.nbytes() / MIB,
         "recipe_rss_MiB": recipe_rss / MIB,
-        **{f"{name}_ms": 1e3 * s for name, s in seconds.items()},
-        "update_over_copy": seconds["update"] / seconds["copy"],
-        "update_over_recipe_per_W": seconds["update"] / (seconds["recipe_all"] / world),
+        "plan_matches_real": plan_matches,
+        **{f"{name}_ms": 1e3 * wall for name, (wall, _) in seconds.items()},
+        **{f"{name}_cpu_ms": 1e3 * cpu for name, (_, cpu) in seconds.items()},
+        "update_over_copy": seconds["update"][0] / seconds["copy"][0],
+        "update_over_recipe_per_W": seconds["update"][0] / (seconds["recipe_all"][0] / world),
+        "cpu_update_over_recipe_per_W": seconds["update"][1] / (seconds["recipe_all"][1] / world),
     }
 
 
@@ -192,12 +209,16 @@ COLUMNS = (
     ("ema_over_model_per_W", "{:.4f}"),
     ("recipe_MiB", "{:.1f}"),
     ("recipe_rss_MiB", "{:.1f}"),
+    ("plan_matches_real", "{}"),
     ("update_ms", "{:.2f}"),
     ("copy_ms", "{:.2f}"),
     ("recipe_all_ms", "{:.1f}"),
     ("recipe_each_ms", "{:.1f}"),
     ("update_over_copy", "{:.2f}"),
     ("update_over_recipe_per_W", "{:.3f}"),
+    ("update_cpu_ms", "{:.2f}"),
+    ("recipe_all_cpu_ms", "{:.1f}"),
+    ("cpu_update_over_recipe_per_W", "{:.3f}"),
 )
 
 
