@@ -10,12 +10,16 @@ a matrix: the end of one row, whole rows, the start of another), which DCP's chu
 (``offsets``, ``sizes``) describe exactly (:func:`flat_boxes`).
 
 :class:`FlatChunks` is that range as DCP sees it. DCP has no public way for a value to be
-several chunks of one tensor on one rank; it consults three hooks on any value it saves or
-loads into (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``,
-what ``DTensor`` implements in torch 2.4-2.14), so this module is the one place that speaks
-that protocol. If a torch release stops consulting the hooks, DCP refuses the value
-("Unsupported Type") instead of writing anything wrong; ``tests/test_deepspeed_distributed.py``
-pins the behaviour.
+several chunks of one tensor on one rank (its public ``CheckpointableTensor`` protocol needs
+the local tensor to have the global tensor's dims); it consults three hooks on any tensor it
+saves or loads into (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``: what ``DTensor`` implements in torch 2.4-2.14), and the value must
+be a tensor of the global shape, made here as ``DTensor`` is made (a wrapper subclass with
+no storage of its own, ``torch.Tensor._make_wrapper_subclass``). This module is the one
+place that uses those private pieces. If a torch release stops consulting the hooks, DCP
+treats the value as a plain tensor, and reading its data raises ``NotImplementedError``
+(it holds none), so nothing wrong is ever written; ``tests/test_flat_chunks.py`` and
+``tests/test_deepspeed_distributed.py`` pin the behaviour.
 """
 
 from __future__ import annotations

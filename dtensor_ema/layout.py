@@ -859,8 +859,6 @@ def make_entry(
         layout = builder.layout(fqn, tensor, piece.shape)
     source_local = local_rows(piece, layout)
     ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
-    if layout.flat is not None and ema.dim() != 1:  # pragma: no cover - an invariant
-        raise AssertionError(f"{fqn}: a flattened entry's EMA must be 1-D")
     return PlanEntry(
         fqn=fqn,
         source=tensor,
@@ -932,7 +930,7 @@ def model_shape(tensor: torch.Tensor) -> torch.Size:
 def model_piece_ptr(tensor: torch.Tensor) -> int:
     """Where this rank's piece of a model tensor lives (``data_ptr`` of the DTensor's
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
-    it are stale. Local, cheap (called per tensor on every update)."""
+    it are stale. Local (:meth:`PlanEntry.piece_ptr` is the per-update form)."""
     if isinstance(tensor, DTensor):
         return _dtensor_local_ptr(tensor)
     ds_tensor = getattr(tensor, "ds_tensor", None)

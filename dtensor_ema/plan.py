@@ -208,14 +208,22 @@ class EmaPlan:
         return moved
 
     def _partition_changes(self, current: Mapping[str, torch.Tensor]) -> list[str]:
-        """Flattened (ZeRO-3) entries whose partition moved: the layout derived again must
-        be the one the EMA was built with (same group, same range), or they are named."""
+        """ZeRO-3 entries whose partition moved: the layout derived again must be the one
+        the EMA was built with (same group, same range), or they are named; so is a tensor
+        that became a ZeRO-3 parameter after the EMA was built on it whole."""
         assert self._builder is not None
         problems = []
         for entry in self.entries:
             tensor = current[entry.fqn]
-            moved = model_piece_ptr(tensor) != entry.source_piece.data_ptr()
-            if entry.layout.flat is None or not moved:
+            if model_piece_ptr(tensor) == entry.source_piece.data_ptr():
+                continue
+            if entry.layout.flat is None:
+                if zero_partition.is_partitioned(tensor):
+                    problems.append(
+                        f"{entry.fqn}: partitioned by DeepSpeed ZeRO-3 after the EMA was "
+                        "created on the whole parameter; create the ModelEMA after "
+                        "deepspeed.initialize (or inside deepspeed.zero.Init's model)"
+                    )
                 continue
             try:
                 layout = self._builder.layout(entry.fqn, tensor, model_piece(tensor).shape)

@@ -402,6 +402,12 @@ def zero_init_first(out: dict[str, Any]) -> None:
         ref.update(gathered(model))
         steps.append(mismatches(ema.get_ema_state_dict(), ref.ema))
     out.update(moved=moved, steps=steps)
+    # An EMA built on the whole model that deepspeed.initialize then partitions: refused.
+    torch.manual_seed(0)
+    whole = Net()
+    early = ModelEMA(whole, decay=DECAY, tau=None)
+    _train_step(_engine(config, model=whole), 0)
+    out["partitioned_later"] = _error(early.update)
 
 
 def hpz(out: dict[str, Any], world_size: int) -> None:
@@ -709,11 +715,14 @@ def test_full_state_dicts_and_export_in_real_shapes(runs: dict[str, Any], world:
 
 def test_partitions_moved_by_deepspeed_initialize_are_followed(runs: dict[str, Any]) -> None:
     """An EMA built inside ``zero.Init``'s partitioning, before ``deepspeed.initialize``
-    moved the partitions into the optimizer's buffers, follows them."""
+    moved the partitions into the optimizer's buffers, follows them; one built on the whole
+    model that ``deepspeed.initialize`` then partitions is refused at the next update."""
     for world in WORLDS:
         for result in runs[world]:
-            assert _part(result, "zero_init")["moved"]
-            assert _part(result, "zero_init")["steps"] == [[], []]
+            section = _part(result, "zero_init")
+            assert section["moved"]
+            assert section["steps"] == [[], []]
+            assert "after deepspeed.initialize" in section["partitioned_later"]
 
 
 def test_hpz_secondary_partitions_never_see_the_ema(runs: dict[str, Any]) -> None:
