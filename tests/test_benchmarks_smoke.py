@@ -115,6 +115,6 @@ def test_deepspeed_zero_benchmark(tmp_path: Path) -> None:
     for r in rows:
         assert 0.97 <= r["ema_over_model_per_W"] <= 1.03, r
         assert r["plan_matches_real"] is True, r
-        assert r["recipe_MiB"] == pytest.approx(r["model_MiB"]), r
+        assert r["recipe_MiB"] == pytest.approx(r["model_MiB"], rel=1e-3), r
         for key in ("update_ms", "copy_ms", "recipe_all_ms", "recipe_each_ms"):
             assert _positive(r[key]), (key, r)
