@@ -306,3 +306,10 @@ def perturb_trainable_(model: nn.Module, step: int) -> None:
         if p.requires_grad:
             g = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(fqn.encode()))
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def reader_model() -> nn.Module:
+    """The small model whose checkpoints and snapshots the reader tests craft (issues 35 and
+    42): two linear layers around a BatchNorm (an integer buffer), seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
