@@ -248,19 +248,20 @@ def _fit(
 
 
 def _environment(rank: int, world: int) -> None:
-    """torchrun's variables for OLMo-core (the harness made the gloo group already). Two
-    speed-ups for a busy 2-core machine: the objects imported so far out of the garbage
-    collector's way (OLMo-core runs ``gc.collect()`` at every evaluation: seconds each over
-    torch's imports), and worker processes forked from the rank (OLMo-core's datasets index
-    their token files in a ``ProcessPoolExecutor``; a rank forked from the harness's
-    forkserver would start a new forkserver, importing torch and OLMo-core again)."""
+    """torchrun's variables for OLMo-core (the harness made the gloo group already). The
+    objects imported so far are moved out of the garbage collector's way (OLMo-core runs
+    ``gc.collect()`` at every evaluation: seconds each over torch's imports on a busy 2-core
+    machine). OLMo-core's padded datasets index their token files in a
+    ``ProcessPoolExecutor`` on rank 0: its workers start from a forkserver, never forked
+    from the rank itself, whose gloo and trainer threads may hold a lock at the fork (a
+    forked worker then hangs, and both ranks with it: seen once in a full run under load)."""
     import gc
     import multiprocessing
 
     from olmo_core.distributed.utils import init_distributed
 
     gc.freeze()
-    multiprocessing.set_start_method("fork", force=True)
+    multiprocessing.set_start_method("forkserver", force=True)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), OLMO_SHARED_FS="1")  # fmt: skip
     init_distributed(backend="gloo")
