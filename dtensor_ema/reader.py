@@ -41,6 +41,8 @@ Nothing here communicates except :meth:`Checkpoint.load` (DCP's collectives).
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import io
 import itertools
 import json
@@ -48,7 +50,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +60,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -68,6 +71,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from dtensor_ema._collectives import MESSAGE_RANKS, describe, quiet_single_process, same_error
+from dtensor_ema.checkpoint_files import CheckpointFiles
 from dtensor_ema.checksums import (
     FORMAT,
     METADATA_FILE,
@@ -84,6 +88,7 @@ __all__ = [
     "METADATA_GLOBALS",
     "PREVIOUS_SUFFIX",
     "Checkpoint",
+    "CheckpointChangedError",
     "CheckpointError",
     "ChecksumError",
     "SafeLoadPlanner",
@@ -109,6 +114,13 @@ class ChecksumError(CheckpointError):
     """A saved item's (or ``.metadata``'s) bytes differ from those saved, or cannot be read,
     or a checksum file belongs to another save; the message names the file and, for an
     item, the tensor or value (never a digest of the bytes read)."""
+
+
+class CheckpointChangedError(CheckpointError):
+    """Another save wrote to a checkpoint's path while a load read it (a concurrent
+    :func:`~dtensor_ema.save_checkpoint` committed there, or a ``dcp.save`` wrote into the
+    directory): the message names the file, what changed and, where it can be read, the
+    other save's id. Nothing was mixed; load again once that save has finished."""
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -216,6 +228,32 @@ class Checkpoint:
     """Whether the directory has checksum files (``__<rank>.checksums.json``)."""
     _recorded: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Checksum files read so far, by name."""
+    files: CheckpointFiles | None = None
+    """The directory as :func:`open_checkpoint` opened it: every file is read from it, as
+    first seen (:mod:`dtensor_ema.checkpoint_files`)."""
+
+    def opened(self) -> CheckpointFiles:
+        """:attr:`files` (opened now if this checkpoint was built without)."""
+        if self.files is None:
+            self.files = CheckpointFiles(self.path, self.changed)
+        return self.files
+
+    def close(self) -> None:
+        """Close the files held open (idempotent; garbage collection closes them too)."""
+        if self.files is not None:
+            self.files.close()
+
+    def changed(self, detail: str) -> CheckpointChangedError:
+        """The error for a file that changed since this load began (``detail``: which,
+        how), naming this load's save and, where readable, the one now at the path."""
+        ours = f" (save {self.save_id!r})" if self.save_id else ""
+        now = _save_id_at(self.path)
+        other = f"another save (save {now!r})" if now and now != self.save_id else "another save"
+        return CheckpointChangedError(
+            f"checkpoint {self.path}{ours} changed while it was read: {detail}; {other} was "
+            f"written to {self.path} meanwhile. Nothing was mixed: load again once that save "
+            "has finished"
+        )
 
     @property
     def save_id(self) -> str | None:
@@ -282,16 +320,18 @@ class Checkpoint:
             if relative is None:  # not a FileSystemWriter checkpoint: let DCP read it
                 return
             needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
-        missing = sorted(f for f in needed if not (self.path / f).is_file())
+        files = self.opened()
+        sizes = {f: files.size(f) for f in sorted(needed)}
+        missing = [f for f, size in sizes.items() if size is None]
         if missing:
             raise FileNotFoundError(
                 f"checkpoint {self.path} is incomplete: data files {missing[:5]} named by its "
                 ".metadata are missing"
             )
         short = [
-            f"{f} ({(self.path / f).stat().st_size} bytes, needs {n})"
+            f"{f} ({sizes[f]} bytes, needs {n})"
             for f, n in sorted(needed.items())
-            if (self.path / f).stat().st_size < n
+            if (sizes[f] or 0) < n
         ]
         if short:
             raise FileNotFoundError(
@@ -382,9 +422,10 @@ class Checkpoint:
             chunks.sort()
             algorithms = sorted({c[2] for c in chunks})
             try:
-                digests = digests_of_ranges(
-                    self.path / file, [(c[0], c[1]) for c in chunks], algorithms
-                )
+                with self.opened().opened(file) as f:
+                    digests = digests_of_ranges(
+                        self.path / file, [(c[0], c[1]) for c in chunks], algorithms, file=f
+                    )
             except (OSError, EOFError) as e:
                 raise ChecksumError(
                     f"{where}, data file {file} cannot be read, the file is corrupted: {e!r}"
@@ -403,8 +444,9 @@ class Checkpoint:
         belong to the save that wrote ``.metadata``."""
         name = sidecar_name(rank)
         if name not in self._recorded:
-            file = path_inside(self.path, name, f"checkpoint {self.path}")
-            payload = _read_sidecar(file, self.path) if file.exists() else {}
+            path_inside(self.path, name, f"checkpoint {self.path}")
+            files = self.opened()
+            payload = _read_sidecar(name, files) if files.size(name) is not None else {}
             if payload:
                 self._check_same_save(rank, name, payload)
             self._recorded[name] = payload
@@ -440,8 +482,8 @@ class Checkpoint:
         else:
             ranks = sorted(
                 int(m.group(1))
-                for f in self.path.glob(SIDECAR_GLOB)
-                if (m := _SIDECAR.match(f.name)) is not None
+                for name in self.opened().names()
+                if (m := _SIDECAR.match(name)) is not None
             )
         items: dict[str, dict[str, Any]] = {}
         for rank in ranks:
@@ -533,17 +575,23 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             else f"no checkpoint at {path}: the directory does not exist"
         )
     file = path_inside(path, METADATA_FILE, f"checkpoint {path}")
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete DCP checkpoint: it has no {METADATA_FILE} file (the "
-            "save did not finish, or this is not a checkpoint directory)"
-        )
-    data = file.read_bytes()
-    metadata = _unpickle_metadata(data, file)
-    has_checksums = next(iter(path.glob(SIDECAR_GLOB)), None) is not None
-    checkpoint = Checkpoint(path, metadata, digests(data), has_checksums)
-    checkpoint.check_paths()
-    checkpoint.check_coverage()
+    files = CheckpointFiles(path, lambda detail: CheckpointChangedError(f"{path}: {detail}"))
+    try:
+        if files.size(METADATA_FILE) is None:
+            raise FileNotFoundError(
+                f"{path} is not a complete DCP checkpoint: it has no {METADATA_FILE} file (the "
+                "save did not finish, or this is not a checkpoint directory)"
+            )
+        data = files.read_bytes(METADATA_FILE)
+        metadata = _unpickle_metadata(data, file)
+        has_checksums = any(fnmatch.fnmatch(n, SIDECAR_GLOB) for n in files.names())
+        checkpoint = Checkpoint(path, metadata, digests(data), has_checksums, files=files)
+        files.changed = checkpoint.changed
+        checkpoint.check_paths()
+        checkpoint.check_coverage()
+    except BaseException:
+        files.close()
+        raise
     return checkpoint
 
 
@@ -808,6 +856,7 @@ class _Reader(FileSystemReader):
 
     def __init__(self, checkpoint: Checkpoint, verify: bool) -> None:
         super().__init__(checkpoint.path)
+        self.fs = _HeldFileSystem(checkpoint.opened())  # read what was verified
         self._checkpoint = checkpoint
         self._verify = verify
         self._verified: set[str] = set()
@@ -850,7 +899,7 @@ class _Reader(FileSystemReader):
             info = storage.get(item.storage_index)
             if item.type == LoadItemType.BYTE_IO or info is None:
                 continue
-            with open(self._checkpoint.path / info.relative_path, "rb") as f:
+            with self._checkpoint.opened().opened(info.relative_path) as f:
                 f.seek(info.offset)
                 data = io.BytesIO(f.read(info.length))
             try:
@@ -862,15 +911,48 @@ class _Reader(FileSystemReader):
         return "(a tensor)"
 
 
+class _HeldFileSystem(FileSystem):
+    """DCP's ``FileSystem``, but files of the checkpoint directory are read through
+    :class:`~dtensor_ema.checkpoint_files.CheckpointFiles`: the files the checksum pass
+    verified, never whatever the path names by the time DCP reads."""
+
+    def __init__(self, files: CheckpointFiles) -> None:
+        super().__init__()
+        self.files = files
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        path = Path(path)
+        if mode != "rb" or path.parent != self.files.path:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.files.opened(path.name) as f:
+            yield f
+
+
+def _save_id_at(path: Path) -> str | None:
+    """The save id of the ``.metadata`` at ``path`` now (read safely), ``None`` where there
+    is none or it cannot be read: for the message of :class:`CheckpointChangedError`."""
+    try:
+        metadata = _unpickle_metadata((path / METADATA_FILE).read_bytes(), path / METADATA_FILE)
+    except Exception:
+        return None
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
+
+
 _WRITER = re.compile(r"^__(\d+)_")
 _SIDECAR = re.compile(r"^__(\d+)\.checksums\.json$")
 
 
-def _read_sidecar(file: Path, directory: Path) -> dict[str, Any]:
+def _read_sidecar(name: str, files: CheckpointFiles) -> dict[str, Any]:
     """One rank's checksum file, checked to be of this format and version."""
+    directory = files.path
     where = f"checkpoint {directory}"
+    file = directory / name
     try:
-        payload = json.loads(file.read_text())
+        payload = json.loads(files.read_bytes(name))
     except (OSError, ValueError) as e:  # the type only: a decoding error quotes bytes
         raise ChecksumError(
             f"{where}: checksum file {file.name} is unreadable ({type(e).__name__})"

@@ -32,6 +32,7 @@ refused, naming the tensors, unless the caller asks for the tensors both hold
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.counter import check_count
 from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.options import TRACKING_CONFIG_KEYS
 from dtensor_ema.plan import EmaPlan
@@ -52,6 +54,7 @@ __all__ = [
     "GroupState",
     "TensorSpec",
     "TrackedDifference",
+    "check_config_values",
     "common_names",
     "compare_tensors",
     "deferred_names",
@@ -59,6 +62,7 @@ __all__ = [
     "load_local_state",
     "local_piece",
     "local_state",
+    "saved_count",
     "tag_rank",
     "tracked_difference",
     "validate_state",
@@ -296,6 +300,58 @@ def with_common_subsets(
     return out
 
 
+def saved_count(value: Any) -> int:
+    """A saved ``updates`` value as the count it stands for: an ``int`` (or a one-element
+    integer tensor) in ``[0, 2**63 - 1]``, so that restoring it cannot fail halfway.
+
+    Raises:
+        ValueError: anything else, naming the value (a huge one by its size).
+    """
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    ):
+        value = int(value.item())
+    return check_count(value, "checkpoint 'updates'")
+
+
+def check_config_values(config: Any) -> None:
+    """A saved ``config`` is JSON text (or a dict) whose numbers are finite and whose ints
+    fit an int64: the decays, half-lives and step counts a resume would use.
+
+    Raises:
+        ValueError: naming the option and its value.
+    """
+    if not isinstance(config, (str, Mapping)):
+        raise ValueError(f"checkpoint 'config' must be JSON text, got a {type(config).__name__}")
+    try:
+        parsed = _config(config)
+    except ValueError as e:
+        raise ValueError(f"checkpoint 'config' is not valid JSON ({type(e).__name__})") from None
+    for where, number in _numbers(parsed, ()):
+        name = ".".join(where) or "config"
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ValueError(f"checkpoint option {name} must be finite, got {number!r}")
+        if isinstance(number, int) and not -(2**63) <= number <= 2**63 - 1:
+            raise ValueError(
+                f"checkpoint option {name} must fit an int64, got an int of "
+                f"{number.bit_length()} bits"
+            )
+
+
+def _numbers(value: Any, where: tuple[str, ...]) -> Iterable[tuple[tuple[str, ...], float]]:
+    """``(path, number)`` of every int and float in a parsed JSON value."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _numbers(v, (*where, str(k)))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, (*where, str(i)))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield where, value
+
+
 def validate_state(
     state: Mapping[str, Any], ours: Mapping[str, Any], *, common_subset: bool = False
 ) -> int:
@@ -318,7 +374,9 @@ def validate_state(
             a full model state dict, which :meth:`ModelEMA.load_full_state_dict` loads).
         ValueError: missing/unexpected fqns, shape or dtype mismatches, another tracked set
             (naming the tensors; unless ``common_subset``), a counter that is not an int
-            >= 0, or options (schedule, ``update_every``, ...) different from this EMA's:
+            in ``[0, 2**63 - 1]`` (:func:`saved_count`), a ``config`` that is not JSON or
+            holds a non-finite number or an int beyond int64 (:func:`check_config_values`),
+            or options (schedule, ``update_every``, ...) different from this EMA's:
             resuming with other options would not continue the saved trajectory.
     """
     for key in (EMA_TENSORS, UPDATES):
@@ -333,6 +391,9 @@ def validate_state(
     values = state[EMA_TENSORS]
     if not isinstance(values, Mapping):
         raise ValueError(f"EMA state dict's 'ema' must map fqns to tensors, got {type(values)}")
+    updates = saved_count(state[UPDATES])
+    if CONFIG in state:
+        check_config_values(state[CONFIG])
     diff = tracked_difference(values, state.get(CONFIG), ours)
     problems = compare_tensors(
         {k: v for k, v in values.items() if k not in diff.only_saved},
@@ -356,11 +417,6 @@ def validate_state(
                 "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
                 f"checkpoint's options to resume): {'; '.join(diffs)}."
             )
-    updates = state[UPDATES]
-    if isinstance(updates, torch.Tensor) and updates.numel() == 1:
-        updates = int(updates.item())
-    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
-        raise ValueError(f"checkpoint 'updates' must be an int >= 0, got {updates!r}")
     return updates
 
 
