@@ -28,6 +28,7 @@ import contextlib
 import functools
 import os
 import shutil
+import uuid
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
@@ -45,6 +46,7 @@ from dtensor_ema._collectives import (
     agree,
     agree_on_call,
     entering,
+    group_gather_rows,
     group_of,
     quiet_single_process,
     rank_of,
@@ -56,6 +58,7 @@ from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.reader import (
     PREVIOUS_SUFFIX,
     Checkpoint,
+    CheckpointChangedError,
     CheckpointError,
     UnverifiedCheckpointWarning,
     Verify,
@@ -70,9 +73,9 @@ from dtensor_ema.state import (
     common_names,
     compare_tensors,
     deferred_names,
+    staging_state,
     tracked_difference,
     validate_state,
-    with_common_subsets,
 )
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
@@ -352,31 +355,164 @@ def _load(
     except Exception as e:  # anything else: still tell the other ranks
         error = RuntimeError(f"reading the checkpoint at {path} failed: {e!r}")
         error.__cause__ = e
-    agree(group, error, f"checking the checkpoint at {path}")
-    assert checkpoint is not None
-    if unverified is not None:
-        warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=3)
+    try:
+        agree(group, error, f"checking the checkpoint at {path}")
+        assert checkpoint is not None
+        _agree_on_save(group, checkpoint)
+        if unverified is not None:
+            warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=3)
+        subsets = _judge_saved(checkpoint, emas, group, check, common_subset)
+        _load_staged(state, checkpoint, group, check, subsets)
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
 
-    if emas:
-        # The counter and options are small: read them alone, then let the EMA judge them
-        # while its tensors are still untouched.
-        saved: dict[str, Any] = {}
+
+def _judge_saved(
+    checkpoint: Checkpoint,
+    emas: Mapping[tuple[str, ...], ModelEMA],
+    group: dist.ProcessGroup | None,
+    check: bool,
+    common_subset: bool,
+) -> dict[tuple[str, ...], list[str]]:
+    """Read each EMA's saved counter and options alone (small) and let the EMA judge them
+    (:func:`_judge_saved_values`) while nothing is written; the ranks agree. Returns the
+    tensors to load of each EMA that loads only those both track (``common_subset``).
+    **Collective** (a DCP load of the values, then one flag all-reduce)."""
+    if not emas:
+        return {}
+    saved: dict[str, Any] = {}
+    for where, ema in emas.items():
+        _set_nested(saved, where, _without_tensors(ema.state_dict()))
+    checkpoint.load(saved, group=group, verify=check)
+    subsets: dict[tuple[str, ...], list[str]] = {}
+    error: Exception | None = None
+    try:
         for where, ema in emas.items():
-            _set_nested(saved, where, _without_tensors(ema.state_dict()))
-        checkpoint.load(saved, group=group, verify=check)
-        subsets: dict[tuple[str, ...], list[str]] = {}
-        try:
-            for where, ema in emas.items():
-                names = _judge_saved_values(
-                    checkpoint, where, ema, _get_nested(saved, where), common_subset
-                )
-                if names is not None:
-                    subsets[where] = names
-        except (KeyError, ValueError) as e:
-            error = e
-        agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
-        state = with_common_subsets(state, subsets)
-    checkpoint.load(state, group=group, verify=check)
+            names = _judge_saved_values(
+                checkpoint, where, ema, _get_nested(saved, where), common_subset
+            )
+            if names is not None:
+                subsets[where] = names
+    except (KeyError, ValueError) as e:
+        error = e
+    except Exception as e:  # a malformed value: still tell the other ranks
+        error = ValueError(f"checkpoint {checkpoint.path}: the saved EMA state is malformed: {e!r}")
+    agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
+    return subsets
+
+
+class _Stage:
+    """One EMA's part of a load, read into buffers of its own layout
+    (:func:`~dtensor_ema.state.staging_state`) and swapped in only once every rank has read
+    and checked everything (:func:`_load_staged`)."""
+
+    def __init__(self, ema: ModelEMA, names: list[str] | None) -> None:
+        self.ema = ema
+        self.common_subset = names is not None
+        self.state = staging_state(ema.state_dict(), names)
+
+    def validate(self) -> None:
+        """What was read, checked against the EMA as :meth:`swap_in` will (nothing written)."""
+        validate_state(self.state, self.ema.state_dict(), common_subset=self.common_subset)
+
+    def swap_in(self) -> None:
+        """Copy the staged pieces into the live EMA and set its counter (local)."""
+        self.ema.load_state_dict(self.state, common_subset=self.common_subset)
+
+
+def _load_staged(
+    state: dict[str, Any],
+    checkpoint: Checkpoint,
+    group: dist.ProcessGroup | None,
+    check: bool,
+    subsets: Mapping[tuple[str, ...], list[str]],
+) -> None:
+    """The DCP load of ``state``: every EMA reads into its own staging buffers, every other
+    entry as ``dcp.load`` reads it (in place; a ``Stateful`` gets its ``load_state_dict``).
+    The EMAs are swapped in only when every rank has read everything and checked what it
+    read: whatever fails before (a read, a refused entry, an out-of-range value, a
+    ``Stateful``'s ``load_state_dict`` on any rank), every EMA keeps its tensors, counter,
+    options and tracked set. **Collective** over ``group``: DCP's, and two flag all-reduces.
+    Peak extra memory: one more copy of each loaded EMA's local shards."""
+    path = checkpoint.path
+    stages: dict[tuple[str, ...], _Stage] = {}
+    staged: dict[str, Any] = {}
+    error: Exception | None = None
+    try:
+        for key, value in state.items():
+            if isinstance(value, ModelEMA):
+                stages[(key,)] = _Stage(value, subsets.get((key,)))
+                staged[key] = stages[(key,)].state
+            elif isinstance(value, MultiModelEMA):
+                for name, ema in value.items():
+                    stages[(key, name)] = _Stage(ema, subsets.get((key, name)))
+                staged[key] = {name: stages[(key, name)].state for name in value}
+            else:  # as dcp.load does: a Stateful's state dict, loaded in place
+                staged[key] = value.state_dict() if isinstance(value, Stateful) else value
+    except Exception as e:
+        error = e
+    agree(group, error, f"collecting the state to load from {path}")
+    checkpoint.load(staged, group=group, verify=check)  # DCP: every rank raises alike
+    try:
+        for stage in stages.values():
+            stage.validate()
+        for key, value in state.items():
+            if isinstance(value, (ModelEMA, MultiModelEMA)):
+                continue
+            if isinstance(value, Stateful):
+                value.load_state_dict(staged[key])
+            else:
+                state[key] = staged[key]
+    except Exception as e:
+        error = e
+    agree(group, error, f"loading {path}")
+    for stage in stages.values():
+        stage.swap_in()
+
+
+def _agree_on_save(group: dist.ProcessGroup | None, checkpoint: Checkpoint) -> None:
+    """Every rank opened the same save: a save that committed to the path while the ranks
+    opened it would have some read the old one and some the new one. **Collective**: one
+    all-gather of four int64s per rank (nothing in one process).
+
+    Raises:
+        CheckpointChangedError: on every rank, naming which ranks read which save.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    high, low = _id_words(checkpoint.save_id)
+    rows = group_gather_rows(group, [checkpoint.metadata_digests["crc32"], high, low])
+    by_save: dict[tuple[int, ...], list[int]] = {}
+    for rank, *values in rows:
+        by_save.setdefault(tuple(values), []).append(rank)
+    if len(by_save) == 1:
+        return
+    seen = "; ".join(
+        f"ranks {ranks} read save {_id_text(values[1], values[2])}"
+        for values, ranks in by_save.items()
+    )
+    raise CheckpointChangedError(
+        f"checkpoint {checkpoint.path} changed while the ranks opened it: {seen}. Another "
+        "save committed to this path meanwhile; nothing was loaded: load again once that "
+        "save has finished"
+    )
+
+
+def _id_words(save_id: str | None) -> tuple[int, int]:
+    """A save id (a UUID) as two int64s; ``(0, 0)`` for none or another form."""
+    try:
+        value = uuid.UUID(save_id or "").int
+    except ValueError:
+        return 0, 0
+    high, low = value >> 64, value & (2**64 - 1)
+    return high - 2**64 * (high >= 2**63), low - 2**64 * (low >= 2**63)
+
+
+def _id_text(high: int, low: int) -> str:
+    if (high, low) == (0, 0):
+        return "(no id)"
+    return repr(str(uuid.UUID(int=((high % 2**64) << 64) | (low % 2**64))))
 
 
 def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:

@@ -50,8 +50,6 @@ __all__ = [
     "EMA_TENSORS",
     "STATE_KEYS",
     "UPDATES",
-    "CommonSubsetState",
-    "GroupState",
     "TensorSpec",
     "TrackedDifference",
     "check_config_values",
@@ -63,10 +61,10 @@ __all__ = [
     "local_piece",
     "local_state",
     "saved_count",
+    "staging_state",
     "tag_rank",
     "tracked_difference",
     "validate_state",
-    "with_common_subsets",
 ]
 
 UPDATES = "updates"
@@ -242,62 +240,33 @@ def deferred_names(saved_names: Iterable[str], ours: Mapping[str, Any]) -> list[
     return deferred + [k for k in ours[EMA_TENSORS] if k not in present]
 
 
-class CommonSubsetState:
-    """A DCP ``Stateful`` view of one ``ModelEMA`` through the tensors it shares with a
-    checkpoint (``load_checkpoint(..., common_subset=True)``): its state dict holds only
-    ``names``, and loading validates and copies only those (the others keep their values).
+def staging_state(state: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:
+    """A state like ``state`` (an EMA's own :func:`local_state`) whose tensors are new
+    buffers of the same layout, for a load to read into before anything live is written.
+
+    Each ``"ema"`` tensor (only ``names``, when given) gets an uninitialized buffer of its
+    shape, dtype and device; a DTensor gets one with its mesh, placements, global shape and
+    stride, holding this rank's piece (no communication). The caller must fill every element
+    (a DCP load whose chunks cover each tensor exactly once) before reading it. ``updates``
+    and ``config`` are kept, for the load to replace. Local. Peak extra memory: one copy of
+    the EMA's local shards (``1/W`` of the tracked tensors).
     """
-
-    def __init__(self, ema: Any, names: Iterable[str]) -> None:
-        self.ema = ema
-        self.names = list(names)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.ema.state_dict()
-        tensors = state[EMA_TENSORS]
-        return {**state, EMA_TENSORS: {k: tensors[k] for k in self.names}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.ema.load_state_dict(state, common_subset=True)
+    tensors = state[EMA_TENSORS]
+    chosen = list(tensors) if names is None else list(names)
+    return {**state, EMA_TENSORS: {k: _empty_like(tensors[k]) for k in chosen}}
 
 
-class GroupState:
-    """A DCP ``Stateful`` over named members (a ``MultiModelEMA`` whose members load
-    through :class:`CommonSubsetState`): ``{name: member.state_dict()}``."""
-
-    def __init__(self, members: Mapping[str, Any]) -> None:
-        self.members = dict(members)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: member.state_dict() for name, member in self.members.items()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, member in self.members.items():
-            member.load_state_dict(state[name])
-
-
-def with_common_subsets(
-    state: dict[str, Any], subsets: Mapping[tuple[str, ...], list[str]]
-) -> dict[str, Any]:
-    """``state`` (what ``dcp.load`` gets) with each EMA that loads only some of its tensors
-    seen through :class:`CommonSubsetState`: ``subsets`` maps an EMA's path (``("ema",)``,
-    or ``("emas", "fast")`` for a ``MultiModelEMA`` member) to the names it loads."""
-    if not subsets:
-        return state
-    out = dict(state)
-    for key, value in state.items():
-        if (key,) in subsets:
-            out[key] = CommonSubsetState(value, subsets[(key,)])
-        elif any(len(w) == 2 and w[0] == key for w in subsets):  # a MultiModelEMA
-            out[key] = GroupState(
-                {
-                    name: CommonSubsetState(member, subsets[(key, name)])
-                    if (key, name) in subsets
-                    else member
-                    for name, member in value.items()
-                }
-            )
-    return out
+def _empty_like(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return DTensor.from_local(
+            torch.empty_like(value.to_local()),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return torch.empty_like(value)
 
 
 def saved_count(value: Any) -> int:
