@@ -24,6 +24,7 @@ unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -33,7 +34,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dtensor_ema import background
 from dtensor_ema._collectives import (
     agree,
     agree_on_call,
@@ -87,13 +89,47 @@ _EMA_TENSORS = EMA_TENSORS
 
 
 # ---------------------------------------------------------------------------------- save
+@overload
 def save_checkpoint(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = True,
-) -> None:
+    async_: Literal[False] = False,
+) -> None: ...
+
+
+@overload
+def save_checkpoint(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    async_: Literal[True],
+) -> concurrent.futures.Future[None]: ...
+
+
+@overload
+def save_checkpoint(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    async_: bool,
+) -> concurrent.futures.Future[None] | None: ...
+
+
+def save_checkpoint(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    async_: bool = False,
+) -> concurrent.futures.Future[None] | None:
     """Save ``state`` with DCP so that a failed save never damages the checkpoint at ``path``.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
@@ -131,7 +167,30 @@ def save_checkpoint(
     plain ``dcp.load`` ignores these files. Then one more flag all-reduce, so rank 0 commits only
     once every rank's checksum file is written. With
     ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not call this makes the
-    others fail after that many seconds, naming it.
+    others fail after that many seconds, naming it. Peak extra memory (blocking): DCP's
+    write buffers; nothing is copied.
+
+    **Background saves** (``async_=True``, as ``dcp.async_save``): the call agrees on the
+    path, the EMAs and their counts, collects the state dicts and copies every tensor of
+    ``state`` to the CPU (the EMA shards, and any model or optimizer tensors in ``state``;
+    a DTensor stays a DTensor of its mesh holding a copy of this rank's piece), then returns
+    a ``concurrent.futures.Future`` while one background thread per process writes that
+    copy with every promise above: ``<path>.partial`` committed only when every rank
+    finished, the checksums, the one save id. ``update()`` (and training) may run at once:
+    the checkpoint holds the state at the call. A crash during the write leaves the previous
+    checkpoint at ``path``. ``future.result()`` returns ``None`` or raises what a blocking
+    save would have (on every rank). The writes' collectives run on a gloo group over the
+    ranks of ``process_group``, created by the first background save of each group (every
+    rank of that group calls it first: ``dist.new_group``, local synchronization) and kept.
+    Every later :func:`save_checkpoint` of this process first waits for a pending background
+    write (so two saves never share ``<path>.partial``); call ``future.result()`` before
+    loading what it wrote and before destroying the process group. Peak extra memory: one
+    CPU copy of ``state``'s tensors (for an EMA, its local shards: ``1/W`` of the tracked
+    tensors), freed when the write finishes. Training is blocked for the agreement and the
+    copy (``benchmarks/async_save.py``).
+
+    Returns:
+        ``None``; with ``async_=True`` the future of the background write.
 
     Raises:
         ValueError: ``path`` exists and is not a directory, or the ranks were given
@@ -139,10 +198,14 @@ def save_checkpoint(
         RuntimeError: a rank failed; the message says which. ``path`` is unchanged.
     """
     group = group_of(process_group)
+    background.wait_pending()
     with entering("save_checkpoint", group=group):
         agreed = agree_on_path(group, Path(path), "save_checkpoint")
         _agree_on_emas("save_checkpoint", state, group, counted=True)
+        if async_:
+            return _save_in_background(state, Path(path), group, checksums, agreed.save_id)
         _save(state, Path(path), group, checksums, agreed.save_id)
+        return None
 
 
 def _save(
@@ -152,6 +215,52 @@ def _save(
     checksums: bool,
     save_id: str,
 ) -> None:
+    _prepare(path, group)
+    error: Exception | None = None
+    try:
+        staged = _state_dicts(state)
+    except (Exception, CheckpointException) as e:
+        error = _ordinary(e, f"collecting the state to save to {path}")
+    agree(group, error, f"collecting the state to save to {path}")
+    _write_and_commit(staged, path, group, checksums, save_id)
+
+
+def _save_in_background(
+    state: Mapping[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+    checksums: bool,
+    save_id: str,
+) -> concurrent.futures.Future[None]:
+    """Copy the state now, write and commit it on the background writer."""
+    error: Exception | None = None
+    staged: dict[str, Any] = {}
+    try:
+        if rank_of(group) == 0 and path.exists() and not path.is_dir():
+            raise ValueError(f"checkpoint path {path} exists and is not a directory")
+        staged = background.cpu_copy(_state_dicts(state))
+    except (Exception, CheckpointException) as e:
+        error = _ordinary(e, f"collecting the state to save to {path}")
+    agree(group, error, f"collecting the state to save to {path}")
+    writer_group = background.background_group(group)
+
+    def write() -> None:
+        _prepare(path, writer_group)
+        # No quiet_single_process() here: warnings.catch_warnings is not thread-safe.
+        _write_and_commit(staged, path, writer_group, checksums, save_id, quiet=False)
+
+    return background.submit(write)
+
+
+def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    # Stateful values are turned into plain state dicts here, not inside dcp.save, so a
+    # rank whose state_dict() raises is seen by all ranks before any DCP collective.
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _prepare(path: Path, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 refuses a path that is a file, tidies what an interrupted save left and makes
+    the parent folder; the ranks agree."""
     partial, previous = _siblings(path)
     error: Exception | None = None
     if rank_of(group) == 0:
@@ -163,16 +272,25 @@ def _save(
         except (OSError, ValueError) as e:
             error = e
     agree(group, error, f"preparing to save {path}")
-    try:
-        # Stateful values are turned into plain state dicts here, not inside dcp.save, so a
-        # rank whose state_dict() raises is seen by all ranks before any DCP collective.
-        staged = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    except (Exception, CheckpointException) as e:
-        error = _ordinary(e, f"collecting the state to save to {path}")
-    agree(group, error, f"collecting the state to save to {path}")
+
+
+def _write_and_commit(
+    staged: dict[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+    checksums: bool,
+    save_id: str,
+    *,
+    quiet: bool = True,
+) -> None:
+    """DCP writes ``staged`` into ``<path>.partial``; every rank records its checksums; rank
+    0 commits once every rank succeeded. **Collective** over ``group``. ``quiet``: hide
+    DCP's warning that one process saves alone (the foreground only)."""
+    partial, previous = _siblings(path)
+    error: Exception | None = None
     writer = RecordingWriter(partial, save_id=save_id)
     try:
-        with quiet_single_process():
+        with quiet_single_process() if quiet else contextlib.nullcontext():
             dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointException as e:  # a BaseException: make it an ordinary error
         raise CheckpointError(

@@ -1,0 +1,85 @@
+"""What a background save needs: a copy of the state, a worker thread, a group of its own.
+
+``save_checkpoint(..., async_=True)`` (:mod:`dtensor_ema.checkpoint`) blocks training only
+while it copies the state; the write runs here:
+
+* :func:`cpu_copy`: every tensor of a (nested) state dict copied to the CPU, a DTensor as a
+  DTensor of the same mesh and placements holding a copy of this rank's piece (what
+  ``dcp.async_save``'s stager makes, without its detour through ``copy.deepcopy`` of the
+  whole DTensor), other values deep-copied; so training may change the live state at once.
+* :func:`submit`: one worker thread per process runs the writes in call order, and
+  :func:`wait_pending` lets the next save (blocking or not) start only once the previous
+  background write finished, so two saves never share ``<path>.partial``.
+* :func:`background_group`: the writer's collectives (DCP's, and the ranks' agreement before
+  the commit) run on a gloo group over the same ranks, created on the first background save
+  of each group and kept: collectives issued from two threads on one group could pair up
+  differently on different ranks. DCP needs a CPU backend for the staged copies anyway.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["background_group", "cpu_copy", "submit", "wait_pending"]
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_pending: list[concurrent.futures.Future[None]] = []
+_groups: dict[Any, dist.ProcessGroup] = {}
+
+
+def cpu_copy(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU (a DTensor keeps its mesh, placements,
+    global shape and stride; its local piece is copied), mappings and sequences rebuilt,
+    other values deep-copied. Local. Peak extra memory: one copy of the tensors."""
+    if isinstance(value, DTensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group over the ranks of ``group`` for background writes (``None`` for one
+    process). **Collective** the first time for each ``group``: every rank of ``group``
+    (and only those) creates it, in the same order (``dist.new_group`` with local
+    synchronization); later calls are local."""
+    if group is None:
+        return None
+    found = _groups.get(group)
+    if found is None:
+        ranks = dist.get_process_group_ranks(group)
+        created = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        assert isinstance(created, dist.ProcessGroup)
+        found = _groups[group] = created
+    return found
+
+
+def submit(work: Callable[[], None]) -> concurrent.futures.Future[None]:
+    """Run ``work`` on this process's background writer thread (after any earlier work);
+    returns its future."""
+    global _executor
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dtensor_ema-save"
+        )
+    future = _executor.submit(work)
+    _pending[:] = [f for f in _pending if not f.done()] + [future]
+    return future
+
+
+def wait_pending() -> None:
+    """Wait until every background write of this process has finished (its outcome, an
+    error too, is its future's: the caller of that save reads it). Local."""
+    concurrent.futures.wait(_pending)
+    _pending.clear()
