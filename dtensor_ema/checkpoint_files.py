@@ -66,6 +66,9 @@ class CheckpointFiles:
         self._dir_fd: int | None = None
         if _RELATIVE:
             self._dir_fd = os.open(self.path, os.O_RDONLY | _DIRECTORY)
+            self._directory = _identity(os.fstat(self._dir_fd))[:2]
+        else:
+            self._directory = _identity(os.stat(self.path))[:2]
         self._seen: dict[str, Identity] = {}
         self._held: collections.OrderedDict[str, BinaryIO] = collections.OrderedDict()
 
@@ -103,6 +106,7 @@ class CheckpointFiles:
             else:
                 st = os.stat(self.path / name)
         except FileNotFoundError:
+            self._check_directory(name)
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
@@ -153,10 +157,8 @@ class CheckpointFiles:
                 fd = os.open(self.path / name, os.O_RDONLY | _BINARY)
         except FileNotFoundError:
             if name in self._seen:
-                raise self.changed(
-                    f"{name} was deleted after this load began reading it (a save that "
-                    "commits to this path replaces the directory and deletes the old one)"
-                ) from None
+                raise self.changed(f"{name} was deleted after this load first saw it") from None
+            self._check_directory(name)
             raise
         f = open(fd, "rb")  # noqa: SIM115 (held beyond this call; closed by close())
         try:
@@ -168,6 +170,19 @@ class CheckpointFiles:
         if len(self._held) > HELD_FILES:
             self._held.popitem(last=False)[1].close()
         return f
+
+    def _check_directory(self, name: str) -> None:
+        """A file is missing: if the path now names another directory (or none), a save
+        committed there meanwhile (it renames the old directory away and deletes it)."""
+        try:
+            now = _identity(os.stat(self.path))[:2]
+        except FileNotFoundError:
+            now = None
+        if now != self._directory:
+            raise self.changed(
+                f"{name} is gone and {self.path} is another directory now (a save that "
+                "commits renames the old directory away and deletes it)"
+            )
 
     def _check_same(self, name: str, st: os.stat_result, when: str) -> None:
         now = _identity(st)

@@ -1,0 +1,790 @@
+"""Nothing lost (issue 40, items 2-4): a failed load changes no EMA, a load reads the bytes
+it verified, and background saves keep every promise of a blocking one.
+
+The scenario of the issue: state ``{"ema": e1, "ema2": e2, "model": model_sd}``, both EMAs
+at 8 updates, checkpoint ``A`` saved at 3 (and ``B``, the same layout, at 8). One spawn at
+W=2 runs every scenario (failures injected on rank 1 only, so rank 0 read everything and
+still must not swap), then this process runs them again at W=1 with no process group, on
+the checkpoints the spawn saved (each EMA tensor then comes from two chunks). One more spawn
+at W=2 kills a rank during a background write.
+
+* Failed loads: an ``OSError``, a short read and an exception of the storage layer injected
+  at the 12th tensor read of DCP's ``FileSystemReader``; a refused pickle at the last EMA
+  entry; a corrupted entry under ``verify=False``; a counter of ``10**400`` with the
+  checksums rewritten to match; a ``Stateful`` beside the EMAs that fails on one rank;
+  ``ModelEMA.load_state_dict`` and ``MultiModelEMA.load_state_dict`` with that counter; a
+  ``MultiModelEMA`` whose load fails mid-read. Each time every EMA keeps its tensors, count,
+  options and tracked set, and keeps updating exactly as twins that saw no failed load.
+* Concurrent commits to the path (what a ``save_checkpoint`` commit does: the directory
+  renamed away, the new one renamed in, the old one deleted), between the counter pass and
+  the tensor pass, between the checksum pass and DCP's reads, and between two ranks' opens;
+  and a data file rewritten in place between the passes. A load gives one save's data
+  (counter and every row) or an error naming the concurrent save, never "corrupted".
+* ``save_checkpoint(..., async_=True)``: returns a future while the write is held in flight;
+  the path keeps the previous checkpoint until every rank finished; the EMA updates meanwhile
+  and the checkpoint holds the EMA at the call, with one save id and checksums; a failed
+  background write (on one rank) raises from every rank's future and leaves the previous
+  checkpoint; a killed rank too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from crafted import read_metadata, replace_value, sidecars
+from dist_harness import run_ranks, spawn_ranks
+from models import mismatches
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from dtensor_ema import ModelEMA, MultiModelEMA, load_checkpoint, save_checkpoint
+from dtensor_ema import checksums as checksums_module
+from dtensor_ema import reader as reader_module
+
+pytestmark = pytest.mark.distributed
+
+STEPS_A, STEPS = 3, 8
+STATE_KEYS = ("ema", "ema2")
+FAIL_AT = 12  # the tensor read that fails
+
+
+class StorageFault(Exception):
+    """What a storage layer raises (not an OSError)."""
+
+
+class Refused:
+    """A pickle ``weights_only`` refuses."""
+
+
+# ------------------------------------------------------------------------------- the run
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 6), nn.Linear(6, 5)
+    )
+
+
+def _perturb(model: nn.Module, step: int) -> None:
+    """Step ``step`` of the trajectory: a seeded delta, the same at every W."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator))
+
+
+def _emas(model: nn.Module) -> dict[str, ModelEMA]:
+    return {
+        "ema": ModelEMA(model, decay=0.9, tau=2.0),
+        "ema2": ModelEMA(model, decay=0.5, tau=None),
+    }
+
+
+def _multi(model: nn.Module) -> MultiModelEMA:
+    return MultiModelEMA(model, {"fast": {"decay": 0.5, "tau": None}, "slow": {"decay": 0.8}})
+
+
+class Run:
+    """The model, the two EMAs, their twins (which never see a failed load) and a
+    ``MultiModelEMA``, advanced along the trajectory."""
+
+    def __init__(self) -> None:
+        self.model = _model()
+        self.emas = _emas(self.model)
+        self.twins = _emas(self.model)
+        self.multi = _multi(self.model)
+        self.step = 0
+
+    def advance(self, to: int) -> None:
+        while self.step < to:
+            self.step += 1
+            _perturb(self.model, self.step)
+            for ema in [*self.emas.values(), *self.twins.values()]:
+                ema.update()
+            self.multi.update()
+
+    def state(self) -> dict[str, Any]:
+        return {**self.emas, "model": self.model.state_dict()}
+
+    def all_emas(self) -> dict[str, ModelEMA]:
+        return {**self.emas, **{f"multi.{k}": v for k, v in self.multi.items()}}
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return (value.to_local() if isinstance(value, DTensor) else value).detach().clone()
+
+
+def _snapshot(ema: ModelEMA) -> dict[str, Any]:
+    """Everything a failed load must leave as it was."""
+    return {
+        "tensors": {k: _local(v) for k, v in ema.ema_tensors().items()},
+        "updates": ema.updates,
+        "config": ema.engine.config(),
+        "options": ema.options,
+        "tracked": [e.fqn for e in ema.engine.plan],
+        "untracked": list(ema.engine.plan.untracked),
+    }
+
+
+def _differences(before: dict[str, Any], ema: ModelEMA) -> list[str]:
+    now = _snapshot(ema)
+    bad = [f"tensor {k}" for k in mismatches(now["tensors"], before["tensors"])]
+    bad += [k for k in ("updates", "config", "tracked", "untracked") if now[k] != before[k]]
+    if now["options"] is not before["options"]:
+        bad.append("options")
+    return bad
+
+
+def _error(fn: Callable[[], object]) -> str | None:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, replacement: Any, when: bool = True) -> Iterator[None]:
+    original = owner.__dict__.get(name)
+    if when:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if when:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _wait_for(flag: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not flag.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{flag} never appeared")
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------- checkpoints to load
+def _craft(tmp: Path) -> None:
+    """Copies of ``A`` that fail late (rank 0 writes them; every rank reads them)."""
+    metadata = read_metadata(tmp / "A")
+    last = sorted(k for k in metadata.state_dict_metadata if k.startswith("ema2.ema."))[-1]
+    refused = Path(shutil.copytree(tmp / "A", tmp / "refused"))
+    replace_value(refused, last, Refused())  # checksums rewritten to match
+    counter = Path(shutil.copytree(tmp / "A", tmp / "counter"))
+    replace_value(counter, "ema2.updates", 10**400)
+    corrupted = Path(shutil.copytree(tmp / "A", tmp / "corrupted"))
+    info = next(v for i, v in metadata.storage_data.items() if i.fqn == last)
+    with open(corrupted / info.relative_path, "r+b") as f:  # the entry's bytes, zeroed
+        f.seek(info.offset)
+        f.write(bytes(info.length))
+
+
+def _is_tensor(metadata: Any) -> set[int]:
+    return {
+        id(info)
+        for index, info in (metadata.storage_data or {}).items()
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata)
+    }
+
+
+def _failing_reads(kind: str, at: int) -> Callable[..., Any]:
+    """``FileSystemReader._slice_file`` that fails the ``at``-th tensor read: ``oserror``,
+    ``short`` (half the bytes) or ``storage`` (a storage layer's own exception)."""
+    original = reader_module.FileSystemReader._slice_file
+    count = [0]
+
+    def slice_file(self: Any, file: Any, sinfo: Any) -> Any:
+        stream = original(self, file, sinfo)
+        if id(sinfo) not in _is_tensor(self._checkpoint.metadata):
+            return stream
+        count[0] += 1
+        if count[0] != at:
+            return stream
+        if kind == "oserror":
+            raise OSError(5, "injected I/O error")
+        if kind == "storage":
+            raise StorageFault("injected: the object store is unreachable")
+        import io
+
+        return io.BytesIO(stream.read(sinfo.length // 2))
+
+    return slice_file
+
+
+def _one_rank_stateful(rank: int) -> Any:
+    class FailsOnOneRank:
+        """A ``Stateful`` model entry whose ``load_state_dict`` fails on rank ``rank``."""
+
+        def __init__(self, model: nn.Module) -> None:
+            self.model = model
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.model.state_dict()
+
+        def load_state_dict(self, state: Any) -> None:
+            if _rank() == rank:
+                raise RuntimeError(f"injected: the model refused its state on rank {rank}")
+            self.model.load_state_dict(state)
+
+    return FailsOnOneRank
+
+
+def failure_scenarios(run: Run, tmp: Path) -> dict[str, Any]:
+    """Each way a load can fail late; what it raised and what changed."""
+    rank_to_fail = _world() - 1
+    on_this_rank = _rank() == rank_to_fail
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Callable[[], object]) -> None:
+        before = {k: _snapshot(v) for k, v in run.all_emas().items()}
+        model_before = {k: v.clone() for k, v in run.model.state_dict().items()}
+        error = _error(fn)
+        out[name] = {
+            "error": error,
+            "changed": {k: _differences(before[k], v) for k, v in run.all_emas().items()},
+            "model_changed": mismatches(run.model.state_dict(), model_before) != [],
+        }
+
+    state = run.state
+    for kind in ("oserror", "short", "storage"):
+        reads = _failing_reads(kind, FAIL_AT)
+        with _patched(reader_module._Reader, "_slice_file", reads, when=on_this_rank):
+            attempt(kind, lambda: load_checkpoint(state(), tmp / "A"))
+    attempt("refused", lambda: load_checkpoint(state(), tmp / "refused"))
+    attempt("corrupted", lambda: load_checkpoint(state(), tmp / "corrupted", verify=False))
+    attempt("counter", lambda: load_checkpoint(state(), tmp / "counter"))
+    stateful = _one_rank_stateful(rank_to_fail)
+    attempt(
+        "stateful", lambda: load_checkpoint({**run.emas, "model": stateful(run.model)}, tmp / "A")
+    )
+    reads = _failing_reads("oserror", 6)
+    with _patched(reader_module._Reader, "_slice_file", reads, when=on_this_rank):
+        attempt("multi", lambda: load_checkpoint({"emas": run.multi}, tmp / "M"))
+
+    huge = 10**400
+    ema2 = run.emas["ema2"]
+    own = ema2.state_dict()
+    bad = {**own, "updates": huge, "ema": {k: _local(v) + 1 for k, v in own["ema"].items()}}
+    if isinstance(next(iter(own["ema"].values())), DTensor):  # this rank's piece, as a DTensor
+        bad["ema"] = {
+            k: DTensor.from_local(
+                _local(v) + 1, v.device_mesh, v.placements, shape=v.shape, stride=v.stride()
+            )
+            for k, v in own["ema"].items()
+        }
+    attempt("load_state_dict", lambda: ema2.load_state_dict(bad))
+    members = run.multi.state_dict()
+    plus_one = {
+        name: {**s, "ema": {k: v.detach() + 1 for k, v in s["ema"].items()}}
+        for name, s in members.items()
+    }
+    plus_one["slow"]["updates"] = huge
+    attempt("multi_load_state_dict", lambda: run.multi.load_state_dict(plus_one))
+    return out
+
+
+def keeps_updating(run: Run) -> dict[str, Any]:
+    """After every failed load: one more update of each EMA and of its twin."""
+    run.advance(STEPS + 1)
+    return {
+        name: {
+            "tensors": mismatches(
+                {k: _local(v) for k, v in run.emas[name].ema_tensors().items()},
+                {k: _local(v) for k, v in run.twins[name].ema_tensors().items()},
+            ),
+            "updates": (run.emas[name].updates, run.twins[name].updates),
+        }
+        for name in STATE_KEYS
+    }
+
+
+# ------------------------------------------------------------------ concurrent commits
+def _commit_over(path: Path, other: Path) -> None:
+    """What ``save_checkpoint``'s commit does to ``path``: the old directory renamed away,
+    the new one (``other``, a finished ``.partial``) renamed in, the old one deleted."""
+    previous = path.with_name(path.name + ".previous")
+    os.rename(path, previous)
+    os.rename(other, path)
+    shutil.rmtree(previous)
+
+
+def _fresh_emas() -> dict[str, ModelEMA]:
+    model = _model()
+    _perturb(model, 77)  # other values than any save
+    return _emas(model)
+
+
+def _loaded(emas: dict[str, ModelEMA]) -> dict[str, Any]:
+    return {
+        k: {"updates": e.updates, "tensors": {n: _local(v) for n, v in e.ema_tensors().items()}}
+        for k, e in emas.items()
+    }
+
+
+def _which_save(loaded: dict[str, Any], saves: dict[str, dict[str, Any]]) -> str:
+    """``"A"`` or ``"B"`` when every counter and row is that save's; else ``"mixed"``."""
+    for name, save in saves.items():
+        if all(
+            loaded[k]["updates"] == save[k]["updates"]
+            and not mismatches(loaded[k]["tensors"], save[k]["tensors"])
+            for k in STATE_KEYS
+        ):
+            return name
+    return "mixed"
+
+
+def concurrent_scenarios(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A load of ``path`` (a copy of ``A``) while ``B`` is committed over it, at several
+    points; rank 0 commits, the others wait for it there. ``saves``: this rank's pieces
+    of ``A`` and ``B`` (what a load at this W gives)."""
+    rank, out = _rank(), {}
+
+    def case(name: str, owner: Any, attr: str, make: Callable[..., Any], **kwargs: Any) -> None:
+        folder = tmp / f"concurrent-{name}"
+        path, flag = folder / "ckpt", folder / "committed"
+        if rank == 0:
+            folder.mkdir()
+            shutil.copytree(tmp / "A", path)
+            shutil.copytree(tmp / "B", folder / "ckpt.partial")
+        _barrier()
+
+        def commit() -> None:
+            if rank == 0:
+                _commit_over(path, folder / "ckpt.partial")
+                flag.touch()
+            else:
+                _wait_for(flag)
+
+        emas = _fresh_emas()
+        before = {k: _snapshot(v) for k, v in emas.items()}
+        with _patched(owner, attr, make(owner.__dict__[attr], commit)):
+            error = _error(lambda: load_checkpoint(dict(emas), path, **kwargs))
+        out[name] = {
+            "error": error,
+            "loaded": _which_save(_loaded(emas), saves) if error is None else None,
+            "changed": {k: _differences(before[k], v) for k, v in emas.items()},
+        }
+        _barrier()
+
+    def after_first_load(original: Any, commit: Callable[[], None]) -> Any:
+        calls = [0]
+
+        def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            calls[0] += 1
+            if calls[0] == 1:  # the counter and options were read: the tensors are next
+                commit()
+            return result
+
+        return load
+
+    def before_tensor_reads(original: Any, commit: Callable[[], None]) -> Any:
+        def read_data(self: Any, plan: Any, planner: Any) -> Any:
+            if any(i.type.name != "BYTE_IO" for i in plan.items):  # verified; not read yet
+                commit()
+            return original(self, plan, planner)
+
+        return read_data
+
+    case("between_passes", reader_module.Checkpoint, "load", after_first_load)
+    case("before_reads", reader_module._Reader, "read_data", before_tensor_reads)
+    case(
+        "before_reads_unverified",
+        reader_module._Reader,
+        "read_data",
+        before_tensor_reads,
+        verify=False,
+    )
+    if _world() > 1:
+        out["ranks_open_different_saves"] = _different_opens(tmp, saves)
+    out["rewritten_in_place"] = _rewritten_in_place(tmp)
+    return out
+
+
+def _different_opens(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0 opens and checks ``A``; then ``B`` is committed; the other ranks open
+    ``B``."""
+    import dtensor_ema.checkpoint as checkpoint_module
+
+    rank = _rank()
+    folder = tmp / "concurrent-opens"
+    path, flag = folder / "ckpt", folder / "committed"
+    if rank == 0:
+        folder.mkdir()
+        shutil.copytree(tmp / "A", path)
+        shutil.copytree(tmp / "B", folder / "ckpt.partial")
+    _barrier()
+    check_files = reader_module.Checkpoint.check_files
+    open_checkpoint = checkpoint_module.open_checkpoint
+
+    def checked_then_commit(self: Any) -> None:
+        check_files(self)
+        _commit_over(path, folder / "ckpt.partial")
+        flag.touch()
+
+    def open_after_commit(where: Any) -> Any:
+        _wait_for(flag)
+        return open_checkpoint(where)
+
+    emas = _fresh_emas()
+    before = {k: _snapshot(v) for k, v in emas.items()}
+    if rank == 0:
+        patch = _patched(reader_module.Checkpoint, "check_files", checked_then_commit)
+    else:
+        patch = _patched(checkpoint_module, "open_checkpoint", open_after_commit)
+    with patch:
+        error = _error(lambda: load_checkpoint(dict(emas), path))
+    _barrier()
+    return {
+        "error": error,
+        "loaded": _which_save(_loaded(emas), saves) if error is None else None,
+        "changed": {k: _differences(before[k], v) for k, v in emas.items()},
+        "save_ids": [read_metadata(tmp / s).storage_meta.save_id for s in ("A", "B")],
+    }
+
+
+def _rewritten_in_place(tmp: Path) -> dict[str, Any]:
+    """Between the counter pass and the tensor pass, rank 0 rewrites the first EMA tensor's
+    bytes in ``__0_0.distcp`` in place (another writer in the same directory)."""
+    rank = _rank()
+    folder = tmp / "in-place"
+    path, flag = folder / "ckpt", folder / "written"
+    if rank == 0:
+        folder.mkdir()
+        shutil.copytree(tmp / "A", path)
+    _barrier()
+    metadata = read_metadata(path)
+    info = min(
+        (
+            v
+            for i, v in metadata.storage_data.items()
+            if i.fqn.startswith("ema.ema.") and v.relative_path == "__0_0.distcp"
+        ),
+        key=lambda v: v.offset,
+    )
+    original = reader_module.Checkpoint.load
+    calls = [0]
+
+    def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 1:
+            if rank == 0:
+                time.sleep(0.02)  # past the clock tick of the save's write
+                with open(path / info.relative_path, "r+b") as f:
+                    f.seek(info.offset + info.length - 8)
+                    f.write(b"\x7f" * 8)
+                flag.touch()
+            else:
+                _wait_for(flag)
+        return result
+
+    emas = _fresh_emas()
+    before = {k: _snapshot(v) for k, v in emas.items()}
+    with _patched(reader_module.Checkpoint, "load", load):
+        error = _error(lambda: load_checkpoint(dict(emas), path))
+    _barrier()
+    return {"error": error, "changed": {k: _differences(before[k], v) for k, v in emas.items()}}
+
+
+# ------------------------------------------------------------------------ async saves
+def async_scenarios(run: Run, tmp: Path) -> dict[str, Any]:
+    """A background save held in flight (every rank's writer waits for a flag), with
+    updates meanwhile; a blocking save right after one; a background write that fails on
+    the last rank."""
+    rank, out = _rank(), {}
+    path = tmp / "async"
+    release = tmp / "release"
+    save_checkpoint(run.state(), path)  # the previous checkpoint
+    previous_id = read_metadata(path).storage_meta.save_id
+    at_call = {k: _snapshot(v) for k, v in run.emas.items()}
+    original_write = checksums_module.RecordingWriter.write_data
+
+    def held_write(self: Any, plan: Any, planner: Any) -> Any:
+        _wait_for(release)
+        return original_write(self, plan, planner)
+
+    with _patched(checksums_module.RecordingWriter, "write_data", held_write):
+        start = time.perf_counter()
+        future = save_checkpoint(run.state(), path, async_=True)
+        out["returned_s"] = time.perf_counter() - start
+        out["future"] = type(future).__name__
+        out["pending"] = not future.done()
+        run.advance(run.step + 2)  # training goes on: the save holds the EMA at the call
+        out["path_meanwhile"] = read_metadata(path).storage_meta.save_id == previous_id
+        _barrier()
+        if rank == 0:
+            release.touch()
+        out["result"] = future.result(timeout=120)
+    _barrier()
+    ids = {read_metadata(path).storage_meta.save_id} | {
+        p.get("save_id") for p in sidecars(path).values()
+    }
+    out["one_save_id"] = len(ids) == 1 and previous_id not in ids
+    out["sidecars"] = len(sidecars(path))
+    fresh = _fresh_emas()
+    load_checkpoint(dict(fresh), path, verify="require")
+    out["saved_at_call"] = {k: _same_values(fresh[k], at_call[k]) for k in STATE_KEYS}
+
+    # A blocking save right after a background one waits for it, then writes its own.
+    future = save_checkpoint(run.state(), path, async_=True)
+    run.advance(run.step + 1)
+    latest = {k: _snapshot(v) for k, v in run.emas.items()}
+    save_checkpoint(run.state(), path)
+    out["after_blocking"] = future.done() and future.exception() is None
+    fresh = _fresh_emas()
+    load_checkpoint(dict(fresh), path)
+    out["blocking_wins"] = all(_same_values(fresh[k], latest[k]) for k in STATE_KEYS)
+
+    # A background write that fails on the last rank: every rank's future raises, the
+    # previous checkpoint stays.
+    kept = {k: _snapshot(v) for k, v in run.emas.items()}
+    run.advance(run.step + 1)
+
+    def failing_write(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError(28, "injected: no space left on device")
+
+    with _patched(
+        checksums_module.RecordingWriter, "write_data", failing_write, when=rank == _world() - 1
+    ):
+        future = save_checkpoint(run.state(), path, async_=True)
+        out["failed"] = _error(lambda: future.result(timeout=120))
+    fresh = _fresh_emas()
+    load_checkpoint(dict(fresh), path)
+    out["previous_kept"] = all(_same_values(fresh[k], kept[k]) for k in STATE_KEYS)
+    return out
+
+
+def _same_values(ema: ModelEMA, snapshot: dict[str, Any]) -> bool:
+    """The EMA holds the snapshot's tensors (bit for bit) and count."""
+    now = _snapshot(ema)
+    return (
+        not mismatches(now["tensors"], snapshot["tensors"])
+        and now["updates"] == snapshot["updates"]
+    )
+
+
+# ------------------------------------------------------------------------- the bodies
+def _saves(run: Run, tmp: Path) -> dict[str, Any]:
+    """``A`` at 3 updates, ``M`` (a ``MultiModelEMA``) at 3, ``B`` at 8; each rank's pieces
+    of ``A`` and ``B``, and the full tensors (for loads at another W)."""
+    out: dict[str, Any] = {"pieces": {}, "full": {}}
+    for name, steps in (("A", STEPS_A), ("B", STEPS)):
+        run.advance(steps)
+        save_checkpoint(run.state(), tmp / name)
+        if name == "A":
+            save_checkpoint({"emas": run.multi, "model": run.model.state_dict()}, tmp / "M")
+        out["pieces"][name] = _loaded(run.emas)
+        out["full"][name] = {
+            k: {"updates": e.updates, "tensors": e.get_ema_state_dict()}
+            for k, e in run.emas.items()
+        }
+    return out
+
+
+def body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    folder = Path(tmp)
+    run = Run()
+    saved = _saves(run, folder)
+    if rank == 0:
+        _craft(folder)
+    _barrier()
+    return {
+        "full": saved["full"],
+        "failures": failure_scenarios(run, folder),
+        "keeps_updating": keeps_updating(run),
+        "concurrent": concurrent_scenarios(folder, saved["pieces"]),
+        "async": async_scenarios(run, folder / f"w{world_size}"),
+    }
+
+
+def kill_body(rank: int, world_size: int, tmp: str) -> str:
+    """Rank 1's background writer SIGKILLs its process after writing its data file."""
+    path = Path(tmp) / "ckpt"
+    run = Run()
+    run.advance(2)
+    save_checkpoint(run.state(), path)
+    if rank == 0:
+        torch.save({k: v.get_ema_state_dict() for k, v in run.emas.items()}, Path(tmp) / "kept.pt")
+    else:
+        for ema in run.emas.values():
+            ema.get_ema_state_dict()
+    run.advance(3)
+    if rank == 1:
+        original_write = checksums_module.RecordingWriter.write_data
+
+        def dying_write(self: Any, plan: Any, planner: Any) -> Any:
+            original_write(self, plan, planner)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        checksums_module.RecordingWriter.write_data = dying_write  # type: ignore[method-assign]
+    future = save_checkpoint(run.state(), path, async_=True)
+    outcome = _error(lambda: future.result(timeout=120)) or "saved"
+    (Path(tmp) / f"outcome{rank}.json").write_text(json.dumps(outcome))
+    return outcome
+
+
+# ------------------------------------------------------------------------------ tests
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("nothing-lost")
+    (tmp / "w2").mkdir()
+    return tmp, run_ranks(body, 2, tmp, str(tmp))
+
+
+@pytest.fixture(scope="module")
+def w1(w2: tuple[Path, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The same scenarios in this process with no process group, on the spawn's files."""
+    tmp, results = w2
+    folder = tmp / "w1"
+    folder.mkdir()
+    for name in ("A", "B", "M", "refused", "counter", "corrupted"):
+        shutil.copytree(tmp / name, folder / name)
+    run = Run()
+    run.advance(STEPS)
+    full = results[0]["full"]
+    saves = {
+        s: {k: {"updates": v["updates"], "tensors": v["tensors"]} for k, v in full[s].items()}
+        for s in ("A", "B")
+    }
+    (folder / "async").mkdir()
+    return {
+        "failures": failure_scenarios(run, folder),
+        "keeps_updating": keeps_updating(run),
+        "concurrent": concurrent_scenarios(folder, saves),
+        "async": async_scenarios(run, folder / "async"),
+    }
+
+
+def _each(w2: Any, w1: Any, part: str) -> list[tuple[str, Any]]:
+    _, results = w2
+    return [(f"W=2 rank {r}", got[part]) for r, got in enumerate(results)] + [("W=1", w1[part])]
+
+
+FAILURES = {
+    "oserror": r"injected I/O error",
+    "short": r"loading .* failed",
+    "storage": r"the object store is unreachable",
+    "refused": r"entry 'ema2\.ema\.[^']+' is not a tensor or plain value",
+    "corrupted": r"ema2\.ema\.",
+    "counter": r"checkpoint 'updates' must fit an int64 \(at most 2\*\*63 - 1\), got an int of "
+    r"1329 bits",
+    "stateful": r"injected: the model refused its state on rank \d",
+    "multi": r"injected I/O error",
+    "load_state_dict": r"checkpoint 'updates' must fit an int64",
+    "multi_load_state_dict": r"EMA 'slow': checkpoint 'updates' must fit an int64",
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_a_failed_load_changes_no_ema(w2: Any, w1: Any, case: str) -> None:
+    for where, got in _each(w2, w1, "failures"):
+        outcome = got[case]
+        assert outcome["error"] is not None, (where, case)
+        assert re.search(FAILURES[case], outcome["error"]), (where, outcome["error"])
+        assert outcome["changed"] == {k: [] for k in outcome["changed"]}, (where, outcome)
+    if case == "counter":  # refused before anything is written: the model too
+        assert not any(got["counter"]["model_changed"] for _, got in _each(w2, w1, "failures"))
+
+
+def test_every_ema_keeps_updating_after_failed_loads(w2: Any, w1: Any) -> None:
+    for where, got in _each(w2, w1, "keeps_updating"):
+        for name, outcome in got.items():
+            assert outcome == {"tensors": [], "updates": (STEPS + 1, STEPS + 1)}, (where, name)
+
+
+CONCURRENT = ["between_passes", "before_reads", "before_reads_unverified"]
+
+
+@pytest.mark.parametrize("case", CONCURRENT)
+def test_a_concurrent_commit_gives_one_save_or_names_it(w2: Any, w1: Any, case: str) -> None:
+    for where, got in _each(w2, w1, "concurrent"):
+        outcome = got[case]
+        if outcome["error"] is None:
+            assert outcome["loaded"] == "A", (where, outcome)  # the files it verified
+        else:
+            assert "CheckpointChangedError" in outcome["error"], (where, outcome["error"])
+            assert "corrupted" not in outcome["error"], (where, outcome["error"])
+            assert outcome["changed"] == {k: [] for k in STATE_KEYS}, (where, outcome)
+    # Verified loads hold every file they verified: they read the save they began with.
+    assert all(got[case]["loaded"] == "A" for _, got in _each(w2, w1, "concurrent")) or (
+        case == "before_reads_unverified"
+    )
+
+
+def test_ranks_that_open_different_saves_all_raise_naming_both(w2: Any) -> None:
+    _, results = w2
+    for rank, got in enumerate(results):
+        outcome = got["concurrent"]["ranks_open_different_saves"]
+        error = outcome["error"]
+        assert error is not None and error.startswith("CheckpointChangedError"), (rank, error)
+        for save_id in outcome["save_ids"]:
+            assert save_id in error, (rank, error)
+        assert outcome["changed"] == {k: [] for k in STATE_KEYS}, (rank, outcome)
+    assert len({got["concurrent"]["ranks_open_different_saves"]["error"] for got in results}) == 1
+
+
+def test_a_file_changed_between_the_passes_is_reported_as_changed(w2: Any, w1: Any) -> None:
+    for where, got in _each(w2, w1, "concurrent"):
+        outcome = got["rewritten_in_place"]
+        error = outcome["error"]
+        assert error is not None and error.startswith("CheckpointChangedError"), (where, error)
+        assert "__0_0.distcp was modified" in error and "corrupted" not in error, (where, error)
+        assert outcome["changed"] == {k: [] for k in STATE_KEYS}, (where, outcome)
+
+
+def test_background_saves_keep_every_promise(w2: Any, w1: Any) -> None:
+    for where, got in _each(w2, w1, "async"):
+        assert got["future"] == "Future" and got["pending"], (where, got)
+        assert got["path_meanwhile"], where  # nothing committed while a rank still wrote
+        assert got["result"] is None, where
+        assert got["one_save_id"] and got["sidecars"] == (2 if where.startswith("W=2") else 1)
+        assert got["saved_at_call"] == dict.fromkeys(STATE_KEYS, True), (where, got)
+        assert got["after_blocking"] and got["blocking_wins"], (where, got)
+        assert got["failed"] is not None and "no space left on device" in got["failed"], where
+        assert got["previous_kept"], where
+
+
+def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    _, failures = spawn_ranks(kill_body, 2, tmp_path, str(tmp_path))
+    assert any("rank 1: exited with code -9" in f for f in failures), failures
+    outcome = json.loads((tmp_path / "outcome0.json").read_text())
+    assert outcome != "saved"  # rank 0's future saw its peer die and did not commit
+    assert not (tmp_path / "outcome1.json").exists()  # rank 1 really died mid-write
+    assert (tmp_path / "ckpt.partial").is_dir()
+    kept = torch.load(tmp_path / "kept.pt", weights_only=True)
+    fresh = _fresh_emas()
+    load_checkpoint(dict(fresh), tmp_path / "ckpt", verify="require")
+    for name, ema in fresh.items():
+        assert ema.updates == 2
+        assert mismatches({k: _local(v) for k, v in ema.ema_tensors().items()}, kept[name]) == []
