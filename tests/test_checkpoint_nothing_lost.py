@@ -105,6 +105,7 @@ class Run:
         self.emas = _emas(self.model)
         self.twins = _emas(self.model)
         self.multi = _multi(self.model)
+        self.multi_twin = _multi(self.model)
         self.step = 0
 
     def advance(self, to: int) -> None:
@@ -114,12 +115,28 @@ class Run:
             for ema in [*self.emas.values(), *self.twins.values()]:
                 ema.update()
             self.multi.update()
+            self.multi_twin.update()
 
     def state(self) -> dict[str, Any]:
         return {**self.emas, "model": self.model.state_dict()}
 
     def all_emas(self) -> dict[str, ModelEMA]:
         return {**self.emas, **{f"multi.{k}": v for k, v in self.multi.items()}}
+
+    def against_twins(self) -> dict[str, Any]:
+        """Each EMA against its twin, which never saw a failed load: the tensors that
+        differ, and both counts."""
+        twins = {**self.twins, **{f"multi.{k}": v for k, v in self.multi_twin.items()}}
+        return {
+            name: {
+                "tensors": mismatches(
+                    {k: _local(v) for k, v in ema.ema_tensors().items()},
+                    {k: _local(v) for k, v in twins[name].ema_tensors().items()},
+                ),
+                "updates": (ema.updates, twins[name].updates),
+            }
+            for name, ema in self.all_emas().items()
+        }
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -257,73 +274,61 @@ def _one_rank_stateful(rank: int) -> Any:
     return FailsOnOneRank
 
 
-def failure_scenarios(run: Run, tmp: Path) -> dict[str, Any]:
-    """Each way a load can fail late; what it raised and what changed."""
+def _bad_state(ema: ModelEMA, updates: int) -> dict[str, Any]:
+    """The EMA's own state with other tensors (this rank's pieces, plus one) and a count."""
+    own = ema.state_dict()
+    return {**own, "updates": updates, "ema": {k: v.detach() + 1 for k, v in own["ema"].items()}}
+
+
+def failure_scenarios(tmp: Path) -> dict[str, Any]:
+    """Each way a load can fail late, each on a fresh run at ``STEPS`` updates: what it
+    raised, what changed, and whether the EMAs then update as their twins."""
     rank_to_fail = _world() - 1
     on_this_rank = _rank() == rank_to_fail
     out: dict[str, Any] = {}
+    huge = 10**400
+    stateful = _one_rank_stateful(rank_to_fail)
 
-    def attempt(name: str, fn: Callable[[], object]) -> None:
+    def attempt(name: str, fn: Callable[[Run], object], reads: Any = None) -> None:
+        run = Run()
+        run.advance(STEPS)
         before = {k: _snapshot(v) for k, v in run.all_emas().items()}
         model_before = {k: v.clone() for k, v in run.model.state_dict().items()}
-        error = _error(fn)
+        with _patched(reader_module._Reader, "_slice_file", reads, when=on_this_rank and reads):
+            error = _error(lambda: fn(run))
         out[name] = {
             "error": error,
             "changed": {k: _differences(before[k], v) for k, v in run.all_emas().items()},
             "model_changed": mismatches(run.model.state_dict(), model_before) != [],
+            "keeps_updating": _error(lambda: run.advance(STEPS + 1)) or run.against_twins(),
         }
 
-    state = run.state
     for kind in ("oserror", "short", "storage"):
         reads = _failing_reads(kind, FAIL_AT)
-        with _patched(reader_module._Reader, "_slice_file", reads, when=on_this_rank):
-            attempt(kind, lambda: load_checkpoint(state(), tmp / "A"))
-    attempt("refused", lambda: load_checkpoint(state(), tmp / "refused"))
-    attempt("corrupted", lambda: load_checkpoint(state(), tmp / "corrupted", verify=False))
-    attempt("counter", lambda: load_checkpoint(state(), tmp / "counter"))
-    stateful = _one_rank_stateful(rank_to_fail)
+        attempt(kind, lambda run: load_checkpoint(run.state(), tmp / "A"), reads)
+    attempt("refused", lambda run: load_checkpoint(run.state(), tmp / "refused"))
+    attempt("corrupted", lambda run: load_checkpoint(run.state(), tmp / "corrupted", verify=False))
+    attempt("counter", lambda run: load_checkpoint(run.state(), tmp / "counter"))
     attempt(
-        "stateful", lambda: load_checkpoint({**run.emas, "model": stateful(run.model)}, tmp / "A")
+        "stateful",
+        lambda run: load_checkpoint({**run.emas, "model": stateful(run.model)}, tmp / "A"),
     )
-    reads = _failing_reads("oserror", 6)
-    with _patched(reader_module._Reader, "_slice_file", reads, when=on_this_rank):
-        attempt("multi", lambda: load_checkpoint({"emas": run.multi}, tmp / "M"))
-
-    huge = 10**400
-    ema2 = run.emas["ema2"]
-    own = ema2.state_dict()
-    bad = {**own, "updates": huge, "ema": {k: _local(v) + 1 for k, v in own["ema"].items()}}
-    if isinstance(next(iter(own["ema"].values())), DTensor):  # this rank's piece, as a DTensor
-        bad["ema"] = {
-            k: DTensor.from_local(
-                _local(v) + 1, v.device_mesh, v.placements, shape=v.shape, stride=v.stride()
-            )
-            for k, v in own["ema"].items()
-        }
-    attempt("load_state_dict", lambda: ema2.load_state_dict(bad))
-    members = run.multi.state_dict()
-    plus_one = {
-        name: {**s, "ema": {k: v.detach() + 1 for k, v in s["ema"].items()}}
-        for name, s in members.items()
-    }
-    plus_one["slow"]["updates"] = huge
-    attempt("multi_load_state_dict", lambda: run.multi.load_state_dict(plus_one))
+    attempt(
+        "multi",
+        lambda run: load_checkpoint({"emas": run.multi}, tmp / "M"),
+        _failing_reads("oserror", 6),
+    )
+    attempt(
+        "load_state_dict",
+        lambda run: run.emas["ema2"].load_state_dict(_bad_state(run.emas["ema2"], huge)),
+    )
+    attempt(
+        "multi_load_state_dict",
+        lambda run: run.multi.load_state_dict(
+            {"fast": _bad_state(run.multi["fast"], 5), "slow": _bad_state(run.multi["slow"], huge)}
+        ),
+    )
     return out
-
-
-def keeps_updating(run: Run) -> dict[str, Any]:
-    """After every failed load: one more update of each EMA and of its twin."""
-    run.advance(STEPS + 1)
-    return {
-        name: {
-            "tensors": mismatches(
-                {k: _local(v) for k, v in run.emas[name].ema_tensors().items()},
-                {k: _local(v) for k, v in run.twins[name].ema_tensors().items()},
-            ),
-            "updates": (run.emas[name].updates, run.twins[name].updates),
-        }
-        for name in STATE_KEYS
-    }
 
 
 # ------------------------------------------------------------------ concurrent commits
@@ -610,20 +615,34 @@ def _saves(run: Run, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``, or what it raised (so that each test reports its own case)."""
+    try:
+        return fn()
+    except Exception as e:
+        return {"crashed": f"{type(e).__name__}: {e}"}
+
+
+def _scenarios(folder: Path, pieces: dict[str, Any], async_folder: Path) -> dict[str, Any]:
+    def run_async() -> dict[str, Any]:
+        run = Run()
+        run.advance(STEPS)
+        return async_scenarios(run, async_folder)
+
+    return {
+        "failures": _guarded(lambda: failure_scenarios(folder)),
+        "concurrent": _guarded(lambda: concurrent_scenarios(folder, pieces)),
+        "async": _guarded(run_async),
+    }
+
+
 def body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     folder = Path(tmp)
-    run = Run()
-    saved = _saves(run, folder)
+    saved = _saves(Run(), folder)
     if rank == 0:
         _craft(folder)
     _barrier()
-    return {
-        "full": saved["full"],
-        "failures": failure_scenarios(run, folder),
-        "keeps_updating": keeps_updating(run),
-        "concurrent": concurrent_scenarios(folder, saved["pieces"]),
-        "async": async_scenarios(run, folder / f"w{world_size}"),
-    }
+    return {"full": saved["full"], **_scenarios(folder, saved["pieces"], folder / "w2")}
 
 
 def kill_body(rank: int, world_size: int, tmp: str) -> str:
@@ -668,25 +687,21 @@ def w1(w2: tuple[Path, list[dict[str, Any]]]) -> dict[str, Any]:
     folder.mkdir()
     for name in ("A", "B", "M", "refused", "counter", "corrupted"):
         shutil.copytree(tmp / name, folder / name)
-    run = Run()
-    run.advance(STEPS)
     full = results[0]["full"]
     saves = {
         s: {k: {"updates": v["updates"], "tensors": v["tensors"]} for k, v in full[s].items()}
         for s in ("A", "B")
     }
     (folder / "async").mkdir()
-    return {
-        "failures": failure_scenarios(run, folder),
-        "keeps_updating": keeps_updating(run),
-        "concurrent": concurrent_scenarios(folder, saves),
-        "async": async_scenarios(run, folder / "async"),
-    }
+    return _scenarios(folder, saves, folder / "async")
 
 
 def _each(w2: Any, w1: Any, part: str) -> list[tuple[str, Any]]:
     _, results = w2
-    return [(f"W=2 rank {r}", got[part]) for r, got in enumerate(results)] + [("W=1", w1[part])]
+    each = [(f"W=2 rank {r}", got[part]) for r, got in enumerate(results)] + [("W=1", w1[part])]
+    for where, got in each:
+        assert "crashed" not in got, (where, got["crashed"])
+    return each
 
 
 FAILURES = {
@@ -715,9 +730,12 @@ def test_a_failed_load_changes_no_ema(w2: Any, w1: Any, case: str) -> None:
         assert not any(got["counter"]["model_changed"] for _, got in _each(w2, w1, "failures"))
 
 
-def test_every_ema_keeps_updating_after_failed_loads(w2: Any, w1: Any) -> None:
-    for where, got in _each(w2, w1, "keeps_updating"):
-        for name, outcome in got.items():
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_every_ema_keeps_updating_after_a_failed_load(w2: Any, w1: Any, case: str) -> None:
+    for where, got in _each(w2, w1, "failures"):
+        after = got[case]["keeps_updating"]
+        assert isinstance(after, dict), (where, after)  # not the error of update()
+        for name, outcome in after.items():
             assert outcome == {"tensors": [], "updates": (STEPS + 1, STEPS + 1)}, (where, name)
 
 
@@ -743,6 +761,7 @@ def test_a_concurrent_commit_gives_one_save_or_names_it(w2: Any, w1: Any, case: 
 def test_ranks_that_open_different_saves_all_raise_naming_both(w2: Any) -> None:
     _, results = w2
     for rank, got in enumerate(results):
+        assert "crashed" not in got["concurrent"], got["concurrent"]
         outcome = got["concurrent"]["ranks_open_different_saves"]
         error = outcome["error"]
         assert error is not None and error.startswith("CheckpointChangedError"), (rank, error)
