@@ -12,10 +12,11 @@ every rank after a barrier, in alternating order:
   flight.
 
 ``state`` is ``{"ema": ema}`` (default) or, with ``--with-model``, ``{"ema": ema, "model":
-model.state_dict()}``. Also, once each: the peak extra resident memory of a blocking and of
-a background save until its write finished, in EMA-shard bytes (``/proc``;
-``MALLOC_MMAP_THRESHOLD_=65536``, set here). Both include the page-cache pages of the files
-the checksum pass maps; the difference is the background save's CPU copy.
+model.state_dict()}``. Also, once each: the peak extra resident memory of a blocking save and
+of a first background save (a new staging buffer) until its write finished, in EMA-shard
+bytes (``/proc``; ``MALLOC_MMAP_THRESHOLD_=65536``, set here), and the staging buffer kept
+for the next one. Both peaks include the page-cache pages of the files the checksum pass
+maps (about one shard); the difference is the background save's CPU copy.
 
     python benchmarks/async_save.py --world-size 2 --repeat 5
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
 
 from dtensor_ema import ModelEMA, save_checkpoint
+from dtensor_ema import background as background_saves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gloo_ranks import run_gloo_ranks
@@ -95,9 +97,11 @@ def _body(rank: int, world_size: int, folder: str, args: argparse.Namespace) -> 
     # The digest pass maps the files it digests: their page-cache pages count as resident
     # in both; the difference is the background save's own (the CPU copy).
     out["blocking_peak"] = peak_extra(lambda: save_checkpoint(state(), root / "blocking"))
+    background_saves.release_staging()  # as the first background save: the buffer is new
     out["background_peak"] = peak_extra(
         lambda: save_checkpoint(state(), root / "background", async_=True).result()
     )
+    out["staging_bytes"] = background_saves.staging_nbytes()
     return out
 
 
@@ -118,7 +122,7 @@ def main() -> None:
     )
     print(
         "rank  EMA MiB  blocking s  background: blocked s  ratio  write done s  "
-        f"{args.steps} updates during / idle s  peak+ blocking / background (EMA shards)"
+        f"{args.steps} updates during / idle s  peak+ blocking / background  staging"
     )
     for r in rows:
         ratio = r["background_blocked"] / r["blocking_blocked"]
@@ -126,8 +130,9 @@ def main() -> None:
             f"{r['rank']:>4}  {r['ema_bytes'] / 2**20:7.1f}  {r['blocking_blocked']:10.3f}  "
             f"{r['background_blocked']:21.3f}  {ratio:5.3f}  {r['background_done']:12.3f}  "
             f"{r['background_steps_during']:.3f} / {r['background_steps_idle']:.3f}"
-            f"{r['blocking_peak'] / r['ema_bytes']:>22.2f} / "
-            f"{r['background_peak'] / r['ema_bytes']:.2f}"
+            f"{r['blocking_peak'] / r['ema_bytes']:>17.2f} / "
+            f"{r['background_peak'] / r['ema_bytes']:.2f}  "
+            f"{r['staging_bytes'] / r['ema_bytes']:7.2f}"
         )
     print(f"(load average before the run: {load_before})")
 

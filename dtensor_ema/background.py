@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["background_group", "cpu_copy", "submit", "wait_pending"]
+__all__ = [
+    "background_group",
+    "cpu_copy",
+    "release_staging",
+    "staging_nbytes",
+    "submit",
+    "wait_pending",
+]
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _pending: list[concurrent.futures.Future[None]] = []
@@ -85,6 +92,19 @@ def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
             return False
     mine, theirs = _local(buffer), _local(value)
     return (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+
+
+def release_staging() -> None:
+    """Wait for a pending background write, then free the staging buffer that
+    :func:`cpu_copy` keeps for the next background save (the next one allocates again).
+    Local."""
+    wait_pending()
+    _staging.clear()
+
+
+def staging_nbytes() -> int:
+    """Bytes of this rank's pieces held in the staging buffer. Local."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in _staging.values())
 
 
 def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -8,13 +8,20 @@ what plain DCP does not do:
 * :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
   over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
   raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
-  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checksums`).
+  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checksums`); with
+  ``async_=True`` it copies the state and writes in the background
+  (:mod:`dtensor_ema.background`), with the same promises.
 * :func:`load_checkpoint` checks the checkpoint against every ``ModelEMA`` it will fill (the
   data files exist and are long enough; the checksums; tensor names, shapes and dtypes; the
   counter and the options that shape the next update) **before** DCP writes into the live
   EMA tensors, so a refused checkpoint leaves the EMA as it was. Plain ``dcp.load`` checks
   names and shapes first too, but casts other dtypes silently, ignores extra tensors, and
   only learns that the decay options differ after it has overwritten the EMA in place.
+  Then every EMA reads into staging buffers and is swapped in only when every rank read and
+  checked everything: whatever fails during the load (a read, a refused entry, an
+  out-of-range value), every EMA is exactly as before. It reads the files it verified, as
+  they were when it opened them (:mod:`dtensor_ema.checkpoint_files`): a save committed to
+  the same path meanwhile gives one save's data or an error naming it, never a mix.
 
 Reading runs no code from the checkpoint: ``.metadata`` is unpickled with a restricted
 unpickler and non-tensor values with ``torch.load(..., weights_only=True)``
@@ -397,7 +404,32 @@ def load_checkpoint(
     The ranks agree on the outcome, so all of them raise or none does, every rank with the
     same message naming which rank saw what, and a refused checkpoint leaves every EMA
     exactly as it was. Other entries (model, optimizer) get DCP's own checks: missing keys
-    and shape mismatches raise before anything is written.
+    and shape mismatches raise before anything is written. The saved counter must fit an
+    int64 and the numbers of the saved options be finite, checked with the options.
+
+    **A failed load changes no EMA.** Every EMA (and every member of a ``MultiModelEMA``)
+    reads into buffers of its own layout (:func:`~dtensor_ema.state.staging_state`: this
+    rank's pieces, as DTensors of its mesh), and is swapped in (copied into its live shards,
+    its counter set) only when every rank has read everything and checked what it read (one
+    more flag all-reduce): whatever fails in between, on any rank (an I/O error, a short
+    read, an exception of the storage layer, a refused entry, an out-of-range value, a
+    ``Stateful`` entry's ``load_state_dict``), every EMA keeps its tensors, update count,
+    options and tracked set, and keeps updating. Peak extra memory: one more copy of each
+    loaded EMA's local shards (``1/W`` of its tracked tensors; measured in
+    ``benchmarks/load_memory.py``), plus what DCP holds while it reads one item. Model and
+    optimizer entries keep DCP's behaviour: they are read in place, so a load that fails
+    while reading may leave them partly written (load them again).
+
+    **A load reads the bytes it verified.** The checkpoint directory is opened once, and
+    every file is read from that directory as it was first seen (same inode, size and
+    modification time), held open from the checksum pass to DCP's reads: a
+    :func:`save_checkpoint` of another job that commits to the same path meanwhile (it
+    renames the directory away) is not seen, and the load returns the save it began with.
+    Where that cannot hold (the committed save deleted a file before this load opened it, a
+    file was rewritten in place, the ranks opened different saves: one all-gather of four
+    int64s per rank compares them), every rank raises
+    :class:`~dtensor_ema.reader.CheckpointChangedError` naming the saves and the file, never
+    "corrupted", with every EMA unchanged.
 
     An EMA that tracks other tensors than the checkpoint's (``ModelEMA(track=...)``,
     ``add_tensors``: the checkpoint's config lists what its EMA left untracked) is refused
@@ -437,6 +469,7 @@ def load_checkpoint(
             part of a tensor uncovered; an entry is not a tensor or plain value; a checksum
             differs from the saved one or belongs to another save (``verify``), the
             checkpoint has no checksums (``verify="require"``); or DCP failed.
+        CheckpointChangedError: another save wrote to ``path`` while this load read it.
 
     When ranks fail differently, every rank raises the same message, of the first failing
     rank's exception type (``RuntimeError`` where that type is not a builtin or ours).

@@ -585,6 +585,18 @@ def async_scenarios(run: Run, tmp: Path) -> dict[str, Any]:
     fresh = _fresh_emas()
     load_checkpoint(dict(fresh), path)
     out["previous_kept"] = all(_same_values(fresh[k], kept[k]) for k in STATE_KEYS)
+
+    # Shards that are views into one flat buffer (which dcp.async_save cannot stage).
+    bucket = ModelEMA(run.model, decay=0.5, tau=None, parameters_as_bucket_view=True)
+    bucket.update()
+    snapshot = _snapshot(bucket)
+    future = save_checkpoint({"bucket": bucket}, tmp / "bucket", async_=True)
+    _perturb(run.model, 99)
+    bucket.update()
+    future.result(timeout=120)
+    fresh_bucket = ModelEMA(_model(), decay=0.5, tau=None)
+    load_checkpoint({"bucket": fresh_bucket}, tmp / "bucket")
+    out["bucket_view"] = _same_values(fresh_bucket, snapshot)
     return out
 
 
@@ -790,6 +802,7 @@ def test_background_saves_keep_every_promise(w2: Any, w1: Any) -> None:
         assert got["after_blocking"] and got["blocking_wins"], (where, got)
         assert got["failed"] is not None and "no space left on device" in got["failed"], where
         assert got["previous_kept"], where
+        assert got["bucket_view"], where
 
 
 def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint(
@@ -807,3 +820,48 @@ def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint(
     for name, ema in fresh.items():
         assert ema.updates == 2
         assert mismatches({k: _local(v) for k, v in ema.ema_tensors().items()}, kept[name]) == []
+
+
+def test_files_beyond_the_held_limit_are_opened_again_and_checked(
+    w2: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that reads more files than it may hold open reopens them, and a file replaced
+    meanwhile is reported as changed (one process, the W=2 checkpoint: two data files)."""
+    from dtensor_ema import checkpoint_files
+
+    tmp, _ = w2
+    monkeypatch.setattr(checkpoint_files, "HELD_FILES", 1)
+    emas = _fresh_emas()
+    load_checkpoint(dict(emas), tmp / "A")
+    assert {k: e.updates for k, e in emas.items()} == dict.fromkeys(STATE_KEYS, STEPS_A)
+
+    copy = Path(shutil.copytree(tmp / "A", tmp / "replaced"))
+    checkpoint = reader_module.open_checkpoint(copy)
+    try:
+        files = checkpoint.opened()
+        with files.opened("__0_0.distcp") as f:
+            first = f.read(16)
+        with files.opened("__1_0.distcp"):  # the first one is closed: one held at most
+            pass
+        shutil.copy(copy / "__0_0.distcp", copy / "new")
+        os.replace(copy / "new", copy / "__0_0.distcp")  # same bytes, another file
+        with pytest.raises(reader_module.CheckpointChangedError, match="is another file now"):
+            files.opened("__0_0.distcp").__enter__()
+    finally:
+        checkpoint.close()
+    assert first
+
+    # Beyond the directories it may hold open, a load opens files by path, and a save
+    # committed over that path meanwhile is seen.
+    monkeypatch.setattr(checkpoint_files, "HELD_DIRECTORIES", 0)
+    emas = _fresh_emas()
+    load_checkpoint(dict(emas), tmp / "A")
+    assert {k: e.updates for k, e in emas.items()} == dict.fromkeys(STATE_KEYS, STEPS_A)
+    path = Path(shutil.copytree(tmp / "A", tmp / "by-path"))
+    checkpoint = reader_module.open_checkpoint(path)
+    try:
+        _commit_over(path, Path(shutil.copytree(tmp / "B", tmp / "by-path.partial")))
+        with pytest.raises(reader_module.CheckpointChangedError, match="another directory now"):
+            checkpoint.opened().opened("__1_0.distcp").__enter__()
+    finally:
+        checkpoint.close()
