@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.flat_chunks import FlatChunks
+
 __all__ = [
     "background_group",
     "cpu_copy",
@@ -68,6 +70,8 @@ def _copy(value: Any, where: tuple[str, ...], used: dict[tuple[str, ...], torch.
         if buffer is not None and _same_layout(buffer, value):
             with torch.no_grad():
                 _local(buffer).copy_(_local(value))
+        elif isinstance(value, FlatChunks):  # a ZeRO-3 entry: the same flat range
+            buffer = FlatChunks(value.local.detach().to("cpu", copy=True), value.shape, value.start)
         else:  # a DTensor stays one: its local piece is copied, its mesh kept
             buffer = value.detach().to("cpu", copy=True)
         used[where] = buffer
@@ -80,18 +84,24 @@ def _copy(value: Any, where: tuple[str, ...], used: dict[tuple[str, ...], torch.
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, FlatChunks):
+        return tensor.local
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
-    if isinstance(buffer, DTensor) != isinstance(value, DTensor):
-        return False
-    if isinstance(buffer, DTensor) and isinstance(value, DTensor):
-        mesh = (buffer.device_mesh, tuple(buffer.placements), buffer.shape)
-        if mesh != (value.device_mesh, tuple(value.placements), value.shape):
-            return False
-    mine, theirs = _local(buffer), _local(value)
-    return (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+    return _layout(buffer) == _layout(value)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a staging buffer must share with the tensor it copies."""
+    local = _local(tensor)
+    key = (type(tensor), tuple(tensor.shape), tuple(local.shape), local.stride(), local.dtype)
+    if isinstance(tensor, FlatChunks):
+        return (*key, tensor.start)
+    if isinstance(tensor, DTensor):
+        return (*key, tensor.device_mesh, tuple(tensor.placements))
+    return key
 
 
 def release_staging() -> None:

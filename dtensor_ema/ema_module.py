@@ -193,7 +193,8 @@ def build_ema_module(
             (per unit, so an fp32 EMA of a bf16 model runs its forward in bf16).
 
     Raises:
-        NotImplementedError: FSDP2 models with plain float parameters, an N-D mesh for a
+        NotImplementedError: a DeepSpeed ZeRO-3 model (the message names what to use
+            instead), FSDP2 models with plain float parameters, an N-D mesh for a
             plain model, or a TP layout the TP twin cannot rebuild (a DTensor buffer, a
             torch whose FSDP2 hides the unsharded layout); each message names the tensor
             and its layout. A callable the twin would share
@@ -204,6 +205,14 @@ def build_ema_module(
     integer = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if integer:
         raise NotImplementedError(f"ema.module for models with integer parameters {integer[:5]}")
+    partitioned = [e.fqn for e in plan if e.layout.flat is not None]
+    if partitioned:
+        raise NotImplementedError(
+            f"ema.module for a DeepSpeed ZeRO-3 model ({partitioned[:3]} are partitioned): "
+            "evaluate the EMA with DeepSpeed's own engine inside `with "
+            "ema.average_parameters(): engine(batch)` (the EMA goes into the partitions: no "
+            "full copy), or load ema.get_ema_state_dict() into a plain model"
+        )
     if compute_dtype is not None and not (
         isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
     ):

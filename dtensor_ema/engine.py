@@ -325,9 +325,10 @@ class EmaEngine:
 
     def swap_communicates(self) -> bool:
         """Whether :meth:`swapped_in` communicates: some entry is split over replica dims
-        (plain/DDP tensors, HSDP's replicate dim, TP-replicated weights, plain buffers);
-        ``False`` for 1-D FSDP2 parameters alone, whose swap is local. Local."""
-        return any(e.levels for e in self._plan)
+        (plain/DDP tensors, HSDP's replicate dim, TP-replicated weights, plain buffers) or
+        is a ZeRO-3 partition (whose whole copies a swap may refresh); ``False`` for 1-D
+        FSDP2 parameters alone, whose swap is local. Local."""
+        return any(e.levels or e.layout.flat is not None for e in self._plan)
 
     @contextlib.contextmanager
     def swapped_in(self, bucket_bytes: int) -> Iterator[nn.Module]:
@@ -367,12 +368,12 @@ class EmaEngine:
                 "them instead of the training weights. Copy it after the context exits"
             )
         world = self.world.size() if self.world is not None else 1
-        dtensors = [e.fqn for e in self._plan if e.is_dtensor_source]
+        dtensors = [e.fqn for e in self._plan if e.is_sharded_source]
         if world > 1 or dtensors:
             what = (
                 f"sharded over {world} ranks (each holds 1/{world} of it)"
                 if world > 1
-                else f"tracking DTensor parameters ({dtensors[:3]})"
+                else f"tracking DTensor or ZeRO-3 parameters ({dtensors[:3]})"
             )
             raise RuntimeError(
                 f"cannot pickle, torch.save or deepcopy a ModelEMA {what}: it would hold one "

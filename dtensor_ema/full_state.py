@@ -18,13 +18,13 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema.layout import PlanEntry, ema_local_from_full
+from dtensor_ema.layout import PlanEntry, ema_local_from_full, model_geometry, model_shape
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors, gather_to_rank0
 from dtensor_ema.model_keys import from_model_keys, to_model_keys
 from dtensor_ema.plan import EmaPlan
-from dtensor_ema.state import compare_tensors
+from dtensor_ema.state import TensorSpec, compare_tensors
 
 __all__ = ["gather_state", "load_full_state", "rank0_flag"]
 
@@ -53,16 +53,23 @@ def gather_state(
     dict.
     """
     whole = include_untracked or which == "model" or not plan.untracked
-    piece = _ema_piece if which == "ema" else _source_piece
-    pieces = [piece(entry) for entry in plan]
+    world = plan.world
+    pieces = [
+        _ema_piece(entry, world) if which == "ema" else _source_piece(entry, world)
+        for entry in plan
+    ]
+    shapes = {e.fqn: e.shape for e in plan}
     if whole:
-        pieces += [_model_piece(fqn, tensor) for fqn, tensor in plan.untracked.items()]
+        pieces += [_model_piece(fqn, tensor, world) for fqn, tensor in plan.untracked.items()]
+        shapes.update({fqn: model_shape(tensor) for fqn, tensor in plan.untracked.items()})
     if rank0_only:  # a gather to rank 0: the other ranks receive nothing
         full = gather_to_rank0(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
         if not full:
             return {}
     else:
         full = gather_full_tensors(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
+    # ZeRO-3 parameters travel flattened: back to their real shapes (fresh, contiguous).
+    full = {k: v.view(shapes[k]) if k in shapes else v for k, v in full.items()}
     device = torch.device("cpu") if cpu_offload else None
     followed = (
         {k: v.detach().to(device=device, copy=True) for k, v in plan.followed.items()}
@@ -93,7 +100,7 @@ def load_full_state(plan: EmaPlan, model: nn.Module, state_dict: StateDict) -> N
             averaged tensors. Nothing is written then.
     """
     state_dict = from_model_keys(model, state_dict)
-    ours = {e.fqn: e.ema for e in plan}
+    ours = {e.fqn: TensorSpec(tuple(e.shape), e.ema_local.dtype) for e in plan}
     saved = {
         k: (
             v.to(ours[k].dtype)
@@ -135,33 +142,29 @@ def rank0_flag(rank0_only: bool | None, only_rank0_receives: bool) -> bool:
     return rank0_only or only_rank0_receives
 
 
-def _ema_piece(entry: PlanEntry) -> LocalPiece:
+def _ema_piece(entry: PlanEntry, world: DeviceMesh | None) -> LocalPiece:
     return dataclasses.replace(
-        _source_piece(entry),
+        _source_piece(entry, world),
         local=entry.ema_local,
         levels=entry.levels,
         piece_shape=entry.source_piece.shape,
     )
 
 
-def _source_piece(entry: PlanEntry) -> LocalPiece:
-    return dataclasses.replace(_model_piece(entry.fqn, entry.source), local=entry.source_piece)
+def _source_piece(entry: PlanEntry, world: DeviceMesh | None) -> LocalPiece:
+    return dataclasses.replace(
+        _model_piece(entry.fqn, entry.source, world), local=entry.source_piece
+    )
 
 
-def _model_piece(fqn: str, tensor: torch.Tensor) -> LocalPiece:
-    """The model's own local piece of ``tensor`` (``to_local()`` of a DTensor)."""
-    if isinstance(tensor, DTensor):
-        local, mesh, placements = (
-            tensor.to_local().detach(),
-            tensor.device_mesh,
-            tuple(tensor.placements),
-        )
-    else:
-        local, mesh, placements = tensor.detach(), None, ()
+def _model_piece(fqn: str, tensor: torch.Tensor, world: DeviceMesh | None) -> LocalPiece:
+    """The model's own local piece of ``tensor`` (``to_local()`` of a DTensor, the
+    partition of a ZeRO-3 parameter as a shard of its flattened tensor)."""
+    local, shape, mesh, placements = model_geometry(tensor, world)
     return LocalPiece(
         fqn=fqn,
         local=local,
-        shape=tensor.shape,
+        shape=shape,
         mesh=mesh,
         placements=placements,
         out_dtype=tensor.dtype,

@@ -73,8 +73,11 @@ class ModelEMA:
     ``docs/options.md``; the schedules in :mod:`dtensor_ema.decay`.
 
     Args:
-        model: a plain ``nn.Module``, a DDP-wrapped one, or an FSDP2 (``fully_shard``) one.
-            The EMA tracks the unwrapped module (``ema.model``); keys never carry ``module.``.
+        model: a plain ``nn.Module``, a DDP-wrapped one, an FSDP2 (``fully_shard``) one, or
+            a DeepSpeed engine (or its ``.module``) on ZeRO stage 0-3: under ZeRO-3 each rank
+            averages its own partition of every parameter (:mod:`dtensor_ema.
+            zero_partition`). The EMA tracks the unwrapped module (``ema.model``); keys never
+            carry ``module.``.
         mesh: the world ``DeviceMesh`` (any number of dims) whose ranks share the EMA. Each
             tensor's local piece is split by rows over the mesh dims it is replicated on
             (the whole mesh for plain/DDP tensors, HSDP's replicate dim, ``tp`` for
@@ -263,7 +266,9 @@ class ModelEMA:
 
     def ema_tensors(self) -> dict[str, torch.Tensor]:
         """``fqn -> EMA tensor`` (DTensor, or plain without a mesh) for every tracked tensor
-        (tied duplicates once). Live tensors: no copy."""
+        (tied duplicates once). Live tensors: no copy. A DeepSpeed ZeRO-3 parameter's is the
+        flattened tensor, a 1-D DTensor of ``ds_numel`` elements (``Shard(0)``: each rank's
+        partition); :meth:`get_ema_state_dict` gives real shapes."""
         self.flush()
         return {e.fqn: e.ema for e in self.engine.plan}
 
@@ -406,6 +411,10 @@ class ModelEMA:
         **Collective** over the groups of the replica dims (the whole mesh for plain/DDP
         models, HSDP's replicate dim, ``tp`` for TP-replicated weights; nothing for 1-D
         FSDP2 parameters), on entry and on exit: every rank must enter, between steps.
+        DeepSpeed ZeRO-3: the EMA goes into each rank's partitions (no collective), so the
+        engine's own forward evaluates it with no full copy; the parameters DeepSpeed holds
+        whole at that moment (persistent ones after a step, every one after a forward
+        without backward) are refreshed with one bucketed all-gather over the mesh.
 
         Peak extra memory: the backup (``1/W`` of the swapped (tracked) parameter bytes,
         full copies of tracked plain buffers) plus twice one gathered bucket (at most
@@ -421,7 +430,9 @@ class ModelEMA:
     @property
     def module(self) -> nn.Module:
         """The EMA as a forward-capable ``nn.Module`` (timm's ``ModelEmaV3.module``), built
-        on first access with :meth:`build_module`'s defaults. Alias: :attr:`ema_model`."""
+        on first access with :meth:`build_module`'s defaults. Alias: :attr:`ema_model`.
+        Refused (``NotImplementedError``) for DeepSpeed ZeRO-3 models, whose own engine
+        evaluates the EMA inside :meth:`average_parameters`."""
         return self.build_module() if self._module is None else self._module
 
     @property

@@ -231,7 +231,7 @@ def _untracked_adapter_tensors(ema: ModelEMA, peft_model: Any, adapter_name: str
     placeholders of every model tensor, and its picks are traced back by identity.
     """
     plan = ema.engine.plan
-    shapes = {e.fqn: e.source.shape for e in plan}
+    shapes = {e.fqn: e.shape for e in plan}
     shapes.update((k, t.shape) for k, t in plan.untracked.items())
     placeholders = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
     owner = {id(v): k for k, v in placeholders.items()}

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema import zero_partition
 from dtensor_ema._collectives import mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
@@ -52,6 +53,8 @@ from dtensor_ema.layout import (
     local_rows,
     make_entry,
     model_piece,
+    model_piece_ptr,
+    model_shape,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
@@ -147,20 +150,21 @@ class EmaPlan:
             if tensor is None:
                 continue
             shape, dtype, device = signature
-            if (tensor.shape, tensor.dtype, tensor.device) != (shape, dtype, device):
+            now = model_shape(tensor)
+            if (now, tensor.dtype, tensor.device) != (shape, dtype, device):
                 problems.append(
                     f"{fqn} (untracked): was {tuple(shape)} {dtype} on {device}, now "
-                    f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+                    f"{tuple(now)} {tensor.dtype} on {tensor.device}"
                 )
         for entry in self.entries:
             tensor = current.get(entry.fqn)
             if tensor is None:
                 continue
             shape, dtype, device = entry.signature
-            if (tensor.shape, tensor.dtype) != (shape, dtype):
+            now = model_shape(tensor)
+            if (now, tensor.dtype) != (shape, dtype):
                 problems.append(
-                    f"{entry.fqn}: was {tuple(shape)} {dtype}, now {tuple(tensor.shape)} "
-                    f"{tensor.dtype}"
+                    f"{entry.fqn}: was {tuple(shape)} {dtype}, now {tuple(now)} {tensor.dtype}"
                 )
             elif tensor.device != device:
                 problems.append(f"{entry.fqn}: moved from {device} to {tensor.device}")
@@ -176,6 +180,8 @@ class EmaPlan:
                 problems.append(f"{alias}: was tied to {target}, now a separate tensor")
         known = set(self.keys)
         problems += [f"{k}: new in the model" for k in current if k not in known]
+        if not problems:
+            problems = self._partition_changes(current)
         if problems:
             raise ValueError(
                 "the model's tensors changed since the EMA was created (create a new ModelEMA "
@@ -193,13 +199,46 @@ class EmaPlan:
         for entry in self.entries:
             tensor = current[entry.fqn]
             entry.source = tensor
-            if _local_data_ptr(tensor) == _local_data_ptr_of_piece(entry):
+            if model_piece_ptr(tensor) == _local_data_ptr_of_piece(entry):
                 continue
             moved = True
             entry.source_piece = model_piece(tensor)
             entry.source_local = local_rows(entry.source_piece, entry.layout)
         self._pointers = _pointers(self.entries)
         return moved
+
+    def _partition_changes(self, current: Mapping[str, torch.Tensor]) -> list[str]:
+        """ZeRO-3 entries whose partition moved: the layout derived again must be the one
+        the EMA was built with (same group, same range), or they are named; so is a tensor
+        that became a ZeRO-3 parameter after the EMA was built on it whole."""
+        assert self._builder is not None
+        problems = []
+        for entry in self.entries:
+            tensor = current[entry.fqn]
+            if model_piece_ptr(tensor) == entry.source_piece.data_ptr():
+                continue
+            if entry.layout.flat is None:
+                if zero_partition.is_partitioned(tensor):
+                    problems.append(
+                        f"{entry.fqn}: partitioned by DeepSpeed ZeRO-3 after the EMA was "
+                        "created on the whole parameter; create the ModelEMA after "
+                        "deepspeed.initialize (or inside deepspeed.zero.Init's model)"
+                    )
+                continue
+            try:
+                layout = self._builder.layout(entry.fqn, tensor, model_piece(tensor).shape)
+            except ValueError as e:
+                problems.append(f"{entry.fqn}: {e}")
+                continue
+            if layout != entry.layout:
+                problems.append(
+                    f"{entry.fqn}: its ZeRO-3 partition changed (flat range "
+                    f"{entry.layout.flat.start}+{entry.layout.length} on mesh "
+                    f"{entry.layout.mesh}, now {layout.flat and layout.flat.start}+"
+                    f"{layout.length} on {layout.mesh}); a model re-partitioned after the EMA "
+                    "was created needs a new ModelEMA"
+                )
+        return problems
 
     def local_nbytes(self) -> int:
         """Bytes of EMA storage held by this rank."""
@@ -406,12 +445,17 @@ class EmaPlan:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/DataParallel and ``torch.compile`` wrappers so keys carry no prefix."""
+    """Strip DDP/DataParallel, DeepSpeed engine and ``torch.compile`` wrappers so keys
+    carry no prefix."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
+            continue
+        engine_module = zero_partition.unwrap_engine(model)
+        if engine_module is not None:
+            model = engine_module
             continue
         # torch.compile's OptimizedModule keeps the user's module here; there is no public
         # accessor, and without unwrapping every key would carry an "_orig_mod." prefix.
@@ -591,6 +635,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         is_parameter = id(tensor) in parameter_ids
         if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
             untracked[fqn] = tensor
+            builder.refuse_unfollowable(fqn, tensor)
         elif tensor.is_complex():
             complex_tracked.append(f"{fqn} ({tensor.dtype})")
         else:
@@ -629,7 +674,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         options=options,
     )
     plan._builder = builder
-    plan._signatures = {k: (t.shape, t.dtype, t.device) for k, t in untracked.items()}
+    plan._signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()
@@ -645,7 +690,7 @@ def _structure(tensors: Mapping[str, torch.Tensor], untracked: set[str]) -> dict
     """``fqn -> "shape dtype"`` of every tensor, marked where the EMA leaves it untracked:
     the fingerprint every rank of the world must share."""
     return {
-        k: f"{tuple(t.shape)} {t.dtype}" + (" untracked" if k in untracked else "")
+        k: f"{tuple(model_shape(t))} {t.dtype}" + (" untracked" if k in untracked else "")
         for k, t in tensors.items()
     }
 
@@ -739,20 +784,12 @@ def _pointers(entries: list[PlanEntry]) -> list[int]:
     FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
     backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
     (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
-    registering anything, so DTensor sources are checked through their local tensor.
+    registering anything, so DTensor sources are checked through their local tensor, and
+    ZeRO-3 parameters through their partition (``ds_tensor``: the parameter itself holds a
+    placeholder or, gathered, its whole value).
     """
-    return [_local_data_ptr(e.source) for e in entries]
+    return [e.piece_ptr() for e in entries]
 
 
 def _local_data_ptr_of_piece(entry: PlanEntry) -> int:
     return entry.source_piece.data_ptr()
-
-
-def _local_data_ptr(tensor: torch.Tensor) -> int:
-    if isinstance(tensor, DTensor):
-        # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
-        # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
-        # the public call if a torch release renames it.
-        local = getattr(tensor, "_local_tensor", None)
-        return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
-    return tensor.data_ptr()

@@ -9,8 +9,11 @@
     }
 
 The ``"ema"`` tensors are the live, sharded EMA tensors: on each rank a DTensor holds only
-that rank's piece. The state is meant for ``torch.distributed.checkpoint`` (every rank writes
-its own piece, and DCP reshards on load). ``torch.save`` of it on one rank captures one
+that rank's piece (a ZeRO-3 parameter's, a flat range of it, is a
+:class:`~dtensor_ema.flat_chunks.FlatChunks`: DCP chunks of the real shape, so every
+checkpoint holds every tensor in its real shape). The state is meant for
+``torch.distributed.checkpoint`` (every rank writes its own piece, and DCP reshards on
+load). ``torch.save`` of it on one rank captures one
 rank's piece only: loading that file on another rank is refused (:func:`local_piece` checks
 which rank a DTensor came from), never silently filled with the wrong rows.
 
@@ -41,6 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.counter import check_count
+from dtensor_ema.flat_chunks import FlatChunks
 from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.options import TRACKING_CONFIG_KEYS
 from dtensor_ema.plan import EmaPlan
@@ -246,10 +250,11 @@ def staging_state(state: Mapping[str, Any], names: Iterable[str] | None = None) 
 
     Each ``"ema"`` tensor (only ``names``, when given) gets an uninitialized buffer of its
     shape, dtype and device; a DTensor gets one with its mesh, placements, global shape and
-    stride, holding this rank's piece (no communication). The caller must fill every element
-    (a DCP load whose chunks cover each tensor exactly once) before reading it. ``updates``
-    and ``config`` are kept, for the load to replace. Local. Peak extra memory: one copy of
-    the EMA's local shards (``1/W`` of the tracked tensors).
+    stride, holding this rank's piece (no communication); a ZeRO-3 entry
+    (:class:`~dtensor_ema.flat_chunks.FlatChunks`) one over the same flat range. The caller
+    must fill every element (a DCP load whose chunks cover each tensor exactly once) before
+    reading it. ``updates`` and ``config`` are kept, for the load to replace. Local. Peak
+    extra memory: one copy of the EMA's local shards (``1/W`` of the tracked tensors).
     """
     tensors = state[EMA_TENSORS]
     chosen = list(tensors) if names is None else list(names)
@@ -257,6 +262,8 @@ def staging_state(state: Mapping[str, Any], names: Iterable[str] | None = None) 
 
 
 def _empty_like(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, FlatChunks):  # a ZeRO-3 entry: the same flat range, new memory
+        return FlatChunks(torch.empty_like(value.local), value.shape, value.start)
     if isinstance(value, DTensor):
         return DTensor.from_local(
             torch.empty_like(value.to_local()),
@@ -391,10 +398,15 @@ def validate_state(
 
 def local_state(plan: EmaPlan, updates: int, config: str) -> dict[str, Any]:
     """The :data:`STATE_KEYS` state of ``plan``'s EMA: its live tensors (no copy), each
-    tagged with this rank's mesh coordinate (see :func:`local_piece`). Local."""
+    tagged with this rank's mesh coordinate (see :func:`local_piece`); ZeRO-3 entries as
+    :class:`~dtensor_ema.flat_chunks.FlatChunks` over their live shards. Local."""
     for entry in plan:
         tag_rank(entry.ema)
-    return {UPDATES: updates, CONFIG: config, EMA_TENSORS: {e.fqn: e.ema for e in plan}}
+    return {
+        UPDATES: updates,
+        CONFIG: config,
+        EMA_TENSORS: {e.fqn: e.checkpoint_value() for e in plan},
+    }
 
 
 def load_local_state(
@@ -413,7 +425,7 @@ def load_local_state(
     :func:`validate_state`). Peak extra memory: none (pieces are copied in place).
     """
     values = state.get(EMA_TENSORS) if isinstance(state, Mapping) else None
-    in_place = isinstance(values, Mapping) and any(values.get(e.fqn) is e.ema for e in plan)
+    in_place = isinstance(values, Mapping) and any(_is_live(e, values.get(e.fqn)) for e in plan)
     try:
         updates = validate_state(state, ours, common_subset=common_subset)
     except ValueError as e:
@@ -433,6 +445,13 @@ def load_local_state(
     return updates
 
 
+def _is_live(entry: PlanEntry, value: Any) -> bool:
+    """``value`` is the entry's own live EMA (its DTensor, or chunks over its shard)."""
+    if isinstance(value, FlatChunks):
+        return value.local is entry.ema_local
+    return value is entry.ema
+
+
 def tag_rank(ema: torch.Tensor) -> None:
     """Mark a live EMA DTensor with this rank's mesh coordinate (see :func:`local_piece`)."""
     if isinstance(ema, DTensor):
@@ -444,9 +463,11 @@ def tag_rank(ema: torch.Tensor) -> None:
 def local_piece(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
     """This rank's EMA rows of a saved value for ``entry``. Local: no collective.
 
-    ``value`` is ``entry.ema`` itself (a DCP load filled it in place), a DTensor holding
-    this rank's rows with the EMA's mesh and placements (another live EMA's, or a file this
-    rank saved), or a full plain tensor (this rank's rows are cut out, no copy).
+    ``value`` is ``entry.ema`` itself (a DCP load filled it in place; for a ZeRO-3 entry,
+    :class:`~dtensor_ema.flat_chunks.FlatChunks` over its shard), a DTensor holding this
+    rank's rows with the EMA's mesh and placements (another live EMA's, or a file this rank
+    saved), chunks of this rank's flat range (another live ZeRO-3 EMA's), or a full plain
+    tensor (this rank's rows are cut out, no copy).
 
     Raises:
         ValueError: a DTensor that another rank saved (``torch.save`` of ``state_dict()`` on
@@ -454,8 +475,21 @@ def local_piece(entry: PlanEntry, value: torch.Tensor) -> torch.Tensor:
             the ways to load that do work.
     """
     ema, ema_local, fqn = entry.ema, entry.ema_local, entry.fqn
-    if value is ema:
+    if _is_live(entry, value):
         return ema_local
+    if isinstance(value, FlatChunks):
+        mine = entry.checkpoint_value()
+        if not isinstance(mine, FlatChunks) or (value.start, value.local.shape) != (
+            mine.start,
+            ema_local.shape,
+        ):
+            raise ValueError(
+                f"{fqn}: holds the flat range {value.start}+{value.local.numel()} of a ZeRO-3 "
+                f"partition, not this rank's ({_layout(ema)}); load checkpoints with "
+                "dtensor_ema.load_checkpoint or dcp.load (they reshard), or full tensors with "
+                "ema.load_full_state_dict()"
+            )
+        return value.local
     if isinstance(value, DTensor):
         if not isinstance(ema, DTensor) or (value.device_mesh, tuple(value.placements)) != (
             ema.device_mesh,

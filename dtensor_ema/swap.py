@@ -8,6 +8,15 @@ only (none on a 1-D FSDP mesh), so the full model is never gathered on a rank; r
 (plain/DDP) tensors are gathered in buckets straight into the model's tensors. The raw
 weights come back the same way from a backup of this rank's EMA-sized rows (buffers, which
 DDP does not keep identical across ranks, are backed up whole).
+
+A ZeRO-3 parameter's piece is its partition, which DeepSpeed's own forward gathers: writing
+the EMA there is the whole swap, with no copy of the model. Where DeepSpeed also holds a
+parameter whole beside its partition (persistent parameters after a step; every parameter
+after a forward without backward, such as an evaluation), the next forward reads the whole
+copy instead, so it is refreshed from the pieces after each write
+(:func:`_refresh_wholes`: bucketed flat all-gathers of those tensors on entry and on exit),
+and ZeRO++ hpZ's secondary partitions (copies that backward gathers from) are dropped, as
+DeepSpeed drops them after each optimizer step.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import torch
 from torch import nn
 
 from dtensor_ema.layout import PlanEntry
-from dtensor_ema.materialize import SplitPiece, iter_unsplit
+from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.plan import EmaPlan, reshard_fsdp
 
 __all__ = ["swapped_in"]
@@ -31,19 +40,23 @@ Backup = tuple[bool, torch.Tensor]
 def swapped_in(plan: EmaPlan, model: nn.Module, bucket_bytes: int) -> Iterator[None]:
     """Hold the EMA in ``model``'s tensors for the body of the ``with``; restore on exit.
 
-    **Collective** over the groups of the replica dims, on entry and on exit (every rank of
-    the mesh must enter). FSDP2 modules are resharded on entry and exit. Any error while
+    **Collective** over the groups of the replica dims (and the world mesh of ZeRO-3
+    parameters DeepSpeed holds whole), on entry and on exit (every rank of the mesh must
+    enter). FSDP2 modules are resharded on entry and exit. Any error while
     swapping in restores the raw weights before it propagates.
 
     Peak extra memory: the backup (this rank's EMA-sized rows of each parameter, ``1/W`` of
     the swapped bytes; full local copies of plain buffers) plus one gathered bucket (at most
-    ``bucket_bytes``, twice: the received rows and the rebuilt tensors).
+    ``bucket_bytes``, twice: the received rows and the rebuilt tensors); for ZeRO-3
+    parameters DeepSpeed holds whole (persistent ones after a step, every one after a
+    forward without backward), one bucket of their gathered values.
     """
     reshard_fsdp(model)
     backups = [_backup(entry) for entry in plan]
     with torch.no_grad():
         try:
             _write_pieces(plan.entries, [e.ema_local for e in plan], bucket_bytes)
+            _refresh_wholes(plan.entries, bucket_bytes)
         except BaseException:
             _restore(plan.entries, backups, bucket_bytes)
             raise
@@ -77,6 +90,41 @@ def _restore(entries: Sequence[PlanEntry], backups: Sequence[Backup], bucket_byt
     for entry, (full, backup) in zip(entries, backups, strict=True):
         if full:
             entry.source_piece.copy_(backup)
+    _refresh_wholes(entries, bucket_bytes)
+
+
+def _refresh_wholes(entries: Sequence[PlanEntry], bucket_bytes: int) -> None:
+    """Write the model's whole copies (:meth:`~dtensor_ema.layout.PlanEntry.whole_view`)
+    from its pieces, which were just written, and drop its cached copies of them
+    (:meth:`~dtensor_ema.layout.PlanEntry.drop_cached_copies`). **Collective** over those
+    entries' meshes when any has a whole copy (DeepSpeed keeps the ranks in the same
+    state); nothing otherwise. Gathered in runs of at most ``bucket_bytes`` whole bytes."""
+    for entry in entries:
+        entry.drop_cached_copies()
+    run: list[tuple[PlanEntry, torch.Tensor]] = []
+    size = 0
+    for entry in entries:
+        whole = entry.whole_view()
+        if whole is None:
+            continue
+        nbytes = whole.numel() * whole.element_size()
+        if run and size + nbytes > bucket_bytes:
+            _write_wholes(run, bucket_bytes)
+            run, size = [], 0
+        run.append((entry, whole))
+        size += nbytes
+    if run:
+        _write_wholes(run, bucket_bytes)
+
+
+def _write_wholes(run: list[tuple[PlanEntry, torch.Tensor]], bucket_bytes: int) -> None:
+    pieces = [
+        LocalPiece(e.fqn, e.source_piece, e.ema.shape, e.layout.mesh, e.layout.placements, w.dtype)
+        for e, w in run
+    ]
+    full = gather_full_tensors(pieces, bucket_bytes=bucket_bytes)
+    for entry, whole in run:
+        whole.copy_(full.pop(entry.fqn).view(whole.shape))
 
 
 def _backup(entry: PlanEntry) -> Backup:

@@ -78,6 +78,7 @@ _EXTRAS = {
     "transformers": "transformers",
     "peft": "transformers",
     "timm": "bench",
+    "deepspeed": "deepspeed",
 }
 """Blocks that import these modules need the named extra of the project."""
 

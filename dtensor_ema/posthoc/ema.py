@@ -44,7 +44,7 @@ from dtensor_ema.phema_math import (
 )
 from dtensor_ema.plan import model_tensors
 from dtensor_ema.posthoc import snapshots as snap
-from dtensor_ema.state import CONFIG
+from dtensor_ema.state import CONFIG, EMA_TENSORS
 
 __all__ = ["PostHocEMA", "PowerDecay"]
 
@@ -416,8 +416,9 @@ class PostHocEMA:
         tensors_meta: dict[str, dict[str, Any]] = {}
         model_sd = model_tensors(_tracked_module(self.emas["p0"]))
         for i in range(len(self.sigma_rels)):
-            profile: dict[str, torch.Tensor] = {}
-            for fqn, ema in self.emas[f"p{i}"].ema_tensors().items():
+            profile: dict[str, Any] = {}
+            # The checkpoint values: ZeRO-3 entries as chunks of their real shapes.
+            for fqn, ema in self.emas[f"p{i}"].state_dict()[EMA_TENSORS].items():
                 dtype = self.snapshot_dtype or ema.dtype
                 value = ema.detach()
                 if dtype != value.dtype or copy:

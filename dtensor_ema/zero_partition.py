@@ -1,0 +1,174 @@
+"""DeepSpeed ZeRO-3 parameters as the EMA sees them: read from the attributes DeepSpeed sets.
+
+Under ZeRO stage 3 (``deepspeed.initialize`` with ``zero_optimization.stage = 3``, or a
+model built inside ``deepspeed.zero.Init``) every parameter ``p`` of the module keeps
+
+* ``p.ds_shape`` / ``p.ds_numel``: the real shape and size (``p`` itself is a ``(0,)``
+  placeholder between gathers),
+* ``p.ds_tensor``: this rank's *partition*, the flat range ``[r * c, (r + 1) * c)`` of the
+  flattened tensor with ``c = ceil(ds_numel / W)`` over ``p.ds_process_group`` (``W`` ranks,
+  this one ``r``); the last ranks' ranges run past ``ds_numel`` and are padding,
+* ``p.ds_persist``: small parameters (``stage3_param_persistence_threshold``) that stay
+  whole on every rank beside their partition once trained (DeepSpeed gathers them after
+  every optimizer step); ``p.ds_status`` is ``AVAILABLE`` then and ``p`` has its real
+  shape. A forward without backward (an evaluation) leaves every parameter whole that
+  way until the next step,
+* ``p.ds_secondary_tensor``: with ZeRO++ hpZ (``zero_hpz_partition_size > 1``), a second,
+  node-local partition that backward gathers from; DeepSpeed drops it after each step.
+
+The optimizer writes the partition (and gathers persistent parameters from it after each
+step), so the partition is what the EMA reads, before and after any forward: the padding
+excluded, it is exactly DTensor ``Shard(0)`` of the flattened tensor over that group
+(:func:`dtensor_ema.layout.chunk_range`). This module only reads those attributes (read in
+DeepSpeed 0.19.8's ``runtime/zero/partition_parameters.py``); :mod:`dtensor_ema.layout`
+turns them into a layout. It never imports DeepSpeed: a model without ZeRO-3 parameters
+costs one ``getattr`` per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "drop_secondary",
+    "is_partitioned",
+    "partition_group",
+    "partition_piece",
+    "partition_range",
+    "real_shape",
+    "refusal",
+    "unwrap_engine",
+    "whole_view",
+]
+
+
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ZeRO-3 parameter (it carries DeepSpeed's ``ds_tensor``)."""
+    return hasattr(tensor, "ds_tensor") and hasattr(tensor, "ds_numel")
+
+
+def real_shape(param: torch.Tensor) -> torch.Size:
+    """The parameter's real shape (``ds_shape``), whatever ``param`` holds right now."""
+    return torch.Size(param.ds_shape)  # type: ignore[attr-defined]
+
+
+def partition_group(param: torch.Tensor) -> dist.ProcessGroup:
+    """The process group the parameter is partitioned over (``ds_process_group``)."""
+    return param.ds_process_group  # type: ignore[attr-defined]
+
+
+def partition_range(param: torch.Tensor) -> tuple[int, int]:
+    """``(start, length)`` of this rank's partition in the flattened tensor, padding
+    excluded, by DeepSpeed's rule (``_partition_param``: ``c = ceil(ds_numel / W)``, rank
+    ``r`` holds ``[r * c, (r + 1) * c)``)."""
+    group = partition_group(param)
+    numel = int(param.ds_numel)  # type: ignore[attr-defined]
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = math.ceil(numel / size) if numel else 0
+    start = min(rank * chunk, numel)
+    return start, max(0, min(numel, start + chunk) - start)
+
+
+def partition_piece(param: torch.Tensor) -> torch.Tensor:
+    """This rank's partition without its padding: a 1-D view of ``ds_tensor``."""
+    _, length = partition_range(param)
+    return param.ds_tensor.detach().narrow(0, 0, length)  # type: ignore[attr-defined]
+
+
+def whole_view(param: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's whole value when DeepSpeed holds one beside the partition (a
+    persistent parameter after a step, any parameter after a forward without backward):
+    a view of
+    ``param`` in its real shape, which the next forward reads instead of the partition.
+    ``None`` between gathers."""
+    status = getattr(param, "ds_status", None)
+    whole = param.numel() == int(param.ds_numel) and param.numel() > 0  # type: ignore[attr-defined]
+    if getattr(status, "name", None) == "AVAILABLE" and whole:
+        return param.detach().view(real_shape(param))
+    return None
+
+
+def drop_secondary(param: torch.Tensor) -> None:
+    """Forget the ZeRO++ hpZ secondary partition (``zero_hpz_partition_size > 1``: a copy
+    of the partition that backward gathers from), as DeepSpeed does after each optimizer
+    step, so that nothing reads it after the partition was written; the next release
+    builds it again from the whole parameter. Local."""
+    if getattr(param, "ds_secondary_tensor", None) is not None:
+        param.ds_secondary_tensor = None  # type: ignore[attr-defined]
+
+
+def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -> str | None:
+    """Why the EMA cannot follow this ZeRO-3 parameter, or ``None`` when it can.
+
+    ``ranks``/``device_type``: the EMA's 1-D world mesh (its ranks in order) and device
+    type, which the partition group and the partition's device must match. Each reason
+    names the DeepSpeed setting and the way out. Local.
+    """
+    ds_tensor = getattr(param, "ds_tensor", None)
+    if ds_tensor is None:
+        return (
+            f"{fqn!r} is a ZeRO-3 parameter that DeepSpeed has not partitioned yet "
+            "(ds_tensor is None); create the EMA after deepspeed.initialize"
+        )
+    location = getattr(ds_tensor, "final_location", None)
+    if getattr(location, "value", location) == "nvme":
+        return (
+            f"{fqn!r}: ZeRO-3 parameter offload to NVMe (offload_param.device='nvme') keeps "
+            "the partitions on disk between uses, where the EMA cannot read them in place; "
+            "set offload_param.device to 'cpu' or 'none'"
+        )
+    if hasattr(ds_tensor, "ds_quant_scale"):
+        return (
+            f"{fqn!r}: its ZeRO-3 partition is quantized (zero_quantized_nontrainable_weights)"
+            ": it holds int8 codes, not weights; set zero_quantized_nontrainable_weights to "
+            "false"
+        )
+    group = partition_group(param)
+    group_ranks = dist.get_process_group_ranks(group)
+    if group_ranks != ranks:
+        return (
+            f"{fqn!r} is partitioned over the ranks {group_ranks} (its ds_process_group), but "
+            f"the EMA's mesh has the ranks {ranks}; pass mesh= a 1-D mesh over DeepSpeed's "
+            "data-parallel group, e.g. DeviceMesh.from_group(group, device_type)"
+        )
+    numel = int(param.ds_numel)  # type: ignore[attr-defined]
+    expected = math.ceil(numel / len(group_ranks)) if numel else 0
+    if ds_tensor.dim() != 1 or ds_tensor.numel() != expected:
+        return (
+            f"{fqn!r}: its ZeRO-3 partition has shape {tuple(ds_tensor.shape)}, not "
+            f"({expected},) = ceil({numel} / {len(group_ranks)}) as DeepSpeed 0.19 lays "
+            "it out; this DeepSpeed version partitions differently, please report it"
+        )
+    if ds_tensor.device.type != device_type:
+        return (
+            f"{fqn!r}: its ZeRO-3 partition lives on {ds_tensor.device.type} "
+            f"(offload_param.device='cpu'?) while the EMA's mesh is on {device_type!r}: "
+            "the EMA's gathers would run on that group with tensors of the other device; "
+            "set offload_param.device to 'none'"
+        )
+    if not ds_tensor.is_floating_point() or ds_tensor.dtype != param.dtype:
+        return (
+            f"{fqn!r}: its ZeRO-3 partition is {ds_tensor.dtype}, the parameter "
+            f"{param.dtype}; the EMA averages the parameter's own values"
+        )
+    return None
+
+
+def unwrap_engine(model: nn.Module) -> nn.Module | None:
+    """``model.module`` when ``model`` is a ``deepspeed.DeepSpeedEngine`` (whose state-dict
+    keys carry ``module.``), else ``None``. Looks DeepSpeed up only if it is imported."""
+    if "deepspeed" not in sys.modules:
+        return None
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed without its engine module
+        return None
+    inner = getattr(model, "module", None)
+    if isinstance(model, DeepSpeedEngine) and isinstance(inner, nn.Module):
+        return inner
+    return None
