@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from crafted import read_metadata, replace_value, sidecars
 from dist_harness import run_ranks, spawn_ranks
+from models import error_text as _error
 from models import mismatches
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -162,14 +163,6 @@ def _differences(before: dict[str, Any], ema: ModelEMA) -> list[str]:
     if now["options"] is not before["options"]:
         bad.append("options")
     return bad
-
-
-def _error(fn: Callable[[], object]) -> str | None:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _rank() -> int:
@@ -366,6 +359,19 @@ def _which_save(loaded: dict[str, Any], saves: dict[str, dict[str, Any]]) -> str
     return "mixed"
 
 
+def _folder_with_a_and_b(tmp: Path, name: str) -> tuple[Path, Path, Path]:
+    """``(folder, path, flag)``: a copy of ``A`` at ``path`` and of ``B`` as its finished
+    ``.partial`` (rank 0 makes them; every rank waits)."""
+    folder = tmp / name
+    path = folder / "ckpt"
+    if _rank() == 0:
+        folder.mkdir()
+        shutil.copytree(tmp / "A", path)
+        shutil.copytree(tmp / "B", folder / "ckpt.partial")
+    _barrier()
+    return folder, path, folder / "committed"
+
+
 def concurrent_scenarios(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A load of ``path`` (a copy of ``A``) while ``B`` is committed over it, at several
     points; rank 0 commits, the others wait for it there. ``saves``: this rank's pieces
@@ -373,13 +379,7 @@ def concurrent_scenarios(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[st
     rank, out = _rank(), {}
 
     def case(name: str, owner: Any, attr: str, make: Callable[..., Any], **kwargs: Any) -> None:
-        folder = tmp / f"concurrent-{name}"
-        path, flag = folder / "ckpt", folder / "committed"
-        if rank == 0:
-            folder.mkdir()
-            shutil.copytree(tmp / "A", path)
-            shutil.copytree(tmp / "B", folder / "ckpt.partial")
-        _barrier()
+        folder, path, flag = _folder_with_a_and_b(tmp, f"concurrent-{name}")
 
         def commit() -> None:
             if rank == 0:
@@ -440,13 +440,7 @@ def _different_opens(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[str, A
     import dtensor_ema.checkpoint as checkpoint_module
 
     rank = _rank()
-    folder = tmp / "concurrent-opens"
-    path, flag = folder / "ckpt", folder / "committed"
-    if rank == 0:
-        folder.mkdir()
-        shutil.copytree(tmp / "A", path)
-        shutil.copytree(tmp / "B", folder / "ckpt.partial")
-    _barrier()
+    folder, path, flag = _folder_with_a_and_b(tmp, "concurrent-opens")
     check_files = reader_module.Checkpoint.check_files
     open_checkpoint = checkpoint_module.open_checkpoint
 
@@ -688,7 +682,10 @@ def kill_body(rank: int, world_size: int, tmp: str) -> str:
 def w2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("nothing-lost")
     (tmp / "w2").mkdir()
-    return tmp, run_ranks(body, 2, tmp, str(tmp))
+    results = run_ranks(body, 2, tmp, str(tmp))
+    full = {k: v["tensors"] for k, v in results[0]["full"]["A"].items()}
+    torch.save(full, tmp / "full_a.pt")
+    return tmp, results
 
 
 @pytest.fixture(scope="module")
@@ -822,6 +819,18 @@ def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint(
         assert mismatches({k: _local(v) for k, v in ema.ema_tensors().items()}, kept[name]) == []
 
 
+def _loads_a(tmp: Path) -> bool:
+    """Fresh EMAs load ``A`` whole: its counters and every row."""
+    emas = _fresh_emas()
+    load_checkpoint(dict(emas), tmp / "A")
+    saves = {"A": {k: {"updates": STEPS_A, "tensors": v} for k, v in _full_a(tmp).items()}}
+    return _which_save(_loaded(emas), saves) == "A"
+
+
+def _full_a(tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return torch.load(tmp / "full_a.pt", weights_only=True)
+
+
 def test_files_beyond_the_held_limit_are_opened_again_and_checked(
     w2: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -831,9 +840,7 @@ def test_files_beyond_the_held_limit_are_opened_again_and_checked(
 
     tmp, _ = w2
     monkeypatch.setattr(checkpoint_files, "HELD_FILES", 1)
-    emas = _fresh_emas()
-    load_checkpoint(dict(emas), tmp / "A")
-    assert {k: e.updates for k, e in emas.items()} == dict.fromkeys(STATE_KEYS, STEPS_A)
+    assert _loads_a(tmp)
 
     copy = Path(shutil.copytree(tmp / "A", tmp / "replaced"))
     checkpoint = reader_module.open_checkpoint(copy)
@@ -854,9 +861,7 @@ def test_files_beyond_the_held_limit_are_opened_again_and_checked(
     # Beyond the directories it may hold open, a load opens files by path, and a save
     # committed over that path meanwhile is seen.
     monkeypatch.setattr(checkpoint_files, "HELD_DIRECTORIES", 0)
-    emas = _fresh_emas()
-    load_checkpoint(dict(emas), tmp / "A")
-    assert {k: e.updates for k, e in emas.items()} == dict.fromkeys(STATE_KEYS, STEPS_A)
+    assert _loads_a(tmp)
     path = Path(shutil.copytree(tmp / "A", tmp / "by-path"))
     checkpoint = reader_module.open_checkpoint(path)
     try:
