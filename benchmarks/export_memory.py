@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import tempfile
 import time
 from datetime import timedelta
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
+from rss import reset_peak, status_kib
 from torch.distributed.device_mesh import init_device_mesh
 
 from dtensor_ema import ModelEMA, export_ema
@@ -38,24 +38,16 @@ from dtensor_ema.materialize import LocalPiece, gather_full_tensors
 MIB = 1024 * 1024
 
 
-def _status_kib(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    assert match is not None, field
-    return int(match.group(1))
-
-
 def _measure(fn: Any) -> tuple[float, float]:
     """``(peak MiB above the resident size before, seconds)`` of ``fn()``."""
     gc.collect()
     dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = _status_kib("VmRSS")
+    before = reset_peak()
     start = time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
     gc.collect()
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     dist.barrier()
     return (peak - before) / 1024, seconds
 
@@ -79,7 +71,7 @@ def _rank(rank: int, world_size: int, store_dir: str, args: argparse.Namespace, 
         results: dict[str, Any] = {
             "rank": rank,
             "ema_local_mib": ema.local_nbytes() / MIB,
-            "rss_mib": _status_kib("VmRSS") / 1024,
+            "rss_mib": status_kib("VmRSS") / 1024,
         }
         results["export"] = _measure(
             lambda: export_ema(ema, out, bucket_bytes=args.bucket_mib * MIB)

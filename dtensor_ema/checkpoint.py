@@ -54,11 +54,13 @@ from dtensor_ema import background
 from dtensor_ema._collectives import (
     agree,
     agree_on_call,
+    all_reduce,
     entering,
     group_gather_rows,
     group_of,
     quiet_single_process,
     rank_of,
+    reduce_device,
 )
 from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
 from dtensor_ema.engine import EmaEngine
@@ -501,8 +503,6 @@ def _load(
         if check:  # first: a corrupted .metadata must not pass for another model
             checkpoint.verify_metadata()
         checkpoint.check_files()
-        for where, ema in emas.items():
-            _check_ema_tensors(checkpoint, where, ema)
     except (OSError, ValueError, CheckpointError) as e:
         error = e
     except Exception as e:  # anything else: still tell the other ranks
@@ -512,9 +512,16 @@ def _load(
         agree(group, error, f"checking the checkpoint at {path}")
         assert checkpoint is not None
         _agree_on_save(group, checkpoint)
+        others = {w: _other_stages(checkpoint, w, ema, group) for w, ema in emas.items()}
+        try:
+            for where, ema in emas.items():
+                _check_ema_tensors(checkpoint, where, ema, others[where])
+        except (ValueError, CheckpointError) as e:
+            error = e
+        agree(group, error, f"checking the checkpoint at {path}")
         if unverified is not None:
             warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=3)
-        subsets = _judge_saved(checkpoint, emas, group, check, common_subset)
+        subsets = _judge_saved(checkpoint, emas, group, check, common_subset, others)
         _load_staged(state, checkpoint, group, check, subsets)
     finally:
         if checkpoint is not None:
@@ -527,11 +534,13 @@ def _judge_saved(
     group: dist.ProcessGroup | None,
     check: bool,
     common_subset: bool,
+    others: Mapping[tuple[str, ...], frozenset[str]],
 ) -> dict[tuple[str, ...], list[str]]:
     """Read each EMA's saved counter and options alone (small) and let the EMA judge them
-    (:func:`_judge_saved_values`) while nothing is written; the ranks agree. Returns the
-    tensors to load of each EMA that loads only those both track (``common_subset``).
-    **Collective** (a DCP load of the values, then one flag all-reduce)."""
+    (:func:`_judge_saved_values`; ``others``: each EMA's tensors that other pipeline stages
+    saved) while nothing is written; the ranks agree. Returns the tensors to load of each
+    EMA that loads only those both track (``common_subset``). **Collective** (a DCP load of
+    the values, then one flag all-reduce)."""
     if not emas:
         return {}
     saved: dict[str, Any] = {}
@@ -543,7 +552,7 @@ def _judge_saved(
     try:
         for where, ema in emas.items():
             names = _judge_saved_values(
-                checkpoint, where, ema, _get_nested(saved, where), common_subset
+                checkpoint, where, ema, _get_nested(saved, where), common_subset, others[where]
             )
             if names is not None:
                 subsets[where] = names
@@ -712,10 +721,37 @@ def _get_nested(root: dict[str, Any], where: tuple[str, ...]) -> Any:
     return root
 
 
-def _check_ema_tensors(checkpoint: Checkpoint, where: tuple[str, ...], ema: ModelEMA) -> None:
+def _other_stages(
+    checkpoint: Checkpoint, where: tuple[str, ...], ema: ModelEMA, group: Any
+) -> frozenset[str]:
+    """The saved EMA tensors under ``where`` that another rank's EMA holds and this one
+    does not: pipeline stages save one EMA each under one key, so each stage's checkpoint
+    entries are the other stages' extra tensors. **Collective** over ``group``: one
+    all-reduce of one byte per saved tensor (every rank reads the same metadata, so the
+    same list). A saved tensor no rank holds stays unexpected."""
+    prefix = f"{'.'.join(where)}.{_EMA_TENSORS}."
+    names = sorted(
+        k[len(prefix) :] for k in checkpoint.entries_under(where) if k.startswith(prefix)
+    )
+    ours = set(ema.state_dict()[_EMA_TENSORS])
+    if group is None or not names:
+        return frozenset()
+    held = torch.tensor([n in ours for n in names], dtype=torch.uint8, device=reduce_device(group))
+    all_reduce(held, group)
+    return frozenset(
+        n for n, count in zip(names, held.tolist(), strict=True) if count and n not in ours
+    )
+
+
+def _check_ema_tensors(
+    checkpoint: Checkpoint,
+    where: tuple[str, ...],
+    ema: ModelEMA,
+    others: frozenset[str] = frozenset(),
+) -> None:
     """The checkpoint holds this EMA's entries, with its shapes and dtypes; names a
     tracked-set difference may explain are left to :func:`_judge_saved_values`, which has
-    read the saved config."""
+    read the saved config; ``others``, the tensors of other pipeline stages, are theirs."""
     key = ".".join(where)
     path = checkpoint.path
     saved = checkpoint.entries_under(where)
@@ -727,6 +763,7 @@ def _check_ema_tensors(checkpoint: Checkpoint, where: tuple[str, ...], ema: Mode
     own = ema.state_dict()
     ours = {_short(k, key): v for k, v in _flatten(own, where)}
     specs = {_short(k, key): _spec(md) for k, md in saved.items()}
+    specs = {k: v for k, v in specs.items() if k not in others}
     deferred = deferred_names([k for k, v in specs.items() if v is not None], own)
     problems = compare_tensors(specs, ours, ignore=deferred)
     if problems:
@@ -748,16 +785,18 @@ def _judge_saved_values(
     ema: ModelEMA,
     saved: dict[str, Any],
     common_subset: bool = False,
+    others: frozenset[str] = frozenset(),
 ) -> list[str] | None:
     """Validate the saved counter and options, with the tensors' metadata, against the EMA
     (:func:`~dtensor_ema.state.validate_state`); nothing is written. Returns the tensors to
-    load when the tracked sets differ (``common_subset``), else ``None``."""
+    load when the tracked sets differ (``common_subset``), else ``None``. ``others``, the
+    tensors of other pipeline stages, are left out."""
     key = ".".join(where)
     prefix = f"{key}.{_EMA_TENSORS}."
     tensors = {
         k[len(prefix) :]: _spec(md)
         for k, md in checkpoint.entries_under(where).items()
-        if k.startswith(prefix)
+        if k.startswith(prefix) and k[len(prefix) :] not in others
     }
     candidate = {**saved, _EMA_TENSORS: tensors}
     ours = ema.state_dict()

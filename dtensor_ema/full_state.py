@@ -13,7 +13,9 @@ everything is checked, then each rank copies its own piece. Keys are the unwrapp
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -22,11 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.layout import PlanEntry, ema_local_from_full, model_geometry, model_shape
 from dtensor_ema.materialize import LocalPiece, gather_full_tensors, gather_to_rank0
-from dtensor_ema.model_keys import from_model_keys, to_model_keys
+from dtensor_ema.model_keys import from_model_keys, hooked_prefixes, to_model_keys
 from dtensor_ema.plan import EmaPlan
 from dtensor_ema.state import TensorSpec, compare_tensors
 
-__all__ = ["gather_state", "load_full_state", "rank0_flag"]
+__all__ = ["gather_state", "iter_state", "load_full_state", "rank0_flag"]
 
 StateDict = dict[str, Any]
 
@@ -53,15 +55,70 @@ def gather_state(
     dict.
     """
     whole = include_untracked or which == "model" or not plan.untracked
+    ordered = _gather_keys(
+        plan, which, plan.keys, whole,
+        rank0_only=rank0_only, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes,
+    )  # fmt: skip
+    if rank0_only and not ordered:
+        return {}
+    return to_model_keys(model, ordered)
+
+
+def iter_state(
+    plan: EmaPlan,
+    model: nn.Module,
+    which: Literal["ema", "model"],
+    *,
+    rank0_only: bool,
+    cpu_offload: bool,
+    bucket_bytes: int,
+    include_untracked: bool = True,
+) -> Iterator[StateDict]:
+    """:func:`gather_state`'s dict in consecutive pieces: each holds the full tensors of a
+    run of the model's keys of at most ``bucket_bytes`` (at least one tensor; the keys of a
+    module with state-dict post-hooks stay in one piece, so its hooks see all of them, and
+    a tied alias comes with the tensor it shares). Every key comes once, in the model's
+    order (hook outputs where the hooks put them). **Collective**: every rank of every
+    mesh involved must run the iterator to its end (with ``rank0_only`` the other ranks get
+    empty dicts).
+
+    Peak extra memory: one piece (at most ``bucket_bytes``, or its one larger tensor) while
+    it is gathered, plus what the model's hooks allocate on it; the previous piece is gone
+    once the caller drops it.
+    """
+    whole = include_untracked or which == "model" or not plan.untracked
+    for keys in _key_groups(plan, model, bucket_bytes):
+        ordered = _gather_keys(
+            plan, which, keys, whole,
+            rank0_only=rank0_only, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes,
+        )  # fmt: skip
+        piece = to_model_keys(model, ordered) if ordered else {}
+        ordered.clear()  # the hooks' inputs (a fused wqkv) go before the caller's next piece
+        yield piece
+        del piece
+
+
+def _gather_keys(
+    plan: EmaPlan,
+    which: Literal["ema", "model"],
+    keys: list[str],
+    whole: bool,
+    *,
+    rank0_only: bool,
+    cpu_offload: bool,
+    bucket_bytes: int,
+) -> StateDict:
+    """The full tensors of ``keys`` (canonical fqns, in that order; tied aliases need
+    their tensor's key among them), before the model's hooks. Collective."""
+    entries = plan.by_fqn()
+    untracked = plan.untracked if whole else {}
+    piece = _ema_piece if which == "ema" else _source_piece
     world = plan.world
-    pieces = [
-        _ema_piece(entry, world) if which == "ema" else _source_piece(entry, world)
-        for entry in plan
-    ]
-    shapes = {e.fqn: e.shape for e in plan}
-    if whole:
-        pieces += [_model_piece(fqn, tensor, world) for fqn, tensor in plan.untracked.items()]
-        shapes.update({fqn: model_shape(tensor) for fqn, tensor in plan.untracked.items()})
+    wanted = set(keys)
+    pieces = [piece(entries[k], world) for k in keys if k in entries]
+    pieces += [_model_piece(k, untracked[k], world) for k in keys if k in untracked]
+    shapes = {k: entries[k].shape for k in keys if k in entries}
+    shapes.update({k: model_shape(untracked[k]) for k in keys if k in untracked})
     if rank0_only:  # a gather to rank 0: the other ranks receive nothing
         full = gather_to_rank0(pieces, cpu_offload=cpu_offload, bucket_bytes=bucket_bytes)
         if not full:
@@ -72,19 +129,62 @@ def gather_state(
     full = {k: v.view(shapes[k]) if k in shapes else v for k, v in full.items()}
     device = torch.device("cpu") if cpu_offload else None
     followed = (
-        {k: v.detach().to(device=device, copy=True) for k, v in plan.followed.items()}
+        {
+            k: v.detach().to(device=device, copy=True)
+            for k, v in plan.followed.items()
+            if k in wanted
+        }
         if whole
         else {}
     )
     ordered: StateDict = {}
-    for key in plan.keys:
+    for key in keys:
         if key in full:
             ordered[key] = full[key]
         elif key in followed:
             ordered[key] = followed[key]
         elif key in plan.aliases and plan.aliases[key] in full:
             ordered[key] = full[plan.aliases[key]]
-    return to_model_keys(model, ordered)
+    return ordered
+
+
+def _key_groups(plan: EmaPlan, model: nn.Module, bucket_bytes: int) -> Iterator[list[str]]:
+    """Runs of ``plan.keys`` for :func:`iter_state`: units (a key; all keys under the
+    outermost module with state-dict post-hooks; a tied alias joined to its tensor's unit)
+    packed in order into groups of at most ``bucket_bytes`` of full tensors."""
+    entries = plan.by_fqn()
+    hooked = sorted(p for p in hooked_prefixes(model) if p)
+    unit_of: dict[str, str] = {}
+    for key in plan.keys:
+        target = plan.aliases.get(key, key)
+        outer = next((p for p in hooked if target.startswith(p)), None)
+        unit_of[key] = outer if outer is not None else target
+    if "" in hooked_prefixes(model):  # the root's hooks see every key
+        unit_of = dict.fromkeys(plan.keys, "")
+    units: dict[str, list[str]] = {}
+    for key in plan.keys:
+        units.setdefault(unit_of[key], []).append(key)
+
+    def nbytes(key: str) -> int:
+        if key in plan.aliases:
+            return 0
+        if key in entries:
+            entry = entries[key]
+            return math.prod(entry.shape) * entry.source.element_size()
+        tensor = plan.untracked.get(key)
+        return 0 if tensor is None else math.prod(model_shape(tensor)) * tensor.element_size()
+
+    group: list[str] = []
+    size = 0
+    for keys in units.values():
+        unit_bytes = sum(nbytes(k) for k in keys)
+        if group and size + unit_bytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group += keys
+        size += unit_bytes
+    if group:
+        yield group
 
 
 @torch.no_grad()

@@ -442,13 +442,15 @@ def _gather_stage(
     ]
     padded = max(sum(row) for row in segments)
     device = locals_[0].device
-    outputs = [torch.empty(st.shape, dtype=dtype, device=device) for st in stages]
     if padded == 0:  # every rank derives the same zero: all skip the collective together
-        return outputs
+        return [torch.empty(st.shape, dtype=dtype, device=device) for st in stages]
     send = _send_buffer(locals_, segments[me], padded, dtype)
     recv = torch.empty(size * padded, dtype=dtype, device=device)
     _all_gather_flat(recv, send, group=mesh.get_group(mesh_dim))
     del send
+    if len(stages) == 1 and stages[0].dim == 0 and all(r[0] == padded for r in segments):
+        return [recv.view(stages[0].shape)]  # evenly split along dim 0: already in order
+    outputs = [torch.empty(st.shape, dtype=dtype, device=device) for st in stages]
     rows = recv.view(size, padded)
     cursors = [0] * size
     for output, st in zip(outputs, stages, strict=True):
@@ -598,6 +600,8 @@ def _gather_to_root(
     del send
     if rows is None:
         return {}
+    if len(pieces) == 1 and rows.device == target and all(r[0] == padded for r in segments):
+        return {pieces[0].fqn: rows.view(pieces[0].shape)}  # evenly split: already in order
     fulls = [torch.empty(p.shape, dtype=dtype, device=target) for p in pieces]
     _unpack_(fulls, rows, segments)
     return {p.fqn: full for p, full in zip(pieces, fulls, strict=True)}

@@ -46,7 +46,7 @@ from dtensor_ema.cuda_graph import GraphDecision
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.ema_module import UnitSpec, build_ema_module, refuse_unmirrored_options
 from dtensor_ema.engine import EmaEngine
-from dtensor_ema.full_state import gather_options, gather_state, load_full_state
+from dtensor_ema.full_state import gather_options, gather_state, iter_state, load_full_state
 from dtensor_ema.layout import resolve_world_mesh
 from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES
 from dtensor_ema.options import (
@@ -561,6 +561,37 @@ class ModelEMA:
         return gather_state(
             self.engine.plan, self.model, "ema", include_untracked=include_untracked, **options
         )
+
+    @collective("iter_state_dict")
+    def iter_state_dict(
+        self,
+        which: Literal["ema", "model"] = "ema",
+        *,
+        only_rank0_receives: bool = False,
+        cpu_offload: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        include_untracked: bool = True,
+    ) -> Iterator[StateDict]:
+        """:meth:`get_ema_state_dict` (``which="model"``: the model's current weights, as
+        :meth:`get_model_state_dict`'s second dict) in pieces, for a writer that streams.
+        **Collective**: every rank of the mesh (and of every FSDP2 mesh) must run the
+        iterator to its end.
+
+        Each piece is a dict of full tensors keyed like the model (its state-dict hooks
+        applied) for a run of the model's keys of at most ``bucket_bytes`` (at least one
+        tensor; the keys of a module with state-dict hooks, and tied aliases with their
+        tensor, come together); every key comes once. With ``only_rank0_receives`` the
+        other ranks get empty dicts. ``include_untracked`` (default ``True`` here): the
+        tensors the EMA does not track come from the model, so the pieces make a whole
+        state dict. Peak extra memory: one piece (and what the model's hooks allocate on
+        it), once the caller drops the previous one.
+        """
+        self.engine.settle()
+        return iter_state(
+            self.engine.plan, self.model, which,
+            rank0_only=only_rank0_receives, cpu_offload=cpu_offload,
+            bucket_bytes=bucket_bytes, include_untracked=include_untracked,
+        )  # fmt: skip
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: StateDict, *, updates: int | None = None) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "WRAPPER_COMPONENTS",
     "canonical_fqn",
     "from_model_keys",
+    "hooked_prefixes",
     "live_tensors",
     "to_model_keys",
 ]
@@ -102,6 +103,13 @@ def _hooked_modules(module: nn.Module, hooks: str) -> Iterator[tuple[str, nn.Mod
         if getattr(sub, hooks, None) and not _is_wrapper(sub):
             prefix = canonical_fqn(name)
             yield (f"{prefix}." if prefix else ""), sub
+
+
+def hooked_prefixes(module: nn.Module) -> list[str]:
+    """The canonical prefixes (``"layers.0.attention.qkv_linear."``; ``""`` for ``module``
+    itself) of the modules whose state-dict post-hooks :func:`to_model_keys` runs: a hook
+    sees every key under its prefix. Local."""
+    return [prefix for prefix, _ in _hooked_modules(module, "_state_dict_hooks")]
 
 
 def to_model_keys(module: nn.Module, tensors: StateDict) -> StateDict:

@@ -5,14 +5,26 @@ of one core; collecting the suite imports the same libraries in this process for
 long. Started at session start, the two run side by side on two cores instead of one after
 the other. Only when the paths pytest was given hold a test that launches processes through
 the harness (a run of single-process tests starts no server).
+
+Also a quiet log: torch's profiler (``torch.profiler.profile``, which several tests use to
+count collectives) runs Kineto, whose C++ logger writes ``USDT: ...
+SyncActivityProfilerHandler.cpp ... profiler_start`` / ``profiler_stop`` (and, with no GPU,
+``ERROR: ... gpuGetDeviceCount failed``) to the process's stderr on every profile, from
+every rank: hundreds of lines between pytest's dots. Kineto reads ``KINETO_LOG_LEVEL``
+when the first profile starts (0 verbose ... 5 USDT, its highest; 6 lets nothing through).
+Set here, before any test runs and before the rank forkserver starts, it reaches this
+process and every rank; a value already in the environment is kept.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 _LAUNCHES = re.compile(r"\b(run_ranks|spawn_ranks|run_script|run_torchrun)\(")
 

@@ -297,10 +297,11 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
     debugmodel on TP at W=2 with two EMAs (``--ema.decays 0.9,0.5``, the list flags as
     documented), the validator and a checkpoint at step 2; resumed in one process for step
     3 (the log says the EMA was restored, from step 2, with each EMA's updates); and
-    resumed with the Q/K/V projections unfused (a torchtitan override), refused at once
-    naming the fused/unfused mismatch and the model-only way out. (Every layout, and W=4
+    resumed with the Q/K/V projections unfused (a torchtitan override): the EMA's fused
+    ``wqkv`` converted to ``wq``/``wk``/``wv`` bit for bit (logged). (Every layout, and W=4
     to 2 to 1, through torchtitan's own Trainer: ``tests/test_integration_torchtitan.py``;
     here, the launcher.)"""
+    import torch
     import torch.distributed.checkpoint as dcp
     from titan_models import trainer_assets
 
@@ -357,22 +358,31 @@ def test_torchtitan_entry_point_two_ranks_resumes_in_one_process(tmp_path: Path)
     assert re.search(r"validate step 3: EMA loss decay_0_9", out), out[-3000:]
     assert (checkpoint / "step-3" / ".metadata").is_file()
 
-    # The same checkpoint into the unfused model: refused before anything is loaded.
+    # The same checkpoint into the unfused model: torchtitan converts its model entry, the
+    # EMA's is converted too (logged); torchtitan does not convert its optimizer's state, so
+    # the optimizer starts afresh, as for a fine-tune. The EMA starts late (no update in
+    # steps 3-4), so the final (full) checkpoint holds the converted step-2 EMA exactly.
     unfused = [
+        "dataloader,optimizer,lr_scheduler" if f == "dataloader" else
         f.replace("titan_models.sdpa_on_cpu", "titan_models.sdpa_on_cpu,titan_models.unfused_qkv")
         for f in resume
-    ]
-    out = _run([*launch, *unfused, "--training.steps=4", "--checkpoint.load_step=2"], tmp_path,
-               nproc=1, env_extra=env, timeout=600, expect_ok=False)  # fmt: skip
-    refusal = re.search(
-        r"ValueError: checkpoint (\S+): its EMA 'decay_0_9' holds the Q/K/V projections fused "
-        r"\((\S+)\), this model has them unfused",
-        out,
-    )
-    assert refusal, out[-3000:]
-    assert refusal.groups() == (
-        str(checkpoint / "step-2"),
-        "layers.0.attention.qkv_linear.wqkv.weight",
-    ), refusal.groups()
-    assert "--checkpoint.initial_load_path <checkpoint folder>/step-N/ema/<name>" in out
-    assert "Training starts" not in out
+    ]  # fmt: skip
+    out = _run([*launch, *unfused, "--training.steps=4", "--checkpoint.load_step=2",
+                "--ema.start_step=100"], tmp_path, nproc=1, env_extra=env, timeout=600)  # fmt: skip
+    converted = re.findall(r"EMA (decay_0_\d): converted (\d+) Q/K/V projection\(s\)", out)
+    assert converted == [("decay_0_9", "6"), ("decay_0_5", "6")], out[-3000:]  # 6 layers
+    assert "Training starts at step 3" in out, out[-3000:]
+    fused = checkpoint / "step-2"
+    for name in ("decay_0_9", "decay_0_5"):
+        key = f"ema.{name}.ema.layers.1.attention.qkv_linear.wqkv.weight"
+        saved = {key: torch.empty(3 * 256, 256)}
+        dcp.load(saved, checkpoint_id=str(fused))
+        # torchtitan's fused layout, per head (16 heads, 16 KV heads, head_dim 16): q, k, v
+        rows = saved[key].reshape(16, 3, 16, 256)
+        want = {w: rows[:, i].reshape(256, 256) for i, w in enumerate(("wq", "wk", "wv"))}
+        got = {f"ema.{name}.ema.layers.1.attention.qkv_linear.{w}.weight": torch.empty(256, 256)
+               for w in want}  # fmt: skip
+        dcp.load(got, checkpoint_id=str(checkpoint / "step-4"))  # a full one: the EMA in it
+        for w, value in want.items():
+            assert torch.equal(got[f"ema.{name}.ema.layers.1.attention.qkv_linear.{w}.weight"],
+                               value), (name, w)  # fmt: skip

@@ -66,6 +66,7 @@ from torch import nn
 
 require_extra("torchtitan", "zoo")
 
+from dtensor_ema import load_checkpoint, save_checkpoint  # noqa: E402
 from dtensor_ema.integrations.torchtitan import TorchtitanEMA  # noqa: E402
 from dtensor_ema.model_keys import canonical_fqn, live_tensors  # noqa: E402
 
@@ -229,10 +230,8 @@ def test_torchtitan_ema_load_state_dict_common_subset() -> None:
     another tracked set (other ``buffer_patterns``, a parameter frozen then and one frozen
     now) loads the tensors both hold bit for bit, leaves this EMA's others as they were,
     loads the counter; without it, refused naming the difference; EMA names must match
-    and at least one tensor must be common. And the fused/unfused QKV check of the
-    trainer's checkpoint load, on fqns."""
-    from dtensor_ema.integrations.torchtitan.trainer import _qkv_mismatch
-
+    and at least one tensor must be common. And the pairing of fused/unfused Q/K/V
+    projections of the trainer's checkpoint load, on fqns."""
     model = _titan()
     model.register_buffer("running_bias", torch.zeros(4))
     model.norm.weight.requires_grad_(False)  # frozen when saved: not in the state
@@ -275,18 +274,129 @@ def test_torchtitan_ema_load_state_dict_common_subset() -> None:
         now.load_state_dict(disjoint, common_subset=True)
     assert _differ(now["decay_0_5"].ema_tensors(), got) == []  # refused: unchanged
 
+    from dtensor_ema.integrations.torchtitan.qkv import find_conversions
+
     fused = {"layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.wo.weight"}
     unfused = {f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")}
     unfused.add("layers.0.attention.wo.weight")
-    assert _qkv_mismatch(fused, unfused) == (
-        "layers.0.attention.qkv_linear.wqkv.weight",
-        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
-    )
-    assert _qkv_mismatch(unfused, fused) == (
-        ", ".join(f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")),
-        "layers.0.attention.qkv_linear.wqkv.weight",
-    )
-    assert _qkv_mismatch(fused, fused) is None and _qkv_mismatch(fused, {"x"}) is None
+    module = model.layers["0"].attention.qkv_linear  # fused: head_dim 16, 1 query head per KV
+    modules = {"layers.0.attention.qkv_linear": module}
+    (split,) = find_conversions(saved=fused, ours=unfused, modules=modules)
+    assert split.saved == ("layers.0.attention.qkv_linear.wqkv.weight",) and not split.fuses
+    assert (split.head_dim, split.heads_per_kv) == (16, 1)
+    (fuse,) = find_conversions(saved=unfused, ours=fused, modules=modules)
+    assert fuse.fuses and fuse.ours == split.saved
+    assert find_conversions(fused, fused, modules) == []
+    assert find_conversions(fused, {"x"}, {}) == []
+
+
+def test_iter_state_dict_streams_bucket_by_bucket(tmp_path: Path) -> None:
+    """What the streamed HF export reads: ``ModelEMA.iter_state_dict`` gives the EMA's
+    whole state dict (the model's hooks applied: ``wq``/``wk``/``wv`` of the fused
+    ``wqkv``) in pieces of at most ``bucket_bytes`` of full tensors, a larger tensor alone,
+    a fused ``wqkv``'s three outputs in one piece; and ``stream_hf`` writes, with a
+    bucket far below the model, the file ``export_hf`` writes from the whole dict."""
+    from safetensors.torch import load_file
+    from torchtitan.models.llama3 import model_registry
+
+    from dtensor_ema.integrations.torchtitan import export_hf
+    from dtensor_ema.integrations.torchtitan.hf import stream_hf
+
+    model = _titan()
+    ema = _perturbed_ema(model, TorchtitanEMA.Config(enable=True, decays=[0.9]))
+    whole = ema.get_ema_state_dict()
+    bucket = 200_000
+    pieces = list(ema["decay_0_9"].iter_state_dict(bucket_bytes=bucket))
+    assert len(pieces) > 5
+    merged: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        nbytes = sum(v.numel() * v.element_size() for v in piece.values())
+        assert nbytes <= bucket or len({k.rsplit(".", 2)[0] for k in piece}) == 1, list(piece)
+        assert not set(piece) & set(merged)
+        merged.update(piece)
+    assert list(merged) == list(whole) and _differ(merged, whole) == []
+    wq = "layers.0.attention.qkv_linear.wq.weight"
+    (with_q,) = [p for p in pieces if wq in p]
+    assert {wq.replace("wq", w) for w in ("wk", "wv")} <= set(with_q)
+    spec = model_registry("debugmodel")
+    adapter = spec.state_dict_adapter(spec.model, None)
+    streamed = load_file(stream_hf(ema, [model], adapter, tmp_path / "s", bucket_bytes=bucket))
+    written = load_file(export_hf(whole, adapter, tmp_path / "w"))
+    assert streamed.keys() == written.keys() and _differ(streamed, written) == []
+
+
+def _perturbed_ema(model: nn.Module, config: TorchtitanEMA.Config) -> TorchtitanEMA:
+    """An EMA of ``model`` one step away from its weights (weights moved, then a step)."""
+    ema = TorchtitanEMA(config, model_parts=[model])
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    ema.step(1)
+    return ema
+
+
+def _load_converting(ema: TorchtitanEMA, path: Path) -> int:
+    """DCP's load of ``path`` into ``ema`` as the trainer's checkpoint manager does it:
+    through ``EMALoad``, then its conversion."""
+    from dtensor_ema.integrations.torchtitan.resume import EMALoad
+    from dtensor_ema.reader import open_checkpoint
+
+    load = EMALoad(ema, open_checkpoint(path))
+    dcp.load({"ema": load}, checkpoint_id=str(path))
+    return load.convert(None)
+
+
+def test_qkv_resume_converts_the_ema_both_ways(tmp_path: Path) -> None:
+    """The EMA of torchtitan's fused qwen3 debugmodel (``wqkv``: 16 query heads over 8 KV
+    heads, head_dim 128) saved with DCP and read into the EMA of its
+    ``debugmodel_non_fused_qkv`` (``wq``/``wk``/``wv``), and the other way, as the trainer's
+    checkpoint manager reads it: every converted projection equals, bit for bit, what
+    torchtitan's own ``FusedQKVLinear`` hooks give for the same values (its
+    ``state_dict()`` splits, its ``load_state_dict()`` fuses), every other tensor and the
+    counter load as saved; a projection whose head layout the model does not tell is
+    refused, naming the way out."""
+    from titan_models import qwen3_debugmodel
+
+    from dtensor_ema.integrations.torchtitan.resume import EMALoad
+    from dtensor_ema.reader import open_checkpoint
+
+    config = TorchtitanEMA.Config(enable=True, decays=[0.9])
+    fused, unfused = qwen3_debugmodel(seed=0), qwen3_debugmodel(fused=False, seed=1)
+
+    # fused -> unfused
+    saved = _perturbed_ema(fused, config)
+    dcp.save({"ema": saved}, checkpoint_id=str(tmp_path / "fused"))
+    with torch.no_grad():  # torchtitan's own split of the EMA's values: the reference
+        for name, p in fused.named_parameters():
+            p.copy_(saved["decay_0_9"].ema_tensors()[canonical_fqn(name)])
+    want = fused.state_dict()
+    into = TorchtitanEMA(config, model_parts=[unfused])
+    assert _load_converting(into, tmp_path / "fused") == 2  # the wqkv weight of 2 layers
+    got = into["decay_0_9"].ema_tensors()
+    assert "layers.1.attention.qkv_linear.wk.weight" in got
+    assert _differ(got, {k: want[k] for k in got}) == [] and into["decay_0_9"].updates == 1
+
+    # unfused -> fused
+    saved = _perturbed_ema(unfused, config)
+    dcp.save({"ema": saved}, checkpoint_id=str(tmp_path / "unfused"))
+    with torch.no_grad():
+        for name, p in unfused.named_parameters():
+            p.copy_(saved["decay_0_9"].ema_tensors()[canonical_fqn(name)])
+    reference = qwen3_debugmodel(seed=2)
+    reference.load_state_dict(unfused.state_dict())  # torchtitan's fuse
+    want = {canonical_fqn(k): v for k, v in reference.named_parameters()}
+    into = TorchtitanEMA(config, model_parts=[qwen3_debugmodel(seed=3)])
+    assert _load_converting(into, tmp_path / "unfused") == 2
+    got = into["decay_0_9"].ema_tensors()
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in got
+    assert _differ(got, {k: want[k].detach() for k in got}) == []
+
+    # No head layout to read: refused before anything is read.
+    for module in unfused.modules():
+        if type(module).__name__ == "QKVLinear":
+            del module.head_dim
+    with pytest.raises(ValueError, match=r"wqkv.weight and this model .*wq.weight.*cannot be read"):
+        EMALoad(TorchtitanEMA(config, model_parts=[unfused]), open_checkpoint(tmp_path / "fused"))
 
 
 def test_torchtitan_ema_pipeline_stages_save_one_layout(tmp_path: Path) -> None:
@@ -913,8 +1023,18 @@ def _w4_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     run = _train(trainer)
     reference = run.pop("reference")
     run["ema_mesh"] = [e.mesh.size() for emas in trainer.ema.parts for e in emas.values()]
-    run["hf_file"] = str(trainer.export_hf(base / "pp" / "hf_ema"))
+    run["hf_file"] = str(trainer.export_hf(base / "pp" / "hf_ema", bucket_bytes=100_000))
     torch.save(reference.emas["decay_0_9"], base / "pp" / f"reference{rank}.pt")
+    # Stage checkpoints back into the stages, at the same layout: each rank's stage EMA
+    # through save_checkpoint/load_checkpoint, and the trainer's own step-2 checkpoint.
+    save_checkpoint({"ema": trainer.ema.parts[0]}, base / "pp" / "stages")
+    trainer.ema.reset()
+    load_checkpoint({"ema": trainer.ema.parts[0]}, base / "pp" / "stages")
+    want = reference.emas["decay_0_9"]
+    run["stages_loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", reference.keys), want)
+    trainer.ema.reset()
+    trainer.checkpointer.load(step=2)
+    run["trainer_loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", reference.keys), want)
     trainer.close()
     out["llama_pp"] = run
 
@@ -1050,6 +1170,43 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     weights = reference.weights()
     run["no_ema"] = {n: _differ(_trainer_ema_full(trainer, n, keys), weights) for n in trainer.ema}
     run["no_ema_to_step3"] = _differ(weights, saved["weights"][3])
+    # common_subset through the checkpoint manager: a checkpoint of an EMA that left
+    # norm.weight out (frozen when it was built) is refused by this EMA (it tracks it)
+    # before anything is read, naming --ema.load_common_subset; with it, the tensors both
+    # hold load, norm.weight keeps its value.
+    norm = trainer.model_parts[0].norm.weight
+    norm.requires_grad_(False)
+    narrow = TorchtitanEMA(trainer.config.ema, model_parts=trainer.model_parts)
+    norm.requires_grad_(True)
+    with torch.no_grad():
+        for emas in narrow.parts:
+            for e in emas.values():
+                for t in e.ema_tensors().values():
+                    t.to_local().add_(1.0)
+    dcp.save({"ema": narrow}, checkpoint_id=str(base / "narrow"))
+    narrow_full = {
+        n: {k: _full(t) for e in narrow.parts for k, t in e[n].ema_tensors().items()}
+        for n in narrow
+    }
+    before = {n: _trainer_ema_full(trainer, n, keys) for n in trainer.ema}
+    states = {"ema": trainer.ema}
+    try:
+        checkpointer.dcp_load(dict(states), str(base / "narrow"), False, False)
+        run["subset_refused"] = ""
+    except ValueError as error:
+        run["subset_refused"] = str(error)
+    run["subset_unchanged"] = {
+        n: _differ(_trainer_ema_full(trainer, n, keys), before[n]) for n in trainer.ema
+    }
+    trainer.ema.config.load_common_subset = True
+    checkpointer.dcp_load(dict(states), str(base / "narrow"), False, False)
+    trainer.ema.config.load_common_subset = False
+    after = {n: _trainer_ema_full(trainer, n, keys) for n in trainer.ema}
+    run["subset_loaded"] = {
+        n: (_differ({k: v for k, v in after[n].items() if k != "norm.weight"}, narrow_full[n]),
+            torch.equal(after[n]["norm.weight"], before[n]["norm.weight"]))
+        for n in trainer.ema
+    }  # fmt: skip
     # An HF export that fails on rank 0 (its folder's path is a file) raises on every rank
     # with rank 0's message; before the fix the other ranks waited in a barrier that rank 0
     # never reached (here: rank 0 went on to the next collective with them still in it).
@@ -1094,8 +1251,40 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer.close()
     out["moe_resume"] = run
 
+    out["pp_resume"] = _pp_resume(base, Path(w4_root) / "pp")
     out["hand_loop"] = _hand_loop(world_size, str(base / "hand"))
     return out
+
+
+def _pp_resume(base: Path, w4_pp: Path) -> dict[str, Any]:
+    """llama3 PP 2 (FSDP2 1) at W=2, resumed from the W=4 PP 2 x FSDP2 2 run's step-2
+    checkpoint (another layout); the W=4 stages' ``save_checkpoint`` folder loaded into
+    these stages by ``load_checkpoint``; one more step against the reference."""
+    config = _config(base / "pp", "llama3", pp=2, shard=1, steps=3, checkpoint_every=10)
+    config.ema.decays = [0.9]
+    config.checkpoint.initial_load_path = str(w4_pp / "outputs" / "checkpoint" / "step-2")
+    config.checkpoint.initial_load_model_only = False
+    config.checkpoint.exclude_from_loading = ["dataloader"]
+    trainer = build_cpu_trainer(config)
+    reference = TrainerReference(trainer)
+    keys = reference.keys
+    saved = {k: v for k, v in _merged_references(w4_pp).items() if k in keys}
+    run: dict[str, Any] = {"restored_log": _load_logged(trainer), "loaded_step": trainer.step}
+    run["loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", keys), saved)
+    trainer.ema.reset()
+    load_checkpoint({"ema": trainer.ema.parts[0]}, w4_pp / "stages")
+    run["stages_loaded"] = _differ(_trainer_ema_full(trainer, "decay_0_9", keys), saved)
+    reference.emas = {"decay_0_9": {k: v.clone() for k, v in saved.items()}}
+    trainer.train()
+    full = _trainer_ema_full(trainer, "decay_0_9", keys)
+    run["differ"] = {"decay_0_9": _differ(full, reference.emas["decay_0_9"])}
+    run["moved"] = {"decay_0_9": _differ(full, saved) != []}
+    run["fired"] = reference.fired
+    run["stage"] = trainer.parallel_dims.get_mesh("pp").get_local_rank()
+    run["local_numel"] = sum(e["decay_0_9"].local_numel() for e in trainer.ema.parts)
+    run["model_numel"] = sum(v.numel() for v in saved.values())
+    trainer.close()
+    return run
 
 
 # ------------------------------------------------------------------ fixtures
@@ -1171,6 +1360,8 @@ def test_w4_ema_bit_exact_on_every_layout(w4: tuple[Path, list[dict[str, Any]]])
         assert all(has_ep), (key, meshes)
     assert [r["moe_pp"]["stage"] for r in results] == [0, 0, 1, 1]
     assert [r["llama_pp"]["stage"] for r in results] == [0, 0, 1, 1]
+    for r in results:  # stage checkpoints back into the stages, same layout
+        assert r["llama_pp"]["stages_loaded"] == [] and r["llama_pp"]["trainer_loaded"] == []
     assert all(r["llama_pp"]["ema_mesh"] == [2] for r in results)  # the stage's 2 ranks
     assert any(k.endswith("expert_bias_E") for k in results[0]["moe_hsdp_ep"]["keys"])
 
@@ -1196,6 +1387,12 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
         assert run["reseeded_to_step2"] == [], rank
         assert run["no_ema"] == {"decay_0_9": [], "decay_0_5": []}, rank
         assert run["no_ema_to_step3"] == [], rank
+    for rank, result in enumerate(w2):
+        run = result["llama_resume"]
+        assert "lacks ['norm.weight'], which this EMA tracks" in run["subset_refused"], rank
+        assert "--ema.load_common_subset" in run["subset_refused"]
+        assert run["subset_unchanged"] == {"decay_0_9": [], "decay_0_5": []}, rank
+        assert run["subset_loaded"] == {"decay_0_9": ([], True), "decay_0_5": ([], True)}, rank
     refused = [result["llama_resume"]["export_refused"] for result in w2]
     assert refused[0] and refused == [refused[0]] * len(w2), refused
     assert "Hugging Face format failed on rank 0: " in refused[0], refused[0]
@@ -1213,6 +1410,20 @@ def test_w2_resumes_the_w4_checkpoint(w2: list[dict[str, Any]]) -> None:
         assert result["moe_resume"]["loaded_step"] == 2 and result["moe_resume"]["loaded"] == []
     _assert_run(w2, "moe_resume", [3])
     _assert_validation(w2, "moe_resume", 3)
+
+
+@pytest.mark.distributed
+def test_w2_pipeline_stages_resume_the_w4_stages(w2: list[dict[str, Any]]) -> None:
+    """PP 2 x FSDP2 2 at W=4 -> PP 2 at W=2: the trainer's checkpoint and the stages'
+    ``save_checkpoint`` folder load into the new stages bit for bit (other stages' tensors
+    are theirs, not unexpected), and the EMA goes on exactly."""
+    assert [r["pp_resume"]["stage"] for r in w2] == [0, 1]
+    for rank, result in enumerate(w2):
+        run = result["pp_resume"]
+        assert run["loaded_step"] == 2 and run["loaded"] == [], (rank, run["loaded"][:5])
+        assert run["stages_loaded"] == [], (rank, run["stages_loaded"][:5])
+    assert w2[0]["pp_resume"]["restored_log"][0].endswith("(step 2): decay_0_9 2 updates")
+    _assert_run(w2, "pp_resume", [3])
 
 
 # ------------------------------------------------------------------ one process

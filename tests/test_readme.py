@@ -246,3 +246,33 @@ def test_forked_ranks_get_what_torchrun_gives(tmp_path: Path) -> None:
     assert "run_torchrun: rank 1 (local_rank: 1) exited with code 1" in stderr, stderr
     with pytest.raises(pytest.fail.Exception, match=r"'rank1'\] still running"):
         run_torchrun(["probe.py", "hang"], 2, tmp_path, env, timeout_s=2)
+
+
+_PROFILE = """
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+with profile(activities=[ProfilerActivity.CPU]):
+    torch.ones(3).add_(1)
+print("profiled")
+"""
+
+
+def test_the_suite_log_has_no_profiler_lines(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """torch's profiler in this process and in a process forked for a rank (as the tests
+    that count collectives run it) writes nothing to stderr: Kineto's ``USDT: ...
+    profiler_start/stop`` lines (hundreds in a run of the README's test command) are off
+    (``tests/conftest.py`` sets ``KINETO_LOG_LEVEL``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    capfd.readouterr()
+    with profile(activities=[ProfilerActivity.CPU]):
+        torch.ones(3).add_(1)
+    here = capfd.readouterr()
+    assert "USDT" not in here.err and "profiler_start" not in here.err, here.err[-2000:]
+    script = tmp_path / "profile_once.py"
+    script.write_text(_PROFILE)
+    code, out, err = run_script([str(script)], tmp_path, dict(os.environ))
+    assert code == 0 and out.strip() == "profiled", (out, err)
+    assert err == "", err[-2000:]

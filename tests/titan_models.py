@@ -62,6 +62,21 @@ def llama3_debugmodel(layers: int = 2, seed: int | None = None) -> nn.Module:
     return _build_initialized(config)
 
 
+def qwen3_debugmodel(layers: int = 2, *, fused: bool = True, seed: int | None = None) -> nn.Module:
+    """torchtitan's qwen3 ``debugmodel`` (fused Q/K/V ``wqkv``: 16 query heads over 8 KV
+    heads, head_dim 128; tied embeddings), or with ``fused=False`` its
+    ``debugmodel_non_fused_qkv`` (``wq``/``wk``/``wv``), cut to ``layers`` blocks with SDPA,
+    built and initialized on the CPU as :func:`llama3_debugmodel`."""
+    from torchtitan.models.qwen3 import model_registry
+
+    flavor = "debugmodel" if fused else "debugmodel_non_fused_qkv"
+    config = model_registry(flavor, attn_backend="flex").model
+    _cpu_blocks(config, layers)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return _build_initialized(config)
+
+
 def deepseek_v3_debugmodel(layers: int = 2) -> nn.Module:
     """torchtitan's DeepSeek-V3 ``debugmodel`` cut to its first ``layers`` blocks, SDPA
     attention, built on the CPU (caller's RNG state). At 2 blocks: block 0 dense, block 1

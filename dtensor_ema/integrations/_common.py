@@ -24,6 +24,7 @@ __all__ = [
     "StepGate",
     "check_ema_options",
     "copy_ema_into_model",
+    "decay_name",
     "follow_trainable",
     "full_ema_tensors",
     "is_rank0",
@@ -193,6 +194,12 @@ def follow_trainable(ema: ModelEMA, say: Callable[[str], None]) -> bool:
         + (f"; {len(frozen)} frozen, their averages kept" if frozen else "")
     )
     return True
+
+
+def decay_name(kind: str, value: float) -> str:
+    """An EMA's name from its decay (or other number): ``decay_0_999``; ``_`` for the
+    decimal point, since DCP joins checkpoint keys with dots."""
+    return f"{kind}_{value:g}".replace(".", "_")
 
 
 def is_rank0() -> bool:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_ema.integrations._common import decay_name
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
 from dtensor_ema.multi import MultiModelEMA
@@ -124,6 +125,11 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         """Keep the EMA shards in host memory (:class:`ModelEMA` ``offload=True``)."""
         buffer_patterns: list[str] = field(default_factory=list)
         """``fnmatch`` patterns of buffer fqns to average too (e.g. ``"*.expert_bias_E"``)."""
+        load_common_subset: bool = False
+        """Resume from a checkpoint whose EMA tracked other tensors (other
+        ``buffer_patterns``, parameters frozen or unfrozen since): load the tensors both
+        hold, keep this EMA's others (:meth:`TorchtitanEMA.load_state_dict`'s
+        ``common_subset``; the trainer's checkpoint manager reads it)."""
 
         def __post_init__(self) -> None:
             for d in self.decays:
@@ -157,9 +163,9 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         self.config = config
         self.model_parts = parts
         schedules: dict[str, Any] = (
-            {_name("decay", d): _Fixed(d) for d in config.decays}
+            {decay_name("decay", d): _Fixed(d) for d in config.decays}
             if config.decays
-            else {_name("hlf", f): _HalfLifeFraction(f) for f in config.half_life_fractions}
+            else {decay_name("hlf", f): _HalfLifeFraction(f) for f in config.half_life_fractions}
         )
         self.names: list[str] = list(schedules) if config.enable else []
         """The EMAs' names (empty when disabled)."""
@@ -324,7 +330,11 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         return out
 
     def load_state_dict(
-        self, state_dict: Mapping[str, Any], *, common_subset: bool = False
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        common_subset: bool = False,
+        leave: Mapping[str, Collection[str]] | None = None,
     ) -> None:
         """Restore every EMA of every part from :meth:`state_dict` output (a DCP load's
         included). An empty ``state_dict`` (a checkpoint saved without EMA) restarts each
@@ -338,6 +348,9 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
                 :meth:`dtensor_ema.ModelEMA.load_state_dict` does: load the tensors both
                 hold, leave this EMA's others as they are (the counters are loaded); at
                 least one tensor must be common. The EMA names must still match.
+            leave: per EMA name, fqns the state need not hold: left as they are (a
+                fused/unfused Q/K/V conversion fills them next, see
+                :class:`~dtensor_ema.integrations.torchtitan.resume.EMALoad`).
 
         Raises:
             ValueError: the EMA names, ``config`` or tensors differ from this object's
@@ -359,16 +372,21 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
                 if key not in saved:
                     raise KeyError(f"EMA {name!r}: the checkpoint state has no {key!r} entry")
             self._check_resume_config(name, saved.get(CONFIG), common_subset)
-            known: set[str] = set()
+            left = set((leave or {}).get(name, ()))
+            known: set[str] = set(left)
             common = 0
             for emas in self.parts:
                 ema = emas[name]
                 ours = ema.state_dict()
                 known |= set(ours[EMA_TENSORS])
-                tensors = {k: v for k, v in saved[EMA_TENSORS].items() if k in ours[EMA_TENSORS]}
-                common += len(tensors)
-                if common_subset:  # the others keep their values: load them onto themselves
-                    tensors = {k: tensors.get(k, v) for k, v in ours[EMA_TENSORS].items()}
+                present = {k: v for k, v in saved[EMA_TENSORS].items() if k in ours[EMA_TENSORS]}
+                common += len(present)
+                # Tensors that keep their values are loaded onto themselves.
+                tensors = {
+                    k: present.get(k, v)
+                    for k, v in ours[EMA_TENSORS].items()
+                    if k in present or common_subset or k in left
+                }
                 part_state = {
                     UPDATES: saved[UPDATES],
                     CONFIG: ours[CONFIG],
@@ -422,10 +440,6 @@ class TorchtitanEMA(Mapping[str, ModelEMA]):
         return json.dumps(
             {"emas": self.names, "buffer_patterns": sorted(c.buffer_patterns)}, sort_keys=True
         )
-
-
-def _name(kind: str, value: float) -> str:
-    return f"{kind}_{value:g}".replace(".", "_")
 
 
 def _check_disjoint(parts: list[nn.Module]) -> None:

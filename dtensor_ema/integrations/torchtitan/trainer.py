@@ -44,10 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import MODEL, TRAIN_STATE, CheckpointManager
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.validate import Validator
@@ -57,9 +55,13 @@ from torchtitan.trainer import Trainer
 from dtensor_ema._collectives import agree, group_of
 from dtensor_ema.integrations._common import is_rank0
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
-from dtensor_ema.integrations.torchtitan.hf import check_to_hf_keys, export_hf
-from dtensor_ema.reader import open_checkpoint
-from dtensor_ema.state import EMA_TENSORS
+from dtensor_ema.integrations.torchtitan.hf import (
+    EXPORT_BUCKET_BYTES,
+    check_to_hf_keys,
+    stream_hf,
+)
+from dtensor_ema.integrations.torchtitan.resume import EMALoad, saved_emas
+from dtensor_ema.reader import Checkpoint, open_checkpoint
 
 __all__ = ["EMA", "EMACheckpointManager", "EMATrainer", "EMAValidator", "stage_mesh", "with_ema"]
 
@@ -204,8 +206,10 @@ class EMACheckpointManager(CheckpointManager):
       which step, each EMA's ``updates``);
     * the ``ema`` entry holds ``ema.<name>.{updates,config,ema.<fqn>}`` with the EMA's own
       parameter names (a fused ``wqkv`` stays fused, unlike the model entry's
-      ``wq``/``wk``/``wv``): a resume across the fused/unfused QKV settings is refused
-      before anything is loaded (the way out: the model-only ``ema/<name>`` folder);
+      ``wq``/``wk``/``wv``); a load reads it through
+      :class:`~dtensor_ema.integrations.torchtitan.resume.EMALoad`: into pipeline stages at
+      any layout, with ``--ema.load_common_subset`` into another tracked set, and across
+      the fused/unfused Q/K/V settings (converted bit for bit, logged);
     * with ``last_save_model_only`` (torchtitan's default), the final checkpoint holds the
       model only: each EMA is then written beside it the same way (DCP, or HF with
       ``last_save_in_hf``; ``export_dtype``) under ``<folder>/step-N/ema/<name>``, swapped
@@ -232,40 +236,53 @@ class EMACheckpointManager(CheckpointManager):
         from_hf: bool,
         from_quantized: bool,
     ) -> None:
-        """torchtitan's load of ``state_dict`` from ``checkpoint_id``; then, when it held no
-        EMA (no ``ema`` entry asked for, HF weights, or none in the checkpoint's metadata:
-        a warning), the EMA restarts from the loaded weights; when it held one, rank 0 logs
-        that the EMA was restored, from which step, with each EMA's ``updates``.
-        Collective (DCP's load).
+        """torchtitan's load of ``state_dict`` from ``checkpoint_id``, the EMA entry read
+        through :class:`~dtensor_ema.integrations.torchtitan.resume.EMALoad`: each pipeline
+        stage's EMA reads its own tensors, at any layout; with ``ema.load_common_subset``
+        only the tensors both sides hold; attention projections saved in the other Q/K/V
+        layout (fused ``wqkv`` <-> ``wq``/``wk``/``wv``) are converted afterwards, bit for
+        bit (logged on rank 0). When it held no EMA (no ``ema`` entry asked for, HF weights,
+        or none in the checkpoint's metadata: a warning), the EMA restarts from the loaded
+        weights; when it held one, rank 0 logs that the EMA was restored, from which step,
+        with each EMA's ``updates``. Collective (DCP's load; the conversion's reads, one
+        per bucket; one flag all-reduce before anything is read).
 
         Raises:
-            ValueError: before anything is loaded, when the checkpoint's EMA keeps the
-                attention's Q/K/V projections fused (``wqkv``) and this model has them
-                unfused (``wq``/``wk``/``wv``), or the other way round: the ``ema`` entry
-                holds the EMA's own parameters, so it loads only into a model with the same
-                QKV setting (the message names the way out: the model-only
-                ``step-N/ema/<name>`` folder, in torchtitan's keys).
+            ValueError: before anything is loaded (on every rank), when a projection saved
+                in the other Q/K/V layout has a head layout this model does not tell
+                (no ``head_dim``: the message names the way out, the model-only
+                ``step-N/ema/<name>`` folder in torchtitan's keys).
             CheckpointError: the checkpoint's ``.metadata`` would run code when unpickled
                 (read by dtensor_ema's restricted reader before torchtitan's plain DCP).
         """
         ema = self.states.get(EMA)
         reseed = ema is not None and (from_hf or EMA not in state_dict)
+        load: EMALoad | None = None
         if ema is not None and not reseed:
             assert isinstance(ema, TorchtitanEMA)
-            saved = _saved_ema(checkpoint_id)
-            if saved is not None and not saved:
+            checkpoint = _local_checkpoint(checkpoint_id)
+            if checkpoint is not None and not saved_emas(checkpoint):
                 logger.warning(
                     "checkpoint %s holds no EMA: the EMA restarts from its model weights",
                     checkpoint_id,
                 )
                 state_dict = {k: v for k, v in state_dict.items() if k != EMA}
                 reseed = True
-            elif saved is not None:
-                _refuse_qkv_mismatch(ema, saved, checkpoint_id)
+            elif checkpoint is not None:
+                error: Exception | None = None
+                try:
+                    load = EMALoad(ema, checkpoint, common_subset=ema.config.load_common_subset)
+                except ValueError as e:
+                    error = e
+                agree(group_of(None), error, f"reading the EMA of {checkpoint_id}")
+                assert load is not None
+                state_dict = {**state_dict, EMA: load}
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         if ema is None:
             return
         assert isinstance(ema, TorchtitanEMA)
+        if load is not None:
+            load.convert(group_of(None))
         if reseed:
             ema.reset()
             logger.info("EMA restarted from the weights loaded from %s", checkpoint_id)
@@ -384,67 +401,40 @@ class EMATrainer(Trainer):
         name: str | None = None,
         raw: bool = False,
         dtype: torch.dtype | None = None,
+        bucket_bytes: int = EXPORT_BUCKET_BYTES,
     ) -> Path | None:
         """Write EMA ``name`` (default: the first), or with ``raw=True`` the model's own
-        weights, in Hugging Face format to ``path`` through the model spec's
-        ``state_dict_adapter`` (:func:`~dtensor_ema.integrations.torchtitan.export_hf`).
+        weights, in Hugging Face format to ``path/model.safetensors`` through the model
+        spec's ``state_dict_adapter``, streamed: no rank ever holds the whole model
+        (:func:`~dtensor_ema.integrations.torchtitan.hf.stream_hf`, with one writer per
+        pipeline stage; every rank calls it). Peak extra memory per rank: one bucket
+        (``bucket_bytes`` of full tensors, or the largest tensor when larger) plus one
+        tensor in flight.
 
-        **Collective**: every rank calls it; the weights are gathered to rank 0, on the CPU,
-        and rank 0 writes one file (returns it; other ranks ``None``); then one flag
-        all-reduce, so that a failed write raises on every rank, with rank 0's message.
-        With pipeline parallelism each stage's weights are gathered over the stage's own
-        mesh, then the stages' first ranks (the ``pp`` group of rank 0) send them to rank 0
-        (``gather_object``). Peak extra memory on rank 0: one full copy of the weights in
-        host memory (with pipeline parallelism, plus the other stages' parts as received
-        bytes), plus ``to_hf``'s copies; other ranks: one bucket (EMA) or one gathered
-        tensor (``raw``) at a time, except with pipeline parallelism on the stages without
-        rank 0, where every rank gathers its stage's full weights in host memory (and its
-        first rank pickles them once more to send them).
+        Returns:
+            The written file on rank 0, ``None`` elsewhere.
 
         Raises:
-            NotImplementedError: a model spec without ``state_dict_adapter``.
-            ValueError: ``to_hf`` would drop keys (on every rank).
-            OSError: rank 0 could not write ``path`` (on every rank).
+            NotImplementedError: a model spec without ``state_dict_adapter``; see
+                :func:`~dtensor_ema.integrations.torchtitan.hf.stream_hf` for the others.
         """
         spec = self.config.model_spec
         assert spec is not None
         if spec.state_dict_adapter is None:
             raise NotImplementedError(f"model {spec.name} has no state_dict_adapter (no HF format)")
         adapter = spec.state_dict_adapter(self.model_config, self.config.hf_assets_path)
-        dims = self.parallel_dims
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        pp_group = dims.get_mesh("pp").get_group() if dims.pp_enabled else None
-        # With PP, the stage holding rank 0 gathers to rank 0; the other stages gather to
-        # every rank of the stage, whose first ranks (in rank 0's pp group) send it on.
-        with_rank0 = pp_group is None or dims.get_mesh("pp").get_local_rank() == 0
-        sender = pp_group is not None and 0 in dist.get_process_group_ranks(pp_group)
-        state: dict[str, Any] = {}
-        if raw:
-            keep = rank == 0 or (sender and not with_rank0)
-            for part in self.model_parts:
-                state.update(_full_model_state(part, keep=keep))
-        else:
-            state = self.ema.get_ema_state_dict(
-                name, only_rank0_receives=with_rank0, cpu_offload=True
-            )
-        if pp_group is not None and sender:
-            received: list[Any] | None = (
-                [None] * dist.get_world_size(pp_group) if rank == 0 else None
-            )
-            dist.gather_object(None if rank == 0 else state, received, group=pp_group, group_dst=0)
-            if received is not None:
-                for part_state in received:
-                    state.update(part_state or {})
-        out = None
-        error: Exception | None = None
-        if rank == 0:
-            try:
-                out = export_hf(state, adapter, path, dtype=dtype)
-            except Exception as e:  # the other ranks must not wait for rank 0 forever
-                error = e
-        del state
-        agree(group_of(None), error, f"exporting to {path} in Hugging Face format")
-        return out
+        stage = stage_mesh(self.parallel_dims)
+        return stream_hf(
+            self.ema,
+            self.model_parts,
+            adapter,
+            path,
+            stage_ranks=None if stage is None else stage.mesh.flatten().tolist(),
+            name=name,
+            raw=raw,
+            dtype=dtype,
+            bucket_bytes=bucket_bytes,
+        )
 
 
 def with_ema(
@@ -566,9 +556,8 @@ def _check_keys(sd_adapter: Any, states: dict[str, Any]) -> None:
         logger.warning("could not check that to_hf keeps every EMA key: %r", error)
 
 
-def _saved_ema(checkpoint_id: str) -> dict[str, set[str]] | None:
-    """The EMAs of the DCP checkpoint at ``checkpoint_id`` (``name -> fqns`` of its ``ema``
-    entry; ``{}`` when it has none), from its metadata read by
+def _local_checkpoint(checkpoint_id: str) -> Checkpoint | None:
+    """The DCP checkpoint at ``checkpoint_id`` read by
     :func:`dtensor_ema.reader.open_checkpoint` (no code run); ``None`` where there is no
     local checkpoint folder to read (a remote path): the load decides.
 
@@ -578,75 +567,14 @@ def _saved_ema(checkpoint_id: str) -> dict[str, set[str]] | None:
             plain DCP load reads it).
     """
     try:
-        checkpoint = open_checkpoint(checkpoint_id)
+        return open_checkpoint(checkpoint_id)
     except FileNotFoundError:
         return None
-    out: dict[str, set[str]] = {}
-    for key in checkpoint.entries_under((EMA,)):
-        parts = str(key).split(".", 3)
-        if len(parts) == 4 and parts[2] == EMA_TENSORS:
-            out.setdefault(parts[1], set()).add(parts[3])
-        elif len(parts) >= 2:
-            out.setdefault(parts[1], set())
-    return out
 
 
-_FUSED, _UNFUSED = "wqkv", ("wq", "wk", "wv")
-
-
-def _qkv_mismatch(saved: set[str], ours: set[str]) -> tuple[str, str] | None:
-    """``(saved fqn, our fqn)`` of one attention projection that one side keeps fused
-    (torchtitan's ``FusedQKVLinear``: ``<prefix>wqkv.weight``) and the other unfused
-    (``<prefix>wq.weight``, ``wk``, ``wv``); ``None`` when there is none."""
-    for fused_side, unfused_side in ((saved, ours), (ours, saved)):
-        for fqn in sorted(fused_side - unfused_side):
-            prefix, _, leaf = fqn.rpartition(".")
-            module_prefix, _, module = prefix.rpartition(".")
-            if module != _FUSED:
-                continue
-            split = [f"{module_prefix}.{w}.{leaf}" for w in _UNFUSED]
-            if all(k in unfused_side for k in split):
-                pair = (fqn, ", ".join(split))
-                return pair if fused_side is saved else (pair[1], pair[0])
-    return None
-
-
-def _refuse_qkv_mismatch(
-    ema: TorchtitanEMA, saved: dict[str, set[str]], checkpoint_id: str
-) -> None:
-    """Raise ``ValueError`` when the checkpoint's EMA and this model disagree on fused QKV."""
-    for name in ema.names:
-        if name not in saved:
-            continue
-        ours = {k for emas in ema.parts for k in emas[name].state_dict()[EMA_TENSORS]}
-        found = _qkv_mismatch(saved[name], ours)
-        if found is None:
-            continue
-        theirs, mine = found
-        fused_here = mine.endswith(("wqkv.weight", "wqkv.bias"))
-        raise ValueError(
-            f"checkpoint {checkpoint_id}: its EMA {name!r} holds the Q/K/V projections "
-            f"{'unfused' if fused_here else 'fused'} ({theirs}), this model has them "
-            f"{'fused' if fused_here else 'unfused'} ({mine}). The checkpoint's 'ema' entry "
-            "keeps the EMA's own parameters (a fused wqkv stays fused), so it resumes only "
-            "into a model with the same QKV setting. Resume with the checkpoint's setting, "
-            "or start from the EMA's weights in torchtitan's keys (wq/wk/wv, which load "
-            "into either setting): the model-only folder the final save writes, "
-            "--checkpoint.initial_load_path <checkpoint folder>/step-N/ema/<name> with "
-            "--checkpoint.initial_load_model_only and a new --checkpoint.folder (the EMA "
-            "then restarts from those weights)"
-        )
-
-
-def _full_model_state(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
-    """The model's ``state_dict()`` (its hooks applied, as torchtitan's checkpoints see it)
-    as full CPU tensors where ``keep``, empty elsewhere. Collective: one ``full_tensor()``
-    per DTensor, over its mesh, in the same order on every rank; a rank holds one gathered
-    tensor at a time beyond what the model's hooks return. (torch's
-    ``get_model_state_dict`` cannot: it looks the hook-made keys up as attributes.)"""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if keep:
-            out[key] = full.detach().to("cpu", copy=True)
-    return out
+def _saved_ema(checkpoint_id: str) -> dict[str, set[str]] | None:
+    """The EMAs of the DCP checkpoint at ``checkpoint_id`` (``name -> fqns`` of its ``ema``
+    entry; ``{}`` when it has none); ``None`` where there is no local checkpoint folder.
+    Raises as :func:`_local_checkpoint`."""
+    checkpoint = _local_checkpoint(checkpoint_id)
+    return None if checkpoint is None else saved_emas(checkpoint)
