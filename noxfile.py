@@ -75,12 +75,19 @@ def tests_torch(session: nox.Session) -> None:
 
 @nox.session
 def fuzz(session: nox.Session) -> None:
-    """Property-based tests with a larger budget (``DTENSOR_EMA_FUZZ_EXAMPLES``, default 500)."""
-    _install(session, "test")
+    """Fuzz for ``SECONDS`` (``nox -s fuzz -- 600``; default 300): the readers with atheris,
+    and the property tests with a larger budget (``DTENSOR_EMA_FUZZ_EXAMPLES``, default 500)."""
+    _install(session, "test,fuzz")
+    seconds, *rest = session.posargs or ["300"]
+    if not seconds.isdigit():
+        session.error(
+            f"nox -s fuzz -- SECONDS [pytest args]: SECONDS must be a number, got {seconds!r}"
+        )
+    session.env["DTENSOR_EMA_FUZZ_SECONDS"] = seconds
     session.env.setdefault(
         "DTENSOR_EMA_FUZZ_EXAMPLES", os.environ.get("DTENSOR_EMA_FUZZ_EXAMPLES", "500")
     )
-    _pytest(session, "tests/test_fuzz.py")
+    session.run("python", "-m", "pytest", "tests/test_fuzz.py", "-s", *rest)
 
 
 @nox.session

@@ -28,6 +28,10 @@ model:
   W = 2 loads each W = 4 checkpoint into its own DDP or FSDP2 model (HSDP's into FSDP2) and
   :func:`load_one_process` loads them in the suite's process with no process group.
 
+The same ranks then run :mod:`gpu_zero3`: the model as DeepSpeed ZeRO-3 partitions (the
+attributes DeepSpeed sets, emulated on the device), every update flavour, the swap, the
+gathers and a W = 4 save loaded at W = 2 and in one process.
+
 Every operation runs in its own ``try``: a failure is recorded in the row (one that leaves
 ranks in a collective costs the group timeout). Rows go to ``rank<r>.jsonl`` as they
 finish, so a rank killed by the section's budget keeps what it had done.
@@ -435,6 +439,8 @@ def rank_body(
 ) -> list[dict[str, Any]]:
     """Every case of this world size on this rank (W = 4: save to ``ckpt_dir``; W = 2: load
     W = 4's); rows also go to ``out_dir/rank<r>.jsonl`` as they finish."""
+    import gpu_zero3
+
     device = rank_device(device_type)
     save_dir = Path(ckpt_dir)
     rows: list[dict[str, Any]] = []
@@ -453,7 +459,18 @@ def rank_body(
                 keep(run_case(layout, dt, rank, world, device, saves, training))
             except Exception as err:
                 keep(_failed(world, layout, dt, err))
+    for dt in DTYPES:  # DeepSpeed ZeRO-3 partitions (emulated attributes): gpu_zero3.py
+        try:
+            keep(gpu_zero3.run_case(dt, rank, world, device, save_dir if world == 4 else None))
+        except Exception as err:
+            keep(_failed(world, gpu_zero3.LAYOUT, dt, err))
     if world == 2:
+        for dt in DTYPES:
+            if (save_dir / f"zero3_{dt}.ref.pt").exists():
+                try:
+                    keep(gpu_zero3.load_case(dt, world, device, save_dir))
+                except Exception as err:
+                    keep(_failed(world, f"load {gpu_zero3.LAYOUT}", dt, err))
         for layout in LAYOUTS[4]:
             for dt in DTYPES:
                 if (save_dir / f"{layout}_{dt}.ref.pt").exists():

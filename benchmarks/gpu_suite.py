@@ -595,6 +595,7 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
 
     import gpu_ranks
+    import gpu_zero3
     from dist_harness import outcomes, spawn_ranks
 
     cuda = args.device == "cuda"
@@ -644,6 +645,9 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
         for dt in gpu_ranks.DTYPES:
             if (ckpt / f"{layout}_{dt}.ref.pt").exists():
                 rows.append(gpu_ranks.load_one_process(layout, dt, device, ckpt))
+    for dt in gpu_ranks.DTYPES:
+        if (ckpt / f"zero3_{dt}.ref.pt").exists():
+            rows.append(gpu_zero3.load_one_process(dt, device, ckpt))
     shutil.rmtree(ckpt, ignore_errors=True)
     model = args.multirank_fake_model or ("gpt2" if cuda else "llama-tiny")
     out["fake_world"] = gpu_ranks.fake_world_rows(

@@ -8,9 +8,11 @@ shards follow ``torch.chunk``, whose first chunks are the full ones.
 
 1. ``bytes``: the model is built on the ``meta`` device and laid out as DDP (a replica per
    rank, EMA sharded over the 1-D world), FSDP2 (``fully_shard`` on a 1-D mesh) or HSDP
-   (``fully_shard`` on a (W/8, 8) mesh); :func:`dtensor_ema.simulate.plan_bytes` runs the
-   library's own layout rule on it. Compared with a replicated EMA (timm, AveragedModel:
-   the whole model on every rank).
+   (``fully_shard`` on a (W/8, 8) mesh), or DeepSpeed ZeRO-3 (every parameter given the
+   partition attributes DeepSpeed sets: ``ds_numel``, ``ds_shape``, this rank's
+   ``ceil(ds_numel / W)``-element ``ds_tensor``; ``dtensor_ema.simulate.zero3_partitioned``);
+   :func:`dtensor_ema.simulate.plan_bytes` runs the library's own layout rule on it.
+   Compared with a replicated EMA (timm, AveragedModel: the whole model on every rank).
 2. ``time``: rank 0's real local tensors (FSDP2 layout, bf16 parameters, fp32 EMA) are
    allocated on ``--device`` and updated; eager and compiled kernels against a ``copy_``
    of the same bytes (10 per value: the ideal single pass for bf16 -> fp32). A replicated
@@ -166,7 +168,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = {"ddp": "o", "fsdp2": "s", "hsdp": "^"}
+    markers = {"ddp": "o", "fsdp2": "s", "hsdp": "^", "zero3": "x"}
     for i, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
         color = f"C{i}"
         mine = [r for r in rows if r["model"] == name]
@@ -184,7 +186,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                 linestyle="-" if layout == "fsdp2" else "none",
                 color=color,
                 markerfacecolor=color if layout == "fsdp2" else "none",
-                markersize={"ddp": 10, "hsdp": 7, "fsdp2": 4}[layout],
+                markersize={"ddp": 10, "hsdp": 7, "fsdp2": 4, "zero3": 8}[layout],
                 label=f"{name} dtensor_ema"
                 if layout == "fsdp2"
                 else (f"{layout} (all models)" if i == 0 else None),

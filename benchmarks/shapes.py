@@ -2,7 +2,9 @@
 
 Shared by ``gpu_suite.py`` and ``scale.py``. A model is built on the ``meta`` device (no
 memory), laid out the way a W-rank job lays it out (DDP: a full replica per rank; FSDP2:
-``fully_shard`` on a 1-D mesh; HSDP: ``fully_shard`` on a (W/8, 8) mesh), with this process
+``fully_shard`` on a 1-D mesh; HSDP: ``fully_shard`` on a (W/8, 8) mesh; ZeRO-3: DeepSpeed's
+partition attributes on every parameter, ``dtensor_ema.simulate.zero3_partitioned``), with
+this process
 acting as rank 0 of W through torch's fake process group (collectives return at once, an
 all-gather hands back this rank's own input). :func:`materialize` then allocates only this
 rank's local tensors on a real device, so per-rank update time is measured on per-rank
@@ -20,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-LAYOUTS = ("ddp", "fsdp2", "hsdp")
+from dtensor_ema.simulate import zero3_partitioned
+
+LAYOUTS = ("ddp", "fsdp2", "hsdp", "zero3")
 HSDP_SHARD = 8
 """HSDP shards within groups of 8 ranks (one node) and replicates across them."""
 
@@ -143,6 +147,9 @@ def lay_out(
     names = (f"dp{tag}",) if tag else None
     if layout == "ddp":
         return model, init_device_mesh(device_type, (world,), mesh_dim_names=names)
+    if layout == "zero3":
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names)
+        return zero3_partitioned(model), mesh
     if layout == "fsdp2":
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names)
     elif layout == "hsdp":

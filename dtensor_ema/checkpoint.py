@@ -456,8 +456,16 @@ def load_checkpoint(
     ``docs/checkpoints.md``); ``verify=False`` skips it. A checkpoint without checksum files
     (plain ``dcp.save``, ``checksums=False``) loads unverified with one
     :class:`~dtensor_ema.reader.UnverifiedCheckpointWarning` under ``verify=True``, and is
-    refused under ``verify="require"``. Checksum files written before save ids are verified
-    as before, when none of the checkpoint's has one.
+    refused under ``verify="require"``. A checksum file without a save id (written before
+    save ids, or with the id deleted) is refused too: load such a checkpoint with
+    ``verify=False``.
+
+    Every size read from the checkpoint is checked against its files before anything is
+    allocated or read (:mod:`dtensor_ema.reader`): a ``.metadata`` whose fields hold what
+    DCP never writes (other types, more than 64 dims, compressed items, chunks longer than
+    their stored bytes, an entry filed under another's name), an item whose archive is
+    compressed, a tensor of another dtype or size than ``.metadata`` says, a corrupted item,
+    each is refused in one line naming the file, the entry and what is wrong.
 
     If ``path`` is missing but ``<path>.previous`` exists (a :func:`save_checkpoint`
     interrupted while it swapped directories) the previous checkpoint is loaded, with a
@@ -469,10 +477,12 @@ def load_checkpoint(
         ValueError: the ranks were given different paths, the checkpoint does not match an
             EMA (names, shapes, dtypes, options), or has no EMA state under that EMA's key.
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (a
-            crafted checkpoint; nothing was run), names a file outside ``path``, leaves
-            part of a tensor uncovered; an entry is not a tensor or plain value; a checksum
-            differs from the saved one or belongs to another save (``verify``), the
-            checkpoint has no checksums (``verify="require"``); or DCP failed.
+            crafted checkpoint; nothing was run), is not what DCP writes or claims more
+            than its files hold, names a file outside ``path``, leaves part of a tensor
+            uncovered; an entry is not a tensor or plain value, or is corrupted or retyped;
+            a checksum differs from the saved one or belongs to another save, or a checksum
+            file names no save (``verify``), the checkpoint has no checksums
+            (``verify="require"``); or DCP failed (one line naming what it raised).
         CheckpointChangedError: another save wrote to ``path`` while this load read it.
 
     When ranks fail differently, every rank raises the same message, of the first failing

@@ -22,7 +22,7 @@ synthesis; a one-process load of a checkpoint saved by thousands of ranks): at m
 it must be the file first seen), and at most :data:`HELD_DIRECTORIES` directories (beyond
 that the least recently used checkpoint opens its files by path and checks after each open
 that the path still names the directory it first opened). Small files (``.metadata``, the
-checksum files) are read whole and closed.
+checksum files) are read once, within the bounds their reader sets, and closed.
 
 Local: nothing here communicates. Where the platform cannot open files relative to a
 directory descriptor (Windows), files are opened by path with the same checks.
@@ -140,12 +140,24 @@ class CheckpointFiles:
         return st.st_size
 
     # ------------------------------------------------------------------ reading
-    def read_bytes(self, name: str) -> bytes:
-        """The whole file ``name`` (small files: ``.metadata``, checksum files; not held)."""
+    @contextlib.contextmanager
+    def read_once(self, name: str) -> Iterator[BinaryIO]:
+        """A binary stream over the small file ``name`` (``.metadata``, a checksum file),
+        positioned at 0, not held: closed after the body. The body reads it within its own
+        bounds (:mod:`dtensor_ema.bounded_json`); afterwards, or when the body raised, the
+        file is checked to be the one first seen, as :meth:`opened` does.
+
+        Raises:
+            FileNotFoundError: the file does not exist and never did in this load.
+            Exception: from ``changed``: it changed, or vanished after it was seen.
+        """
         with self._open(name) as f:
-            data = f.read()
+            try:
+                yield f
+            except Exception:
+                self._check_same(name, os.fstat(f.fileno()), "while this load read it")
+                raise
             self._check_same(name, os.fstat(f.fileno()), "while this load read it")
-        return data
 
     @contextlib.contextmanager
     def opened(self, name: str) -> Iterator[BinaryIO]:

@@ -16,8 +16,8 @@ inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte 
 * A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
   id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
   ``.metadata``) and every checksum file records it (``"save_id"``), so a reader refuses
-  files of two saves mixed in one directory. Checksum files written before save ids have no
-  ``"save_id"`` (the field was added without a version change: older readers ignore it).
+  files of two saves mixed in one directory, and a checksum file without a save id (written
+  before save ids, or edited): deleting the ids must not let two saves load together.
 
 Digests (:data:`ALGORITHMS`): always the CRC-32 (``zlib.crc32``: the standard library,
 verifiable anywhere); and, when the optional ``xxhash`` package is installed when saving,

@@ -153,9 +153,13 @@ def convert_checkpoint(
     exactly once (so no row of the file is left as ``torch.empty`` memory); with
     ``verify=True`` (default) ``.metadata`` and the bytes it reads are checked against the
     checksums :func:`~dtensor_ema.save_checkpoint` recorded, before they are deserialized,
-    and a checksum file of another save is refused. Without checksum files,
+    and a checksum file of another save (or of none) is refused. Without checksum files,
     ``verify=True`` warns once (:class:`~dtensor_ema.reader.UnverifiedCheckpointWarning`)
-    and ``verify="require"`` refuses.
+    and ``verify="require"`` refuses. What it allocates is bounded by the checkpoint's files:
+    every tensor's elements must be stored in its data files (checked from ``.metadata``
+    before anything is allocated); an entry filed under another entry's name
+    (``planner_data``) or holding another dtype than ``.metadata`` says is refused, never
+    written under the wrong name or cast.
 
     Returns:
         The ``fqn -> tensor`` dict that was written.
@@ -166,10 +170,11 @@ def convert_checkpoint(
         ValueError: the checkpoint has no EMA tensors under ``key``, or ``path`` has an
             unknown suffix.
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (nothing
-            was run), names a file outside ``checkpoint_dir`` or leaves part of a tensor
-            uncovered; an entry is not a tensor or plain value; a checksum differs or
-            belongs to another save (``verify``), or there are none
-            (``verify="require"``); or DCP failed.
+            was run), is not what DCP writes (other types, sizes beyond its files, an
+            aliased entry), names a file outside ``checkpoint_dir`` or leaves part of a
+            tensor uncovered; an entry is not a tensor or plain value, corrupted or
+            retyped; a checksum differs or belongs to another save (``verify``), or there
+            are none (``verify="require"``); or DCP failed.
     """
     error = check_destination(Path(path))
     if error is not None:

@@ -5,7 +5,9 @@ the plan's own layout rule (:class:`~dtensor_ema.layout.LayoutBuilder`: which ro
 tensor's local piece this rank averages) on a meta model on purpose, so the bytes it reports
 are the library's layout, not arithmetic. Pair it with a fake process group
 (``torch.testing._internal.distributed.fake_pg``) to be any rank of any world size in one
-process, and with ``fully_shard`` on the meta model for FSDP2/HSDP layouts.
+process, and with ``fully_shard`` on the meta model for FSDP2/HSDP layouts (or DeepSpeed
+ZeRO-3's partition attributes on its parameters, :func:`zero3_partitioned`: the layout
+reads ``ds_numel`` and the partition's length, as for a real ZeRO-3 model).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, resolve_world_mesh
+from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, model_shape, resolve_world_mesh
 from dtensor_ema.plan import model_tensors, unwrap_model
 
-__all__ = ["PlanBytes", "plan_bytes"]
+__all__ = ["PlanBytes", "plan_bytes", "zero3_partitioned"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +47,8 @@ def plan_bytes(
     """Lay out the EMA of a ``meta``-device ``model`` and count this rank's bytes.
 
     Args:
-        model: every tensor on the ``meta`` device (plain, or ``fully_shard``-ed on meta).
+        model: every tensor on the ``meta`` device (plain, ``fully_shard``-ed on meta, or
+            with ZeRO-3 partition attributes whose ``ds_tensor`` holds no memory).
         mesh: as for :class:`~dtensor_ema.ModelEMA` (``None``: the DTensor parameters'
             root mesh, else the default process group, else no sharding).
         ema_dtype: as for :class:`~dtensor_ema.ModelEMA`.
@@ -81,6 +85,39 @@ def plan_bytes(
         n = piece.numel() if piece.dim() == 0 else layout.length * math.prod(piece.shape[1:])
         numel += n
         local += n * size
-        replicated += tensor.numel() * size
+        replicated += math.prod(model_shape(tensor)) * size  # a ZeRO-3 placeholder's ds_shape
         count += 1
     return PlanBytes(local, numel, replicated, count)
+
+
+def zero3_partitioned(model: nn.Module) -> nn.Module:
+    """Give every parameter of a ``meta``-device ``model`` what DeepSpeed ZeRO-3 sets on it
+    between gathers (deepspeed 0.19.8, ``runtime/zero/partition_parameters.py``), so that
+    :func:`plan_bytes` lays it out as a ZeRO-3 model of ``dist.get_world_size()`` ranks:
+    ``ds_shape``, ``ds_numel``, ``ds_process_group`` (the default group),
+    ``ds_persist = False`` and this rank's partition ``ds_tensor``, the flat range of
+    ``ceil(ds_numel / W)`` elements DeepSpeed gives each rank; the parameter itself becomes
+    a ``(0,)`` placeholder. Returns ``model``, changed in place.
+
+    The partition is a CPU tensor of that length over one element of storage (an expanded
+    view): the EMA's layout rule (:mod:`dtensor_ema.layout`,
+    :mod:`dtensor_ema.zero_partition`) reads its length, dtype and device, never its
+    values, so a 405B model costs nothing. Not a DeepSpeed model (no forward, no
+    optimizer): for :func:`plan_bytes` only. Local; needs a process group (a fake one
+    will do).
+
+    Raises:
+        ValueError: a parameter is not on the meta device.
+    """
+    world = dist.get_world_size()
+    for param in {id(p): p for p in model.parameters()}.values():
+        if param.device.type != "meta":
+            raise ValueError(f"zero3_partitioned needs a meta-device model, got {param.device}")
+        numel = param.numel()
+        param.ds_shape, param.ds_numel = param.shape, numel  # type: ignore[attr-defined]
+        param.ds_process_group = dist.group.WORLD  # type: ignore[attr-defined]
+        param.ds_persist = False  # type: ignore[attr-defined]
+        partition = torch.zeros(1, dtype=param.dtype).expand(math.ceil(numel / world))
+        param.ds_tensor = partition  # type: ignore[attr-defined]
+        param.data = torch.empty(0, dtype=param.dtype, device="meta")
+    return model

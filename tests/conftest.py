@@ -13,7 +13,10 @@ SyncActivityProfilerHandler.cpp ... profiler_start`` / ``profiler_stop`` (and, w
 every rank: hundreds of lines between pytest's dots. Kineto reads ``KINETO_LOG_LEVEL``
 when the first profile starts (0 verbose ... 5 USDT, its highest; 6 lets nothing through).
 Set here, before any test runs and before the rank forkserver starts, it reaches this
-process and every rank; a value already in the environment is kept.
+process and every rank; a value already in the environment is kept. Libraries overwrite it
+with 5 (USDT lines on) when they are imported or set up (``ultralytics.utils``, torchtitan's
+``init_logger``), and every process launched later copies the overwritten value, so it is
+set again before each test.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+_KINETO_LOG_LEVEL = os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 _LAUNCHES = re.compile(r"\b(run_ranks|spawn_ranks|run_script|run_torchrun)\(")
 
@@ -45,3 +48,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         import dist_harness
 
         dist_harness.start_forkserver()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_profiler() -> None:
+    """The session's ``KINETO_LOG_LEVEL`` again, whatever an import since changed it to."""
+    os.environ["KINETO_LOG_LEVEL"] = _KINETO_LOG_LEVEL

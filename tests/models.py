@@ -231,6 +231,52 @@ def transformers_base(family: str) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_gpt2(*, vocab: int, seq: int, width: int, heads: int) -> nn.Module:
+    """A one-block transformers ``GPT2LMHeadModel`` built from a config (nothing downloaded):
+    tied embeddings, dropout off, the same weights for the same sizes (seed 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=1, n_head=heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_training_args(out: object, *, max_steps: int, every: int, **kw: object) -> object:
+    """``TrainingArguments`` of the Hugging Face ``Trainer`` tests: batches of 4, a constant
+    learning rate of 0.05, evaluation, checkpoint and log every ``every`` steps, seed 3, no
+    reporting or progress bars; ``kw`` overrides or adds (``use_cpu=True``,
+    ``deepspeed=...``)."""
+    import transformers
+
+    args: dict[str, object] = dict(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, learning_rate=0.05, lr_scheduler_type="constant",
+        eval_strategy="steps", eval_steps=every, save_strategy="steps", save_steps=every,
+        logging_steps=every, report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        seed=3,
+    )  # fmt: skip
+    args.update(kw)
+    return transformers.TrainingArguments(**args)  # type: ignore[arg-type]
+
+
+class TokenRows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """``n`` random rows of ``seq`` tokens below ``vocab`` (from ``seed``), each row its own
+    label: a causal-LM dataset for the Hugging Face ``Trainer`` tests."""
+
+    def __init__(self, n: int, *, vocab: int, seq: int, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def peft_lora(family: str) -> nn.Module:
     """``peft.get_peft_model`` LoRA (r=4, random init so the adapters matter) on
     :func:`transformers_base`: the base frozen, the adapters trainable."""
@@ -270,3 +316,10 @@ def perturb_trainable_(model: nn.Module, step: int) -> None:
         if p.requires_grad:
             g = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(fqn.encode()))
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def reader_model() -> nn.Module:
+    """The small model whose checkpoints and snapshots the reader tests craft (issues 35 and
+    42): two linear layers around a BatchNorm (an integer buffer), seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))

@@ -98,3 +98,23 @@ def test_fsdp2_swap_is_local_and_correct(quick_run: tuple[Path, str]) -> None:
         assert r["swap_correct"], r
         assert r["swap_collectives"] == 0 and r["update_collectives"] == 0
         assert _positive(r["swap_enter_exit_ms"])
+
+
+def test_deepspeed_zero_benchmark(tmp_path: Path) -> None:
+    """``benchmarks/deepspeed_zero.py --quick``: W=2 gloo ranks, ZeRO-3 through
+    ``deepspeed.initialize``; the EMA holds ``1/W`` of the model (the scale simulation's
+    count of the same shapes agrees), and every timing is a positive number."""
+    pytest.importorskip("deepspeed", reason="deepspeed extra: pip install '.[deepspeed]'")
+    out = tmp_path / "zero.json"
+    script = str(ROOT / "benchmarks" / "deepspeed_zero.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code, stdout, stderr = run_script([script, "--quick", "--out", str(out)], tmp_path, env)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["stage"], r["world"], r["rank"]) for r in rows] == [(3, 2, 0), (3, 2, 1)]
+    for r in rows:
+        assert 0.97 <= r["ema_over_model_per_W"] <= 1.03, r
+        assert r["plan_matches_real"] is True, r
+        assert r["recipe_MiB"] == pytest.approx(r["model_MiB"], rel=1e-3), r
+        for key in ("update_ms", "copy_ms", "recipe_all_ms", "recipe_each_ms"):
+            assert _positive(r[key]), (key, r)

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dtensor_ema import ModelEMA, checksums, convert_checkpoint, export_ema
 from dtensor_ema._collectives import MESSAGE_BYTES, agree, mesh_agree
 from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from dtensor_ema.reader import UnverifiedCheckpointWarning
+from dtensor_ema.reader import ChecksumError, UnverifiedCheckpointWarning
 
 CORRUPTED = "0.weight"  # the tensor whose first saved chunk gets a flipped byte
 
@@ -258,12 +258,15 @@ def _craft_one_save_cases(tmp: Path, marker: Path) -> None:
     drop_chunk(_copy(tmp, "uncovered"), f"ema.ema.{CORRUPTED}", (4, 0))
     redirect(_copy(tmp, "outside"), f"ema.ema.{CORRUPTED}", lambda f: f"../other/{f}")
     replace_value(_copy(tmp, "value"), "ema.config", RunsCode(marker))
-    # Before save ids: the same checkpoint with no id in its checksum files; mixed with a
-    # file without one, or with one of another save.
+    # Save ids deleted from the checksum files (a text edit): the checkpoint alone; mixed
+    # with a file without one, or with one of another save; and (issue 42) rank 1's files
+    # of another save with every id deleted.
     legacy = _copy(tmp, "legacy")
-    for f, payload in sidecars(legacy).items():
-        payload.pop("save_id", None)
-        f.write_text(json.dumps(payload))
+    stripped_mixed = Path(shutil.copytree(mixed, tmp / "stripped-mixed"))
+    for directory in (legacy, stripped_mixed):
+        for f, payload in sidecars(directory).items():
+            payload.pop("save_id", None)
+            f.write_text(json.dumps(payload))
     legacy_mixed = Path(shutil.copytree(legacy, tmp / "legacy-mixed"))
     mixed_legacy = _copy(tmp, "mixed-legacy")
     for target, source in ((legacy_mixed, tmp / "other"), (mixed_legacy, legacy)):
@@ -326,9 +329,9 @@ def _one_save_errors(tmp: Path) -> dict[str, tuple[str, str]]:
     return {
         "mixed": (
             "ChecksumError",
-            rf"checkpoint {where}/mixed: checksum file __1\.checksums\.json belongs to another "
-            r"save \(save id '[0-9a-f-]+', while \.metadata was written by save '[0-9a-f-]+'\): "
-            r"files of different saves were mixed$",
+            rf"{where}/mixed/__1\.checksums\.json: belongs to another save \(save id "
+            r"'[0-9a-f-]+', while \.metadata was written by save '[0-9a-f-]+'\): files of "
+            r"different saves were mixed$",
         ),
         "uncovered": (
             "CheckpointError",
@@ -344,18 +347,18 @@ def _one_save_errors(tmp: Path) -> dict[str, tuple[str, str]]:
         ),
         "value": (
             "CheckpointError",
-            rf"checkpoint {where}/value: entry 'ema\.config' is not a tensor or plain value: "
-            r"its pickle refers to other objects; refused \(nothing in it was run\)$",
+            rf"{where}/value/__\d_0\.distcp: entry 'ema\.config' is not a tensor or plain "
+            r"value: its pickle refers to other objects; refused \(nothing in it was run\)$",
         ),
-        "legacy-mixed": (
-            "ChecksumError",
-            r"checksum file __1\.checksums\.json belongs to another save",
-        ),
-        "mixed-legacy": (
-            "ChecksumError",
-            r"checksum file __1\.checksums\.json records no save id, but this checkpoint's "
-            r"other checksum files do",
-        ),
+        # Issue 42: no compatibility path for checksum files without save ids. Stripping
+        # the ids (a text edit) used to let rank 1's files of another save load.
+        **{
+            name: (
+                "ChecksumError",
+                rf"{where}/{name}/__\d\.checksums\.json: records no save id: refused",
+            )
+            for name in ("legacy", "legacy-mixed", "mixed-legacy", "stripped-mixed")
+        },
     }
 
 
@@ -389,9 +392,10 @@ def test_crafted_copies_are_refused_on_every_rank(saved: Any, loaded_w2: Any) ->
 
 @pytest.mark.distributed
 def test_crafted_copies_are_refused_in_one_process(saved: Any, loaded_w2: Any) -> None:
-    """The same copies, and checksum files from before save ids, with no process group:
-    ``load_checkpoint`` and ``convert_checkpoint`` refuse the mixed and crafted ones (no
-    file written) and load a checkpoint saved wholly before save ids, verified."""
+    """The same copies, and checksum files without save ids, with no process group:
+    ``load_checkpoint`` and ``convert_checkpoint`` refuse the mixed and crafted ones, and
+    every one without ids (no file written); ``verify=False`` still loads a checkpoint
+    whose ids were stripped."""
     tmp, results = saved
     marker, _ = loaded_w2
     for name, (kind, pattern) in _one_save_errors(tmp).items():
@@ -408,14 +412,10 @@ def test_crafted_copies_are_refused_in_one_process(saved: Any, loaded_w2: Any) -
         assert not (tmp / f"{name}.pt").exists()
     assert not marker.exists()
     ema = ModelEMA(_model(), decay=0.5, tau=None)
-    load_checkpoint({"ema": ema}, tmp / "legacy", verify="require")
+    load_checkpoint({"ema": ema}, tmp / "legacy", verify=False)
     assert mismatches(ema.get_ema_state_dict(), results[0]["full"]) == []
-    converted = convert_checkpoint(tmp / "legacy", tmp / "legacy.pt")
+    converted = convert_checkpoint(tmp / "legacy", tmp / "legacy.pt", verify=False)
     assert mismatches(converted, results[0]["full"]) == []
-    # ... and verifies it: a flipped byte is still found
-    _flip_inside(tmp / "legacy", CORRUPTED, converted[CORRUPTED][:4])
-    with pytest.raises(CheckpointError, match=r"0\.weight.* does not match the checksum"):
-        load_checkpoint({"ema": ema}, tmp / "legacy")
 
 
 @pytest.mark.distributed
@@ -557,12 +557,18 @@ def test_single_process_checksums_and_older_checkpoints(
     raw = (tmp_path / "metadata" / ".metadata").read_bytes()
     _flip_byte(tmp_path / "metadata" / ".metadata", raw.index(b"ema.ema.2.weight") + 8)
     with pytest.raises(
-        CheckpointError, match=rf"\.metadata does not match the checksum \({used}\) .* corrupted"
+        CheckpointError, match=rf"\.metadata: does not match the checksum \({used}\) .* corrupted"
     ) as info:
         load_checkpoint({"ema": fresh}, tmp_path / "metadata")
     assert "0x" not in str(info.value)
+    # A torn .metadata is reported as corrupted where its checksum was recorded (issue 42),
+    # as unreadable where none was.
     (tmp_path / "torn-metadata" / ".metadata").write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(CheckpointError, match=r"\.metadata is not a readable DCP \.metadata"):
+    with pytest.raises(ChecksumError, match=r"\.metadata: does not match the checksum .*corrupted"):
+        load_checkpoint({"ema": fresh}, tmp_path / "torn-metadata")
+    for f in (tmp_path / "torn-metadata").glob("*.json"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata: not a readable DCP \.metadata"):
         load_checkpoint({"ema": fresh}, tmp_path / "torn-metadata")
     assert fresh.updates == 0
     if len(names) > 1:

@@ -9,9 +9,11 @@ the checkpoints the spawn saved (each EMA tensor then comes from two chunks). On
 at W=2 kills a rank during a background write.
 
 * Failed loads: an ``OSError``, a short read and an exception of the storage layer injected
-  at the 12th tensor read of DCP's ``FileSystemReader``; a refused pickle at the last EMA
-  entry; a corrupted entry under ``verify=False``; a counter of ``10**400`` with the
-  checksums rewritten to match; a ``Stateful`` beside the EMAs that fails on one rank;
+  at the 12th tensor read of the reader (``_Reader._item_stream``); a refused pickle at the
+  last EMA entry; a corrupted entry under ``verify=False``; in the middle of the staged
+  load, an entry whose checksum does not match and one the bounded reader refuses (float64
+  data where ``.metadata`` says float32); a counter of ``10**400`` with the checksums
+  rewritten to match; a ``Stateful`` beside the EMAs that fails on one rank;
   ``ModelEMA.load_state_dict`` and ``MultiModelEMA.load_state_dict`` with that counter; a
   ``MultiModelEMA`` whose load fails mid-read. Each time every EMA keeps its tensors, count,
   options and tracked set, and keeps updating exactly as twins that saw no failed load.
@@ -35,6 +37,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -215,6 +218,22 @@ def _craft(tmp: Path) -> None:
     with open(corrupted / info.relative_path, "r+b") as f:  # the entry's bytes, zeroed
         f.seek(info.offset)
         f.write(bytes(info.length))
+    # The last EMA tensor's last chunk (the last rank reads it), found bad in the middle of
+    # the staged load: a flipped byte (its checksum, in the tensor pass's planning) ...
+    chunk = max(metadata.state_dict_metadata[last].chunks, key=lambda c: tuple(c.offsets))
+    index = next(i for i in metadata.storage_data if i.fqn == last and i.offset == chunk.offsets)
+    info = metadata.storage_data[index]
+    mismatch = Path(shutil.copytree(tmp / "A", tmp / "mismatch"))
+    with open(mismatch / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    # ... and float64 data where .metadata says float32 (checksums rewritten to match): the
+    # bounded reader refuses it after every other item of that rank was read.
+    retyped = Path(shutil.copytree(tmp / "A", tmp / "retyped"))
+    wrong = torch.zeros(tuple(chunk.sizes), dtype=torch.float64)
+    replace_value(retyped, last, wrong, at=tuple(chunk.offsets))
 
 
 def _is_tensor(metadata: Any) -> set[int]:
@@ -226,9 +245,10 @@ def _is_tensor(metadata: Any) -> set[int]:
 
 
 def _failing_reads(kind: str, at: int) -> Callable[..., Any]:
-    """``FileSystemReader._slice_file`` that fails the ``at``-th tensor read: ``oserror``,
-    ``short`` (half the bytes) or ``storage`` (a storage layer's own exception)."""
-    original = reader_module.FileSystemReader._slice_file
+    """The reader's ``_item_stream`` (where it reads one item from the storage) that fails
+    the ``at``-th tensor read: ``oserror``, ``short`` (half the bytes) or ``storage`` (a
+    storage layer's own exception)."""
+    original = reader_module._Reader._item_stream
     count = [0]
 
     def slice_file(self: Any, file: Any, sinfo: Any) -> Any:
@@ -287,7 +307,7 @@ def failure_scenarios(tmp: Path) -> dict[str, Any]:
         run.advance(STEPS)
         before = {k: _snapshot(v) for k, v in run.all_emas().items()}
         model_before = {k: v.clone() for k, v in run.model.state_dict().items()}
-        with _patched(reader_module._Reader, "_slice_file", reads, when=on_this_rank and reads):
+        with _patched(reader_module._Reader, "_item_stream", reads, when=on_this_rank and reads):
             error = _error(lambda: fn(run))
         out[name] = {
             "error": error,
@@ -301,6 +321,8 @@ def failure_scenarios(tmp: Path) -> dict[str, Any]:
         attempt(kind, lambda run: load_checkpoint(run.state(), tmp / "A"), reads)
     attempt("refused", lambda run: load_checkpoint(run.state(), tmp / "refused"))
     attempt("corrupted", lambda run: load_checkpoint(run.state(), tmp / "corrupted", verify=False))
+    attempt("mismatch", lambda run: load_checkpoint(run.state(), tmp / "mismatch"))
+    attempt("retyped", lambda run: load_checkpoint(run.state(), tmp / "retyped"))
     attempt("counter", lambda run: load_checkpoint(run.state(), tmp / "counter"))
     attempt(
         "stateful",
@@ -446,8 +468,11 @@ def _different_opens(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[str, A
 
     def checked_then_commit(self: Any) -> None:
         check_files(self)
-        _commit_over(path, folder / "ckpt.partial")
-        flag.touch()
+        # After load_checkpoint's own check (open_checkpoint checks the files first): rank
+        # 0 has read all it reads before the ranks compare which save they opened.
+        if sys._getframe(1).f_code.co_name == "_load":
+            _commit_over(path, folder / "ckpt.partial")
+            flag.touch()
 
     def open_after_commit(where: Any) -> Any:
         _wait_for(flag)
@@ -694,7 +719,7 @@ def w1(w2: tuple[Path, list[dict[str, Any]]]) -> dict[str, Any]:
     tmp, results = w2
     folder = tmp / "w1"
     folder.mkdir()
-    for name in ("A", "B", "M", "refused", "counter", "corrupted"):
+    for name in ("A", "B", "M", "refused", "counter", "corrupted", "mismatch", "retyped"):
         shutil.copytree(tmp / name, folder / name)
     full = results[0]["full"]
     saves = {
@@ -715,10 +740,13 @@ def _each(w2: Any, w1: Any, part: str) -> list[tuple[str, Any]]:
 
 FAILURES = {
     "oserror": r"injected I/O error",
-    "short": r"loading .* failed",
+    "short": r"entry 'ema2?\.ema\.[^']+' .*is corrupted",
     "storage": r"the object store is unreachable",
-    "refused": r"entry 'ema2\.ema\.[^']+' is not a tensor or plain value",
+    "refused": r"entry 'ema2\.ema\.[^']+' .*is not a tensor or plain value",
     "corrupted": r"ema2\.ema\.",
+    "mismatch": r"'ema2\.ema\.[^']+' \(chunk at offsets [^)]+\)\) does not match the checksum",
+    "retyped": r"entry 'ema2\.ema\.[^']+' .*holds torch\.float64 data, but \.metadata says "
+    r"torch\.float32: refused",
     "counter": r"checkpoint 'updates' must fit an int64 \(at most 2\*\*63 - 1\), got an int of "
     r"1329 bits",
     "stateful": r"injected: the model refused its state on rank \d",
@@ -774,6 +802,7 @@ def test_ranks_that_open_different_saves_all_raise_naming_both(w2: Any) -> None:
         outcome = got["concurrent"]["ranks_open_different_saves"]
         error = outcome["error"]
         assert error is not None and error.startswith("CheckpointChangedError"), (rank, error)
+        assert "changed while the ranks opened it" in error, (rank, error)
         for save_id in outcome["save_ids"]:
             assert save_id in error, (rank, error)
         assert outcome["changed"] == {k: [] for k in STATE_KEYS}, (rank, outcome)

@@ -14,12 +14,20 @@ examples (``derandomize``) and the ranks agree on every check before asserting, 
 failure (and its shrinking) happens on all ranks alike. ``DTENSOR_EMA_FUZZ_EXAMPLES`` sets
 the examples per run (``nox -s fuzz`` raises it); failures found become the explicit
 ``@example``\\s below.
+
+The readers of checkpoints and snapshots are fuzzed at the end of this module (issue 42).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import math
 import os
+import re
+import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -422,3 +430,151 @@ def fuzz_body(rank: int, world_size: int, tmp_dir: str, examples: int) -> int:
 def test_fuzz_distributed(world_size: int, tmp_path: Path) -> None:
     counts = run_ranks(fuzz_body, world_size, tmp_path, str(tmp_path), 6, deadline_s=600)
     assert len(set(counts)) == 1 and counts[0] > 0
+
+
+# ------------------------------------------------------------------------ readers (issue 42)
+# The readers of checkpoints and snapshots must read what they are given or refuse it with a
+# documented exception, in bounded time and memory (``tests/test_bounded_readers.py`` for the
+# crafted cases). Three fuzzers keep it so: a brute-force check of the coverage sweep, and
+# hypothesis drawing structural edits of a real ``.metadata`` (both here, in process), and
+# the coverage-guided atheris harness ``tests/fuzz_readers.py`` (mutated ``.metadata``,
+# checksum files and manifests), run here for a short seeded session. ``nox -s fuzz --
+# SECONDS`` runs it for longer (``DTENSOR_EMA_FUZZ_SECONDS``); every crash it finds becomes
+# an input in ``tests/fuzz_regressions/`` (replayed by every run) and a named test.
+
+FUZZ_SECONDS = int(os.environ.get("DTENSOR_EMA_FUZZ_SECONDS", "0"))
+FUZZ_RUNS = 40
+"""The inputs of the seeded atheris run in the normal suite (a few seconds)."""
+REGRESSIONS = Path(__file__).parent / "fuzz_regressions"
+
+boxes = st.tuples(
+    st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
+    st.data(),
+)
+
+
+def _count(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Any:
+    """How many chunks hold each element (the reference: every element counted)."""
+    counts = torch.zeros(shape, dtype=torch.int64)
+    for offsets, sizes in chunks:
+        counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] += 1
+    return counts
+
+
+def _rows(text: str, what: str) -> set[int]:
+    """The rows ``coverage_problem`` names as ``what`` ("not covered" ...)."""
+    found = re.search(rf"rows? ([\d, -]+) (?:is|are) {what}", text)
+    rows: set[int] = set()
+    for part in found.group(1).split(", ") if found else []:
+        lo, _, hi = part.partition("-")
+        rows.update(range(int(lo), int(hi or lo) + 1))
+    return rows
+
+
+@fuzz_settings(100)
+@given(case=boxes)
+def test_coverage_agrees_with_counting_every_element(case: Any) -> None:
+    """``coverage_problem`` (grid fast path, signed-corner sweep) against a count of every
+    element: ``None`` exactly when each is held once; the rows it names as not covered
+    hold an element held by none, those it names as covered more than once an element
+    held twice, and together they are every row with such an element."""
+    from dtensor_ema.reader import coverage_problem
+
+    shape, data = case
+    chunks = []
+    for _ in range(data.draw(st.integers(0, 6))):
+        offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+        sizes = tuple(data.draw(st.integers(1, n - o)) for o, n in zip(offsets, shape, strict=True))
+        chunks.append((offsets, sizes))
+    if data.draw(st.booleans()):  # a grid: every dim cut at random points
+        cuts = [sorted({0, n, *data.draw(st.lists(st.integers(1, n), max_size=2))}) for n in shape]
+        cells = itertools.product(*(list(itertools.pairwise(c)) for c in cuts))
+        chunks = [(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)) for cell in cells]
+    counts = _count(shape, chunks)
+    problem = coverage_problem(shape, chunks)
+    per_row = counts.reshape(shape[0], -1)
+    gaps = {r for r in range(shape[0]) if (per_row[r] == 0).any()}
+    twice = {r for r in range(shape[0]) if (per_row[r] > 1).any()}
+    if not gaps and not twice:
+        assert problem is None, (shape, chunks, problem)
+        return
+    assert problem is not None, (shape, chunks)
+    named_gaps, named_twice = _rows(problem, "not covered"), _rows(problem, "covered more")
+    assert named_gaps <= gaps and named_twice <= twice, (shape, chunks, problem)
+    assert named_gaps | named_twice == gaps | twice, (shape, chunks, problem)
+
+
+@pytest.fixture(scope="module")
+def clean_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dtensor_ema import save_checkpoint
+
+    path = tmp_path_factory.mktemp("fuzz-readers") / "ckpt"
+    torch.manual_seed(0)
+    ema = ModelEMA(nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 3)), decay=0.5, tau=None)
+    ema.update()
+    save_checkpoint({"ema": ema}, path)
+    return path
+
+
+@fuzz_settings(40)
+@given(seed=st.integers(0, 2**32 - 1), edits=st.integers(1, 3))
+def test_edited_metadata_is_read_or_refused(clean_checkpoint: Path, seed: int, edits: int) -> None:
+    """A ``.metadata`` with fields edited at random (``crafted.mutate_object``: another type,
+    a huge or negative number, nested lists, a field removed), checksums rewritten to match,
+    is converted or refused by ``open_checkpoint`` and ``convert_checkpoint`` with a
+    documented exception of one line: never another error."""
+    import random
+
+    from crafted import mutate_object, read_metadata, rewrite
+
+    from dtensor_ema import CheckpointError, convert_checkpoint
+
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(shutil.copytree(clean_checkpoint, Path(tmp) / "ckpt"))
+        metadata = read_metadata(path)
+        for _ in range(edits):
+            metadata = mutate_object(metadata, rng)
+        try:
+            rewrite(path, metadata)
+        except Exception:  # an edit our own crafter cannot write back: nothing to read
+            return
+        for verify in (True, False):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    convert_checkpoint(path, Path(tmp) / "out.pt", verify=verify)
+            except (CheckpointError, ValueError, FileNotFoundError) as e:
+                assert "\n" not in str(e), str(e)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="needs atheris (fuzz)")
+def test_readers_survive_a_seeded_fuzzing_run(tmp_path: Path) -> None:
+    """``tests/fuzz_readers.py`` for :data:`FUZZ_RUNS` inputs from seed 1 (or for
+    ``DTENSOR_EMA_FUZZ_SECONDS``), replaying ``tests/fuzz_regressions/`` first: no crash,
+    every run within the harness's time and memory bounds."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    budget = [f"-max_total_time={FUZZ_SECONDS}"] if FUZZ_SECONDS else [f"-runs={FUZZ_RUNS}"]
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }
+    command = [
+        sys.executable,
+        str(root / "tests" / "fuzz_readers.py"),
+        "-seed=1",
+        *budget,
+        f"-artifact_prefix={tmp_path}/",
+        str(corpus),
+        *([str(REGRESSIONS)] if REGRESSIONS.is_dir() else []),
+    ]
+    run = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=FUZZ_SECONDS + 600, check=False
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    done = re.search(r"Done (\d+) runs in (\d+) second", run.stderr)
+    assert done is not None and int(done.group(1)) > 0, run.stderr[-3000:]
+    print(f"fuzz_readers: {done.group(1)} inputs in {done.group(2)} s, no crash")

@@ -118,12 +118,12 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
     code, stdout, stderr = run_script(cmd[1:], tmp_path, _env(), timeout_s=900)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = stdout.split("== summary\n", 1)[1].splitlines()
-    assert summary[0].startswith("multirank: ok, 22 row(s), exact "), summary
+    assert summary[0].startswith("multirank: ok, 30 row(s), exact "), summary
     assert "(not:" not in summary[0], summary[0]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["multirank"]
     body = result["result"]
     assert body["errors"] == [] and body["backend"] == "gloo"
-    cases = [r for r in body["rows"] if not r["layout"].startswith("load")]
+    cases = [r for r in body["rows"] if not r["layout"].startswith(("load", "zero3"))]
     assert [(r["world"], r["layout"], r["dtype"]) for r in cases] == [
         (w, layout, dt)
         for w, layouts in ((4, ("ddp", "fsdp2", "hsdp")), (2, ("ddp", "fsdp2")))
@@ -139,9 +139,23 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
         assert row["materialize"] == {"ema_sd": "exact", "model_sd": "exact"}, row
         assert row["bytes_sum_equals_total"] and row["bytes_over_total_per_W"] < 1.01, row
         assert row.get("dcp_save", "ok") == "ok" and ("dcp_save" in row) == (row["world"] == 4)
+    zero3 = [r for r in body["rows"] if r["layout"].startswith("zero3")]
+    assert [(r["world"], r["dtype"]) for r in zero3] == [
+        (4, "fp32"),
+        (4, "bf16"),
+        (2, "fp32"),
+        (2, "bf16"),
+    ]
+    for row in zero3:  # DeepSpeed's partitions: every update, swap and gather exact, 1/W
+        assert "error" not in row and "tracebacks" not in row, row
+        assert row["update_eager"] == row["update_offload"] == "exact", row
+        assert row["swap"] == {"weights": "exact", "restored": "exact"}, row
+        assert row["materialize"] == {"ema_sd": "exact", "model_sd": "exact"}, row
+        assert row["bytes_sum_equals_total"] and row["bytes_over_total_per_W"] == 1.0, row
     loads = [r for r in body["rows"] if r["layout"].startswith("load")]
-    assert len(loads) == 12 and all(r["dcp_load"] == "exact" for r in loads), loads
-    assert sum(r["world"] == 1 for r in loads) == 6
+    assert len(loads) == 16 and all(r["dcp_load"] == "exact" for r in loads), loads
+    assert sum(r["world"] == 1 for r in loads) == 8
+    assert sum("zero3" in r["layout"] for r in loads) == 4  # W=4 -> W=2, W=4 -> one process
     fake = body["fake_world"]
     assert {(r["world"], r["layout"], r["rank"]) for r in fake} == {
         (w, layout, r) for w in (8, 64) for layout in ("ddp", "fsdp2", "hsdp") for r in (0, w - 1)

@@ -26,11 +26,12 @@ from dist_harness import require_extra
 
 require_extra("transformers", "transformers")
 
+import models  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
 from dtensor_ema.integrations.transformers import EMACallback, EMATrainer  # noqa: E402
 
@@ -44,32 +45,11 @@ def _ref_decay(k: int) -> float:
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=12,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
+    return models.tiny_gpt2(vocab=VOCAB, seq=SEQ, width=12, heads=2)  # type: ignore[return-value]
 
 
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self, n: int = SAMPLES, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+def Tokens(n: int = SAMPLES, seed: int = 1) -> models.TokenRows:
+    return models.TokenRows(n, vocab=VOCAB, seq=SEQ, seed=seed)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -130,26 +110,8 @@ class ReferenceEMA(TrainerCallback):
 
 
 def _args(out: Path, **kw: Any) -> TrainingArguments:
-    defaults: dict[str, Any] = dict(
-        output_dir=str(out),
-        use_cpu=True,
-        max_steps=STEPS,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=0.05,
-        lr_scheduler_type="constant",
-        eval_strategy="steps",
-        eval_steps=SAVE_EVERY,
-        save_strategy="steps",
-        save_steps=SAVE_EVERY,
-        logging_steps=SAVE_EVERY,
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=3,
-    )
-    defaults.update(kw)
-    return TrainingArguments(**defaults)
+    kw = {"use_cpu": True, "max_steps": STEPS, **kw}
+    return models.hf_training_args(out, every=SAVE_EVERY, **kw)  # type: ignore[return-value]
 
 
 def train_and_check(

@@ -483,9 +483,11 @@ def test_lora_distributed_synthesis_and_peft_adapter(runs: dict[str, Any], world
 
 # ----------------------------------------------------------------- issue 35: crafted folders
 REFUSED = {
-    "another run's data": (
+    "another run's data": (  # its .metadata is of another save than the manifest (issue 42)
         "CheckpointError",
-        r"step-000000000008: its data has no entry 'p\d\.[\w.]+', which its manifest names",
+        r"step-000000000008/\.metadata: written by save '[0-9a-f-]+', but the snapshot's "
+        r"manifest names save '[0-9a-f-]+': the folder holds another snapshot's \(or run's\) "
+        r"data",
     ),
     "rows in no chunk": (
         "CheckpointError",

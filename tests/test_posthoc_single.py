@@ -341,9 +341,9 @@ def test_crash_mid_snapshot_keeps_earlier_snapshots(tmp_path: Path, monkeypatch)
     before = synthesize(tmp_path / "s", 0.08)
     real_save = dcp.save
 
-    def dying_save(state, *, checkpoint_id, **kw):  # writes, then dies before finishing
-        real_save(state, checkpoint_id=checkpoint_id, **kw)
-        (Path(checkpoint_id) / ".metadata").unlink()
+    def dying_save(state, *, storage_writer, **kw):  # writes, then dies before finishing
+        real_save(state, storage_writer=storage_writer, **kw)
+        (Path(storage_writer.path) / ".metadata").unlink()
         raise RuntimeError("killed mid-snapshot")
 
     monkeypatch.setattr(dcp, "save", dying_save)

@@ -56,3 +56,35 @@ def test_plan_bytes_refuses_a_real_model_and_modelema_refuses_a_meta_one() -> No
     with pytest.raises(ValueError, match=r"meta device"):
         ModelEMA(torch.nn.Linear(2, 2, device="meta"))
     assert plan_bytes(torch.nn.Linear(3, 5, device="meta")).local_bytes == 4 * (15 + 5)
+
+
+@pytest.mark.parametrize(("world_size", "rank"), [(8, 0), (8, 7), (3, 2), (1024, 1023)])
+def test_plan_bytes_of_zero3_partitions(world_size: int, rank: int) -> None:
+    """``zero3_partitioned`` gives a meta model DeepSpeed ZeRO-3's partition attributes;
+    ``plan_bytes`` then counts this rank's partition of every parameter without its padding:
+    DeepSpeed's rule, ``[r * c, (r + 1) * c)`` with ``c = ceil(numel / W)``, cut at ``numel``
+    (written here). ``benchmarks/deepspeed_zero.py`` checks the same count against a real
+    ``ModelEMA`` of a DeepSpeed engine."""
+    from dtensor_ema.simulate import zero3_partitioned
+
+    _fake_world(world_size, rank)
+    try:
+        with torch.device("meta"):
+            model = make_model("transformer")
+        sizes = [p.numel() for p in {id(p): p for p in model.parameters()}.values()]
+        pb = plan_bytes(zero3_partitioned(model))
+        expected = 0
+        for n in sizes:
+            c = -(-n // world_size)
+            expected += max(0, min(n, (rank + 1) * c) - min(n, rank * c))
+        assert (pb.local_numel, pb.local_bytes) == (expected, 4 * expected)
+        assert pb.replicated_bytes == 4 * sum(sizes)
+        assert all(p.shape == (0,) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="needs a meta-device model"):
+        _fake_world(2, 0)
+        try:
+            zero3_partitioned(torch.nn.Linear(2, 2))
+        finally:
+            dist.destroy_process_group()

@@ -30,6 +30,12 @@ full CPU copy, and ``copy_to`` of the tracked parameters writes each rank's own 
 raise at once naming that fix otherwise. The scripts' fix is one line,
 ``ema_unet.gather_for_save()`` on every rank before the main-process block.
 
+DeepSpeed ZeRO-3 parameters (placeholders over per-rank partitions): ``step`` averages
+each rank's own partition (``1/W``, no gather, unlike diffusers' ``GatheredParameters``
+around every step), ``gather_for_save()`` then ``state_dict()`` / ``save_pretrained()`` give
+the full EMA in real shapes; ``copy_to`` and ``restore`` into them raise, naming
+``ema.engine.average_parameters()`` (every rank) for validation.
+
 ``copy.deepcopy(ema)`` is an independent EMA that steps from the same parameters (as a copy
 of diffusers' ``EMAModel``, which holds no model); ``pickle``/``torch.save`` carry the
 parameters along (load with ``torch.load(path, weights_only=False)``). Both raise at
@@ -39,7 +45,7 @@ W > 1, naming what to save instead.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -50,10 +56,28 @@ from dtensor_ema.compat._replica import EmaReplica, fix_message
 from dtensor_ema.decay import DiffusersDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.plan import reshard_fsdp
+from dtensor_ema.zero_partition import is_partitioned
 
 __all__ = ["EMAModel"]
 
 _HYPER = ("decay", "min_decay", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
+
+
+def _refuse_zero3(method: str, params: Sequence[torch.Tensor]) -> None:
+    """DeepSpeed ZeRO-3 parameters are ``(0,)`` placeholders over partitions that live on
+    every rank, which only DeepSpeed's own (collective) forward gathers: writing full
+    weights into them (diffusers' ``param.data.copy_``) cannot work, on the main process or
+    anywhere. Raise, naming what does. Local."""
+    zero3 = [i for i, p in enumerate(params) if is_partitioned(p)]
+    if zero3:
+        raise RuntimeError(
+            f"EMAModel.{method}: parameters {zero3[:3]} are DeepSpeed ZeRO-3 partitions "
+            "(placeholders between DeepSpeed's gathers), which no full tensor can be written "
+            "into. To validate with the EMA, on every rank: `with ema_model.engine."
+            "average_parameters(): ...` (the EMA goes into the partitions, the raw weights "
+            "come back after); for full weights: `ema_model.gather_for_save()` on every "
+            "rank, then `state_dict()` / `save_pretrained()`"
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,6 +220,7 @@ class EMAModel:
         other replicas' rows: raises, naming the collective alternative).
         """
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        _refuse_zero3("copy_to", params)
         tracked = len(params) == len(self._params) and all(
             a is b for a, b in zip(params, self._params, strict=True)
         )
@@ -237,8 +262,10 @@ class EMAModel:
             raise RuntimeError(
                 "This ExponentialMovingAverage has no `store()`ed weights to `restore()`"
             )
+        params = list(parameters)
+        _refuse_zero3("restore", params)
         with torch.no_grad():
-            for stored, param in zip(self.temp_stored_params, parameters, strict=False):
+            for stored, param in zip(self.temp_stored_params, params, strict=False):
                 param.data.copy_(stored.data)
         self.temp_stored_params = None
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import UNSET, EmaOptions, resolve_schedule
 from dtensor_ema.state import EMA_TENSORS
+from dtensor_ema.zero_partition import is_partitioned, partition_piece, whole_view
 
 __all__ = [
     "EvalSwap",
@@ -121,8 +122,16 @@ class EvalSwap:
             stack.close()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's storage of ``tensor`` that a forward reads: a DTensor's local shard, a
+    plain tensor whole; for a ZeRO-3 parameter its partition (padding excluded), plus the
+    whole copy DeepSpeed holds beside it when it holds one (persistent parameters)."""
+    if isinstance(tensor, DTensor):
+        return [tensor.to_local().detach()]
+    if is_partitioned(tensor):
+        whole = whole_view(tensor)
+        return [partition_piece(tensor)] + ([] if whole is None else [whole])
+    return [tensor.detach()]
 
 
 def model_float_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -141,17 +150,19 @@ def copy_ema_into_model(ema: ModelEMA, module: nn.Module) -> None:
     """Leave the EMA weights in ``module`` for good (the hand-over at the end of training).
 
     Enters :meth:`ModelEMA.average_parameters`, snapshots this rank's piece of every
-    floating-point tensor (a DTensor's local shard, a plain tensor whole), leaves the
-    context and writes the snapshot back into the same tensors. So the values are exactly
+    floating-point tensor (a DTensor's local shard, a plain tensor whole, a ZeRO-3
+    parameter's partition and the whole copy DeepSpeed may hold beside it), leaves the
+    context and writes the snapshot back into the same storage. So the values are exactly
     those the swap evaluates, for any layout the swap supports, through ``ModelEMA``'s
     public API. Communication: that of ``average_parameters`` (collective for replicated
-    tensors). Peak extra memory: one more copy of this rank's pieces of the model.
+    tensors and for ZeRO-3 parameters held whole). Peak extra memory: one more copy of this
+    rank's pieces of the model.
     """
     with ema.average_parameters():
-        tensors = model_float_tensors(module)
-        snapshot = [_local(t).detach().clone() for t in tensors]
-    for tensor, value in zip(tensors, snapshot, strict=True):
-        _local(tensor).detach().copy_(value)
+        pieces = [piece for t in model_float_tensors(module) for piece in _pieces(t)]
+        snapshot = [piece.clone() for piece in pieces]
+    for piece, value in zip(pieces, snapshot, strict=True):
+        piece.copy_(value)
 
 
 def full_ema_tensors(ema: ModelEMA, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:

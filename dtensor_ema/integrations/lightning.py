@@ -9,8 +9,9 @@ Two lines::
 What it does, per trainer event (every rank runs every hook):
 
 * ``on_fit_start``: builds a :class:`~dtensor_ema.ModelEMA` of the module once the
-  strategy has set it up (DDP-wrapped, or sharded by ``configure_model`` under
-  ``ModelParallelStrategy``), so each rank holds ``1/W`` of the EMA;
+  strategy has set it up (DDP-wrapped, sharded by ``configure_model`` under
+  ``ModelParallelStrategy``, or wrapped and, at ZeRO stage 3, partitioned by
+  ``DeepSpeedStrategy``), so each rank holds ``1/W`` of the EMA;
 * ``on_train_batch_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer
   step (local, no communication), from ``start_step`` / ``start_epoch`` on. With
   ``track="trainable"``, ``on_train_batch_start`` (and ``on_train_batch_end``, for changes
@@ -21,7 +22,8 @@ What it does, per trainer event (every rank runs every hook):
 * validation and test run with the EMA weights (``evaluate_with_ema=True``, the default,
   like Lightning's ``WeightAveraging``), through :meth:`ModelEMA.average_parameters`;
 * checkpoints carry the EMA (see :meth:`EMACallback.on_save_checkpoint`), and ``ckpt_path``
-  resumes it exactly, at the same or another number of devices;
+  resumes it exactly, at the same or another number of devices (DeepSpeed ZeRO-3: the
+  same, as DeepSpeed's own checkpoint);
 * ``copy_to_model_on_train_end=True`` leaves the final EMA weights in the module.
 
 Requires the ``lightning`` package (``pip install "dtensor_ema[lightning]"``).
@@ -36,12 +38,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema._collectives import group_of
+from dtensor_ema._collectives import group_gather_rows, group_of
+from dtensor_ema.flat_chunks import FlatChunks
 from dtensor_ema.integrations._common import (
     EvalSwap,
     StepGate,
@@ -63,7 +67,6 @@ _STATE_VERSION = 1
 _UNSUPPORTED_STRATEGIES = {
     "FSDPStrategy": "FSDP1 flattens parameters; use ModelParallelStrategy with fully_shard "
     "(FSDP2) in configure_model()",
-    "DeepSpeedStrategy": "DeepSpeed partitions parameters outside torch's DTensor",
 }
 
 MeshSpec = DeviceMesh | Callable[["pl.Trainer"], DeviceMesh | None] | None
@@ -102,9 +105,12 @@ class EMACallback(Callback):
         ValueError: a value out of range (``update_every_n_steps=0``, ``decay=2``, ...).
 
     Communication: ``update()`` none; the swap for evaluation is collective for replicated
-    (DDP) tensors and free for FSDP2 parameters; saving a DDP checkpoint gathers the EMA
-    (one ``full_tensor()`` per EMA tensor, on every rank); loading is local for DDP
-    checkpoints and DCP's collectives for sharded ones.
+    (DDP, DeepSpeed ZeRO 0-2) tensors, free for FSDP2 parameters and, under ZeRO-3, free for
+    the partitions plus bucketed all-gathers of the parameters DeepSpeed holds whole; saving
+    a DDP or ZeRO 0-2 checkpoint gathers the EMA (one ``full_tensor()`` per EMA tensor, on
+    every rank), a ZeRO-3 one gathers nothing (each rank saves its own pieces), and under
+    ``DeepSpeedStrategy`` the ranks first all-gather one flag over the world group; loading
+    is local for DDP and DeepSpeed checkpoints and DCP's collectives for sharded ones.
     """
 
     def __init__(
@@ -294,9 +300,19 @@ class EMACallback(Callback):
           DTensors and every rank writes its shards with DCP): the EMA's DTensors go into
           the same ``state_dict`` under ``_dtensor_ema.<fqn>``, so each rank writes its own
           EMA shards next to the model's; nothing is gathered.
-        * Otherwise (DDP, one device: rank 0 alone writes the file): the EMA is gathered
-          into full CPU tensors in its own dtype (**collective**) and stored in this
-          callback's state on rank 0.
+        * ``DeepSpeedStrategy`` at ZeRO stage 3 (DeepSpeed writes this callback's state into
+          every rank's own ``zero_pp_rank_<R>_mp_rank_00_model_states.pt`` and reads it back
+          from there): each rank stores its own EMA pieces (``ModelEMA.state_dict()``:
+          DTensor shards, flat ranges of the ZeRO-3 partitions), 1/W of the EMA per file;
+          nothing is gathered. They resume at the same world size and stage, as DeepSpeed's
+          own ZeRO-3 checkpoint does; another layout is refused by name when loading.
+        * Otherwise (DDP, one device, DeepSpeed ZeRO 0-2: rank 0 alone writes the file): the
+          EMA is gathered into full CPU tensors in its own dtype (**collective**) and stored
+          in this callback's state on rank 0.
+
+        Under ``DeepSpeedStrategy`` the ranks first tell each other whether DeepSpeed writes
+        their client state (one small all-gather over the world group); a mix other than
+        "rank 0 only" or "every rank" (ZeRO++ hpZ, MiCS) raises on every rank.
         """
         if self._ema is None:
             return
@@ -315,6 +331,10 @@ class EMACallback(Callback):
                     raise ValueError(f"the module's state_dict already has a key {key!r}")
                 model_state[key] = tensor
             state["format"] = "dcp"
+        elif _every_rank_writes(trainer):
+            state["format"] = "rank"
+            state["rank"] = (dist.get_rank(), dist.get_world_size())
+            state[EMA_TENSORS] = _own_pieces(self._ema)
         else:
             state["format"] = "full"
             state[EMA_TENSORS] = full_ema_tensors(self._ema)
@@ -354,14 +374,36 @@ class EMACallback(Callback):
             saved[EMA_TENSORS] = self._read_sharded(ema)
         elif state.get("format") == "full":
             saved[EMA_TENSORS] = state[EMA_TENSORS]
+        elif state.get("format") == "rank":
+            saved[EMA_TENSORS] = self._own_pieces_back(ema, state)
         else:
             raise ValueError(
                 f"EMACallback({self.name!r}): checkpoint has EMA format "
-                f"{state.get('format')!r}, expected 'full' or 'dcp'"
+                f"{state.get('format')!r}, expected 'full', 'rank' or 'dcp'"
             )
         ema.load_state_dict(saved)  # refuses other options/names/shapes before writing
         self._last_step = int(state["last_step"])
         self._started = bool(state["started"])
+
+    def _own_pieces_back(self, ema: ModelEMA, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The ``"rank"`` format's plain pieces as values ``ModelEMA.load_state_dict`` takes
+        (each wrapped like the live EMA tensor it belongs to), once the checkpoint is known
+        to be this rank's own. Local."""
+        here = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        saved_by = tuple(state.get("rank", ()))
+        if saved_by != here:
+            raise ValueError(
+                f"EMACallback({self.name!r}): this checkpoint file holds the EMA pieces of rank "
+                f"{saved_by[0] if saved_by else '?'} of {saved_by[1] if saved_by else '?'} "
+                f"(DeepSpeed ZeRO-3 writes one per rank), but it is loaded on rank {here[0]} of "
+                f"{here[1]}; resume at the world size it was saved at, as DeepSpeed's ZeRO-3 "
+                "checkpoint itself requires"
+            )
+        live = ema.state_dict()[EMA_TENSORS]
+        pieces = state[EMA_TENSORS]
+        return {
+            fqn: _like(live[fqn], piece) if fqn in live else piece for fqn, piece in pieces.items()
+        }
 
     def _read_sharded(self, ema: ModelEMA) -> dict[str, torch.Tensor]:
         """This rank's EMA shards from the DCP checkpoint being restored (collective). Runs
@@ -385,3 +427,66 @@ class EMACallback(Callback):
                 f"{self._ckpt_path} (a different model, or a checkpoint without them): {e}"
             ) from e
         return fresh
+
+
+def _every_rank_writes(trainer: pl.Trainer) -> bool:
+    """Whether every rank writes its own copy of the callbacks' state (DeepSpeed ZeRO-3,
+    whose engine saves its client state on every rank: ``save_non_zero_checkpoint``), as
+    opposed to rank 0 alone (every other strategy). **Collective** under
+    ``DeepSpeedStrategy`` with several ranks (one all-gather of a flag over the world
+    group); local otherwise.
+
+    Raises:
+        ValueError: (on every rank) DeepSpeed writes the state on some ranks other than
+            rank 0 but not on all of them.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = trainer.strategy
+    group = group_of(None)
+    if not isinstance(strategy, DeepSpeedStrategy) or group is None:
+        return False
+    writes = bool(getattr(strategy.deepspeed_engine, "save_non_zero_checkpoint", False))
+    writers = [rank for rank, flag in group_gather_rows(group, [int(writes)]) if flag]
+    if writers == [0]:
+        return False
+    if len(writers) == dist.get_world_size(group):
+        return True
+    raise ValueError(
+        f"EMACallback: DeepSpeed writes the callbacks' state on ranks {writers} only (ZeRO++ "
+        "hpZ or MiCS?), so neither the full EMA on rank 0 nor each rank's own pieces would "
+        "come back on every rank; use plain ZeRO stage 3 (no hpZ/MiCS) or stages 0-2"
+    )
+
+
+def _own_pieces(ema: ModelEMA) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the EMA as plain CPU tensors, copies (a DTensor's local shard,
+    a ZeRO-3 flat range's values): DeepSpeed reads its checkpoint files with a callable
+    ``map_location``, with which ``torch.load`` cannot rebuild a tensor subclass. Local."""
+    out = {}
+    for fqn, value in ema.state_dict()[EMA_TENSORS].items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        elif isinstance(value, FlatChunks):
+            value = value.local
+        out[fqn] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def _like(live: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (plain, from :func:`_own_pieces`) wrapped as ``live`` is: a DTensor on its
+    mesh and placements, or a ZeRO-3 flat range at its offset; shapes are checked by
+    ``ModelEMA.load_state_dict``. Local."""
+    if isinstance(live, DTensor):
+        local = piece.to(live.to_local().device)
+        return DTensor.from_local(
+            local,
+            live.device_mesh,
+            live.placements,
+            run_check=False,
+            shape=live.shape,
+            stride=live.stride(),
+        )
+    if isinstance(live, FlatChunks):
+        return FlatChunks(piece.to(live.local.device), live.shape, live.start)
+    return piece

@@ -8,7 +8,8 @@ Two lines::
     trainer = EMATrainer(model=model, args=args, ..., callbacks=[EMACallback(decay=0.9999)])
 
 * ``on_train_begin``: builds a :class:`~dtensor_ema.ModelEMA` of the model once the
-  ``Trainer`` (accelerate) has prepared it (DDP, or FSDP2 sharded in place), so each rank
+  ``Trainer`` (accelerate) has prepared it (DDP, FSDP2 sharded in place, or DeepSpeed ZeRO
+  with ``deepspeed=``: at stage 3 each rank averages its own partitions), so each rank
   holds ``1/W`` of the EMA; on ``resume_from_checkpoint`` it restores the EMA saved there;
 * ``on_step_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer step
   (local, no communication), from ``start_step`` on;

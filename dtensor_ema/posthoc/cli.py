@@ -75,9 +75,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (errors print one line, status 2: bad
-    arguments, missing or mismatched snapshots, a snapshot refused as unsafe or corrupted;
-    a malformed or altered manifest prints ``error: <file>: <what is wrong>``)."""
+    """Run the command line; returns the exit status. Every error prints exactly one line,
+    ``error: <file>: <what is wrong>``, and exits with status 2: bad arguments, missing or
+    mismatched snapshots, a malformed or altered manifest, a snapshot refused as unsafe,
+    oversized or corrupted (the readers' documented exceptions: ``SnapshotError``,
+    ``CheckpointError``, ``ChecksumError``, ``ValueError``, ``OSError``)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "list":
@@ -87,9 +89,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _merge(args)
     except (OSError, ValueError, ImportError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """The message on one line (an ``OSError`` names its file: ``<file>: <reason>``)."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    else:
+        text = str(error)
+    return " ".join(text.split())
 
 
 def _list(args: argparse.Namespace) -> None:

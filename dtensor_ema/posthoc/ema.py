@@ -33,6 +33,7 @@ from dtensor_ema._collectives import agree_on_call
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema._collectives import rank_of as _rank
+from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec, TrackSpec
@@ -44,6 +45,7 @@ from dtensor_ema.phema_math import (
 )
 from dtensor_ema.plan import model_tensors
 from dtensor_ema.posthoc import snapshots as snap
+from dtensor_ema.same_path import agree_on_path
 from dtensor_ema.state import CONFIG, EMA_TENSORS
 
 __all__ = ["PostHocEMA", "PowerDecay"]
@@ -210,7 +212,7 @@ class PostHocEMA:
         self.async_save = bool(async_save)
         self._process_group = process_group
         self._async_group: dist.ProcessGroup | None = None
-        self._pending: tuple[Future[Any] | Any, str, dict[str, Any]] | None = None
+        self._pending: tuple[Future[Any] | Any, RecordingWriter, str, dict[str, Any]] | None = None
         self._clock = _Clock()
         self._steps = 0
         self._time: Literal["steps", "samples"] | None = None
@@ -321,11 +323,16 @@ class PostHocEMA:
         **Collective** over ``process_group``: the ranks first agree that each takes this
         snapshot at the same step (one small all-gather over ``process_group``), and each
         profile's ranks that it is the same profile (one per mesh dim of its mesh,
-        :func:`~dtensor_ema._collectives.agree_on_call`), then every rank writes only its
-        own shards (plus DCP's metadata on rank 0). Written into ``step-<N>.partial`` and renamed to
-        ``step-<N>`` with its ``manifest.json`` only once every rank has written, so a crash
-        leaves every earlier snapshot valid. With ``async_save`` the write continues in the
-        background and the commit happens at the next :meth:`snapshot`/:meth:`wait`.
+        :func:`~dtensor_ema._collectives.agree_on_call`), then on the folder and one save
+        id (one all-reduce of 16 bytes per rank, as :func:`~dtensor_ema.save_checkpoint`);
+        then every rank writes only its own shards (plus DCP's metadata on rank 0) and the
+        checksums of what it wrote (``__<rank>.checksums.json``, recording the save id).
+        Written into ``step-<N>.partial`` and renamed to ``step-<N>`` with its
+        ``manifest.json`` (which names the save id) only once every rank has written, so a
+        crash leaves every earlier snapshot valid, and a reader refuses a folder whose
+        files are not all of this save. With ``async_save`` the write continues in the
+        background and the checksums and the commit happen at the next
+        :meth:`snapshot`/:meth:`wait`.
 
         Peak extra memory: none for a synchronous save in the EMA dtype (DCP writes the live
         shards); a copy of this rank's shards in ``snapshot_dtype`` otherwise.
@@ -348,6 +355,8 @@ class PostHocEMA:
         for ema in self.emas.values():  # each profile over its own mesh (pipeline stages)
             agree_on_call("snapshot", ema.engine.call_identity, mesh=ema.mesh)
         name = snap.snapshot_name(self._steps)
+        partial = self.snapshot_dir / (name + snap.PARTIAL_SUFFIX)
+        agreed = agree_on_path(group, partial, "PostHocEMA.snapshot")
         error: Exception | None = None
         if _rank(group) == 0:
             try:
@@ -355,21 +364,22 @@ class PostHocEMA:
             except OSError as e:
                 error = e
         _agree(group, error, f"preparing snapshot {self.snapshot_dir / name}")
-        partial = str(self.snapshot_dir / (name + snap.PARTIAL_SUFFIX))
         state, manifest = self._snapshot_state(copy=self.async_save, world=group)
+        manifest["save_id"] = agreed.save_id
+        writer = RecordingWriter(partial, save_id=agreed.save_id)
         if self.async_save:
-            self._pending = (self._save_async(state, partial, group), name, manifest)
+            self._pending = (self._save_async(state, writer, group), writer, name, manifest)
             return None
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
-        return self._commit(name, manifest, group)
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+        return self._commit(name, manifest, group, writer)
 
     def wait(self) -> Path | None:
         """Finish and commit a pending asynchronous snapshot. **Collective** when one is
         pending (every rank must call it); returns its path, or ``None`` if none was."""
         if self._pending is None:
             return None
-        future, name, manifest = self._pending
+        future, writer, name, manifest = self._pending
         self._pending = None
         group = _group(self._process_group)
         error: Exception | None = None
@@ -378,10 +388,10 @@ class PostHocEMA:
         except BaseException as e:  # DCP raises CheckpointException, a BaseException
             error = RuntimeError(f"asynchronous snapshot {name} failed: {e}")
         _agree(group, error, f"writing snapshot {name}")
-        return self._commit(name, manifest, group)
+        return self._commit(name, manifest, group, writer)
 
     def _save_async(
-        self, state: StateDict, partial: str, group: dist.ProcessGroup | None
+        self, state: StateDict, writer: RecordingWriter, group: dist.ProcessGroup | None
     ) -> Future[Any] | Any:
         if group is not None and self._async_group is None:
             # DCP's background thread runs collectives; on the training group they could
@@ -392,15 +402,33 @@ class PostHocEMA:
         with _quiet_single_process():
             return dcp.async_save(
                 state,
-                checkpoint_id=partial,
+                storage_writer=writer,
                 process_group=self._async_group,
                 no_dist=group is None,
             )
 
-    def _commit(self, name: str, manifest: dict[str, Any], group: dist.ProcessGroup | None) -> Path:
+    def _commit(
+        self,
+        name: str,
+        manifest: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        writer: RecordingWriter,
+    ) -> Path:
+        """Every rank records the checksums of what it wrote; then rank 0 adds the manifest
+        and renames the folder into place."""
         assert self.snapshot_dir is not None
+        partial = self.snapshot_dir / (name + snap.PARTIAL_SUFFIX)
         error: Exception | None = None
-        if _rank(group) == 0:
+        rank = _rank(group)
+        try:
+            payload = record_checksums(
+                partial, writer.results, metadata=rank == 0, save_id=manifest["save_id"]
+            )
+            write_sidecar(partial, rank, payload)
+        except OSError as e:
+            error = e
+        _agree(group, error, f"writing the checksums of snapshot {partial}")
+        if rank == 0:
             try:
                 snap.commit(self.snapshot_dir, name, manifest)
             except (OSError, ValueError) as e:  # ValueError: a manifest off its own schema

@@ -5,7 +5,9 @@ Layout of a snapshot directory::
     run/phema/
         step-000000004096/          # a DCP checkpoint: every rank wrote only its own shards
             .metadata  __0_0.distcp  ...
-            manifest.json           # t, profiles (sigma_rel, gamma), dtypes, fqns and shapes
+            __0.checksums.json ...  # every rank's checksums of what it wrote (as save_checkpoint)
+            manifest.json           # t, profiles (sigma_rel, gamma), dtypes, fqns and shapes,
+                                    # the save id of the DCP data
         step-000000008192/
         step-000000012288.partial/  # a snapshot being written (or one that crashed): ignored
 
@@ -19,13 +21,22 @@ Inside the checkpoint, profile ``i``'s tensors live under ``p<i>`` (``{"p0": {fq
 ...}``) and, when every float tensor of the model is tracked, the integer buffers the EMA
 does not average (BatchNorm's ``num_batches_tracked``) under ``followed``.
 
+A snapshot is bound like a checkpoint of :func:`~dtensor_ema.save_checkpoint`: all ranks
+agree on one save id when it starts, DCP records it in ``.metadata``, every rank's checksum
+file records it with the digests of the bytes it wrote, and the manifest names it
+(``save_id``). A reader refuses a folder whose data, checksums and manifest are not of one
+save (step 8's data file copied into step 12's folder, another run's data), and verifies
+every byte it reads.
+
 Reading is strict (:func:`read_manifest`): a snapshot folder must be a plain
 ``step-<12 digits>`` entry of the directory being read (a symlink may not lead out of it,
 nor may ``manifest.json`` or ``.metadata`` lead out of the snapshot folder), its manifest
-must match :data:`FORMAT`'s schema field by field, name the folder's own step, and carry
-the SHA-256 of its content (``checksum``), so a hand-edited ``t`` or profile is refused.
-Every problem raises :class:`SnapshotError` (``"<file>: <what is wrong>"``) before any
-tensor is read.
+(at most :data:`MAX_MANIFEST_BYTES`, read by :mod:`dtensor_ema.bounded_json`) must match
+:data:`FORMAT`'s schema field by field (ints within int64, at most :data:`MAX_PROFILES`
+profiles, shapes of at most 64 dims), name the folder's own step, and carry the SHA-256 of
+its content (``checksum``), so a hand-edited ``t`` or profile is refused. Every problem
+raises :class:`SnapshotError` (``"<file>: <what is wrong>"``) before any tensor is read,
+in time linear in the manifest's size.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +54,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+
+from dtensor_ema.bounded_json import JsonProblem, read_json
+from dtensor_ema.metadata_check import MAX_DIMS, MAX_ELEMENTS
 
 __all__ = [
     "FORMAT",
@@ -55,9 +70,15 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
-FORMAT = "dtensor_ema.posthoc/2"
-"""The manifest format this version writes and reads (``/2``: checksummed, with the tracked
-set; ``/1`` manifests, from before, are refused)."""
+FORMAT = "dtensor_ema.posthoc/3"
+"""The manifest format this version writes and reads (``/3``: names the save id of its
+data, whose checksums the snapshot records; ``/2`` and ``/1`` manifests, from before, are
+refused)."""
+MAX_MANIFEST_BYTES = 32 << 20
+"""The largest manifest read: about 130,000 tensors (a 50,000-tensor manifest takes 12 MB)."""
+MAX_PROFILES = 64
+"""Most profiles a snapshot may hold (EDM2 tracks 2)."""
+_INT64 = (1 << 63) - 1
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
 METADATA_FILE = ".metadata"
@@ -79,6 +100,7 @@ _FIELDS = frozenset(
         "world_size",
         "track",
         "untracked",
+        "save_id",
         "checksum",
     }
 )
@@ -101,9 +123,9 @@ def snapshot_name(step: int) -> str:
 
 def dtype_from_str(name: str) -> torch.dtype:
     """``"torch.float32"`` -> ``torch.float32``."""
-    value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a snapshot manifest")
+    value = _DTYPES.get(name) if isinstance(name, str) else None
+    if value is None:
+        raise ValueError(f"unknown dtype {_show(name)} in a snapshot manifest")
     return value
 
 
@@ -276,12 +298,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     """
     file = folder / MANIFEST
     try:
-        manifest = json.loads(
-            file.read_bytes(),
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_no_constant,
-        )
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        manifest = read_json(file, max_bytes=MAX_MANIFEST_BYTES)
+    except JsonProblem as e:
         raise SnapshotError(file, f"not a valid JSON manifest: {e}") from None
     match = _NAME.match(folder.name)
     _validate(manifest, file, int(match.group(1)) if match else None)
@@ -302,18 +320,6 @@ def _check_inside(path: Path, folder: Path, what: str, where: str) -> None:
         )
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
-        raise ValueError(f"duplicate keys {repeated}")
-    return dict(pairs)
-
-
-def _no_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not a number a manifest may hold")
-
-
 def _validate(m: Any, file: Path, folder_step: int | None) -> None:
     """Check the manifest ``m`` against the schema; raise on the first problem."""
 
@@ -332,30 +338,36 @@ def _validate(m: Any, file: Path, folder_step: int | None) -> None:
         bad(f"missing fields {missing}, unknown fields {unknown}")
     step = m["step"]
     if not _is_int(step, 0):
-        bad(f"'step' must be an int >= 0, got {step!r}")
+        bad(f"'step' must be an int in [0, 2**63), got {_show(step)}")
     if folder_step is not None and step != folder_step:
         bad(f"'step' is {step} but the folder is {snapshot_name(folder_step)}")
     if not _is_int(m["t"], 1):
-        bad(f"'t' must be an int >= 1, got {m['t']!r}")
+        bad(f"'t' must be an int in [1, 2**63), got {_show(m['t'])}")
     if m["time"] not in ("steps", "samples"):
-        bad(f"'time' must be 'steps' or 'samples', got {m['time']!r}")
+        bad(f"'time' must be 'steps' or 'samples', got {_show(m['time'])}")
     if not _is_int(m["world_size"], 1):
-        bad(f"'world_size' must be an int >= 1, got {m['world_size']!r}")
+        bad(f"'world_size' must be an int in [1, 2**63), got {_show(m['world_size'])}")
     if m["track"] not in _TRACK:
-        bad(f"'track' must be one of {list(_TRACK)}, got {m['track']!r}")
+        bad(f"'track' must be one of {list(_TRACK)}, got {_show(m['track'])}")
+    save_id = m["save_id"]
+    if not (isinstance(save_id, str) and 0 < len(save_id) <= 256):
+        bad(f"'save_id' must be the id of the save that wrote the data, got {_show(save_id)}")
     profiles = m["profiles"]
     if not isinstance(profiles, list) or not profiles:
         bad(f"'profiles' must be a non-empty list, got {_kind(profiles)}")
+    if len(profiles) > MAX_PROFILES:
+        bad(f"'profiles' lists {len(profiles)} profiles, more than {MAX_PROFILES}")
     for i, p in enumerate(profiles):
         where = f"profiles[{i}]"
         if not isinstance(p, dict) or set(p) != {"key", "sigma_rel", "gamma"}:
-            bad(f"{where} must be an object with 'key', 'sigma_rel' and 'gamma', got {p!r}")
+            bad(f"{where} must be an object with 'key', 'sigma_rel' and 'gamma', got {_show(p)}")
         if p["key"] != f"p{i}":
-            bad(f"{where}['key'] must be 'p{i}' (where profile {i} is stored), got {p['key']!r}")
+            got = _show(p["key"])
+            bad(f"{where}['key'] must be 'p{i}' (where profile {i} is stored), got {got}")
         if not (_is_number(p["sigma_rel"]) and 0.0 < p["sigma_rel"] < _SIGMA_REL_MAX):
-            bad(f"{where}['sigma_rel'] must lie in (0, 0.2887), got {p['sigma_rel']!r}")
-        if not (_is_number(p["gamma"]) and p["gamma"] >= 0.0):
-            bad(f"{where}['gamma'] must be a number >= 0, got {p['gamma']!r}")
+            bad(f"{where}['sigma_rel'] must lie in (0, 0.2887), got {_show(p['sigma_rel'])}")
+        if not (_is_number(p["gamma"]) and 0.0 <= p["gamma"] <= _GAMMA_MAX):
+            bad(f"{where}['gamma'] must be a number in [0, 1e9], got {_show(p['gamma'])}")
     model_keys = m["model_keys"]
     if not (isinstance(model_keys, list) and all(isinstance(k, str) for k in model_keys)):
         bad(f"'model_keys' must be a list of names, got {_kind(model_keys)}")
@@ -365,21 +377,26 @@ def _validate(m: Any, file: Path, folder_step: int | None) -> None:
     tensors = _mapping(m["tensors"], "tensors", bad)
     if not tensors:
         bad("'tensors' is empty: a snapshot holds at least one tensor")
+    fields = {"shape", "dtype", "ema_dtype", "model_dtype"}
+    dtypes_seen: set[tuple[str, str, str | None]] = set()  # each combination checked once
     for k, spec in tensors.items():
-        fields = {"shape", "dtype", "ema_dtype", "model_dtype"}
-        _spec(spec, f"tensors[{k!r}]", fields, bad)
+        _spec(spec, k, "tensors", fields, bad)
+        dtypes = (spec["dtype"], spec["ema_dtype"], spec["model_dtype"])
+        if all(isinstance(d, str) for d in dtypes[:2]) and dtypes in dtypes_seen:
+            continue
         for field in ("ema_dtype", "dtype"):
             _dtype(spec[field], f"tensors[{k!r}][{field!r}]", bad, floating=True)
         if spec["model_dtype"] is not None:
             _dtype(spec["model_dtype"], f"tensors[{k!r}]['model_dtype']", bad, floating=False)
+        dtypes_seen.add(dtypes)
     followed = _mapping(m["followed"], "followed", bad)
     for k, spec in followed.items():
-        _spec(spec, f"followed[{k!r}]", {"shape", "dtype"}, bad)
+        _spec(spec, k, "followed", {"shape", "dtype"}, bad)
         _dtype(spec["dtype"], f"followed[{k!r}]['dtype']", bad, floating=False)
     aliases = _mapping(m["aliases"], "aliases", bad)
     wrong = {k: v for k, v in aliases.items() if v not in tensors or k in tensors}
     if wrong:
-        bad(f"'aliases' must map other names to tracked tensors, got {wrong}")
+        bad(f"'aliases' must map other names to tracked tensors, got {_show(wrong)}")
     untracked = m["untracked"]
     if not (isinstance(untracked, list) and all(isinstance(k, str) for k in untracked)):
         bad(f"'untracked' must be a list of names, got {_kind(untracked)}")
@@ -412,34 +429,61 @@ def _mapping(value: Any, field: str, bad: Any) -> dict[str, Any]:
     return value
 
 
-def _spec(spec: Any, where: str, fields: set[str], bad: Any) -> None:
-    if not isinstance(spec, dict) or set(spec) != fields:
-        bad(f"{where} must be an object with the fields {sorted(fields)}, got {spec!r}")
+def _spec(spec: Any, key: str, field: str, fields: set[str], bad: Any) -> None:
+    """``spec`` (``m[field][key]``) has ``fields`` and a shape of at most 64 dims of ints
+    >= 0, at most 2**62 elements (the place named only when it is wrong: 50,000 of these
+    are checked per manifest)."""
+    if not isinstance(spec, dict) or spec.keys() != fields:
+        where = f"{field}[{key!r}]"
+        bad(f"{where} must be an object with the fields {sorted(fields)}, got {_show(spec)}")
     shape = spec["shape"]
-    if not (isinstance(shape, list) and all(_is_int(n, 0) for n in shape)):
-        bad(f"{where}['shape'] must be a list of ints >= 0, got {shape!r}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS):
+        got = _show(shape)
+        bad(f"{field}[{key!r}]['shape'] must be a list of at most {MAX_DIMS} ints, got {got}")
+    elements = 1
+    for n in shape:
+        if type(n) is not int or n < 0:
+            bad(f"{field}[{key!r}]['shape'] must be a list of ints >= 0, got {_show(shape)}")
+        elements *= n
+        if elements > MAX_ELEMENTS:
+            bad(f"{field}[{key!r}]['shape'] claims more than 2**62 elements")
 
 
 def _dtype(name: Any, where: str, bad: Any, *, floating: bool) -> None:
-    try:
-        dtype = dtype_from_str(name)
-    except ValueError:
-        bad(f"{where} is not a torch dtype: {name!r}")
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        bad(f"{where} is not a torch dtype: {_show(name)}")
+        return
     if floating and not dtype.is_floating_point:
-        bad(f"{where} must be a floating-point dtype, got {name!r}")
+        bad(f"{where} must be a floating-point dtype, got {_show(name)}")
+
+
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+"""``"torch.float32" -> torch.float32``: a manifest names dtypes as ``str(dtype)`` does."""
+_GAMMA_MAX = 1e9
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, shortened: a manifest can put megabytes (or deep nesting) anywhere."""
+    return _SHOWN.repr(value)
 
 
 def _is_int(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= _INT64
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT64
 
 
 def _kind(value: Any) -> str:
     kinds: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
-    return kinds.get(type(value), repr(value))
+    return kinds.get(type(value), _show(value))
 
 
 def check_compatible(snapshots: Sequence[Snapshot]) -> None:

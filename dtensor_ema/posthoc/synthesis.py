@@ -15,8 +15,10 @@ warmup-stable-merge style weights). Both run on one engine:
   a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
 
 Snapshots are read through :mod:`dtensor_ema.reader`, so reading someone else's snapshots
-runs no code from them: every selected snapshot's ``.metadata`` is read with a restricted
-unpickler, and its data files checked, before any tensor is read; values are read with
+runs no code from them and allocates no more than their files hold: every selected
+snapshot's ``.metadata`` is read with a restricted unpickler and checked, its data files and
+its save id checked (the manifest's, the checksum files'), before any tensor is read; every
+read is verified against the snapshot's checksums; values are read with
 ``weights_only=True``.
 """
 
@@ -49,7 +51,7 @@ from dtensor_ema.phema_math import (
     solve_coefficients,
 )
 from dtensor_ema.posthoc.snapshots import Snapshot, check_compatible, dtype_from_str, list_snapshots
-from dtensor_ema.reader import Checkpoint, CheckpointError, open_checkpoint
+from dtensor_ema.reader import Checkpoint, CheckpointError, ChecksumError, open_checkpoint
 from dtensor_ema.state_file import check_destination, write_state_file
 
 __all__ = [
@@ -63,6 +65,10 @@ __all__ = [
 
 DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
 """Bytes of float64 accumulator per bucket."""
+MAX_TERMS = 2048
+"""Most (snapshot, profile) pairs one synthesis combines: its least-squares system is that
+square (32 MiB of float64, a second or two to solve); select fewer snapshots with
+``steps=``."""
 
 Format = Literal["safetensors", "pt", "dcp"]
 StateDict = dict[str, torch.Tensor]
@@ -136,12 +142,20 @@ def plan_synthesis(
     Raises:
         FileNotFoundError: a missing snapshot directory.
         ValueError: ``sigma_rel`` outside ``(0, 0.2887)``, an empty directory, a ``step``
-            with no snapshot, snapshots of different models/shapes/dtypes, or a singular or
-            ill-conditioned system (too few distinct snapshots).
+            with no snapshot, snapshots of different models/shapes/dtypes, more than
+            :data:`MAX_TERMS` snapshot profiles, or a singular or ill-conditioned system
+            (too few distinct snapshots).
     """
     sigma_rel = check_sigma_rel(sigma_rel)
     gamma = sigma_rel_to_gamma(sigma_rel)
     chosen = _select(snapshot_dir, step, steps)
+    count = sum(len(s.manifest["profiles"]) for s in chosen)
+    if count > MAX_TERMS:
+        raise ValueError(
+            f"{len(chosen)} snapshots of {count // len(chosen)} profiles on average make {count} "
+            f"terms, more than {MAX_TERMS} (the least-squares system is that square): select "
+            "fewer snapshots with steps="
+        )
     pairs = [(s, p) for s in chosen for p in s.profiles]
     ts = [s.t for s, _ in pairs]
     gammas = [float(p["gamma"]) for _, p in pairs]
@@ -289,10 +303,14 @@ def synthesize(
             checksum differs), or leads outside ``snapshot_dir`` (a ``ValueError``; see
             ``dtensor_ema.posthoc.snapshots.read_manifest``).
         CheckpointError: a snapshot's ``.metadata`` refers to a global that is not DCP
-            metadata (a crafted snapshot: refused before any tensor is read, nothing run);
-            a snapshot's data lacks an entry its manifest names, holds it in another shape
-            or dtype, or its chunks do not cover it exactly once (refused before any tensor
-            is read, on every rank); or DCP failed to read a snapshot.
+            metadata (a crafted snapshot: refused before any tensor is read, nothing run),
+            is not what DCP writes or claims more than its files hold, or was written by
+            another save than its manifest names; a snapshot's data lacks an entry its
+            manifest names, holds it in another shape or dtype, or its chunks do not cover
+            it exactly once (refused before any tensor is read, on every rank); or DCP
+            failed to read a snapshot.
+        ChecksumError: a snapshot has no checksum files, one of another save, or bytes
+            that differ from those saved (another step's data file in its folder).
     """
     many = not isinstance(sigma_rel, (int, float))
     sigmas = (
@@ -499,7 +517,7 @@ def _open_snapshots(
     try:
         for path, (snapshot, keys) in reads.items():
             opened[path] = checkpoint = open_checkpoint(path)
-            checkpoint.check_files()
+            _check_same_save(checkpoint, snapshot)
             wanted = {
                 f"{key}.{fqn}": (v["shape"], v["dtype"])
                 for key in sorted(keys)
@@ -513,6 +531,31 @@ def _open_snapshots(
         error = e
     agree(group, error, "reading the snapshots' metadata")
     return opened
+
+
+def _check_same_save(checkpoint: Checkpoint, snapshot: Snapshot) -> None:
+    """The snapshot's data, its checksum files and its manifest were written by one save:
+    ``.metadata`` records the save id the manifest names, the checksum files record it too,
+    and ``.metadata`` matches its recorded digest. Every later read is verified. Local.
+
+    Raises:
+        CheckpointError: the data was written by another save (another step's or run's
+            files copied into the folder), or has no save id.
+        ChecksumError: the folder has no checksum files, one of another save, or a
+            ``.metadata`` that differs from the one saved.
+    """
+    wanted = snapshot.manifest["save_id"]
+    if checkpoint.save_id != wanted:
+        raise CheckpointError(
+            f"{checkpoint.metadata_file}: written by save {checkpoint.save_id!r}, but the "
+            f"snapshot's manifest names save {wanted!r}: the folder holds another snapshot's "
+            "(or run's) data; refused before reading"
+        )
+    if not checkpoint.has_checksums:
+        raise ChecksumError(
+            f"{checkpoint.path}: has no checksum files (every snapshot records them): refused"
+        )
+    checkpoint.verify_metadata()
 
 
 def _check_entries(checkpoint: Checkpoint, wanted: Mapping[str, tuple[list[int], str]]) -> None:
