@@ -426,7 +426,7 @@ def load_checkpoint(
 
     **A load reads the bytes it verified.** The checkpoint directory is opened once, and
     every file is read from that directory as it was first seen (same inode, size and
-    modification time), held open from the checksum pass to DCP's reads: a
+    modification time), held open from the checksum pass to the item reads: a
     :func:`save_checkpoint` of another job that commits to the same path meanwhile (it
     renames the directory away) is not seen, and the load returns the save it began with.
     Where that cannot hold (the committed save deleted a file before this load opened it, a

@@ -1,11 +1,12 @@
 """The files of one checkpoint directory, read as they were when a load opened it.
 
 A load reads a checkpoint in several passes: ``.metadata``, the size check, the checksum
-pass, then DCP's reads (twice in :func:`~dtensor_ema.load_checkpoint`: the counter and
-options, then the tensors). A ``save_checkpoint`` of another job that commits to the same
-path meanwhile renames the old directory away and the new one in: a reader that reopens
-files by path then reads some bytes of one save and some of the other (rows 0-7 of save A,
-8-15 of save B, each pass passing its own checks).
+pass, the archive checks, then the item reads (twice in
+:func:`~dtensor_ema.load_checkpoint`: the counter and options, then the tensors). A
+``save_checkpoint`` of another job that commits to the same path meanwhile renames the old
+directory away and the new one in: a reader that reopens files by path then reads some
+bytes of one save and some of the other (rows 0-7 of save A, 8-15 of save B, each pass
+passing its own checks).
 
 :class:`CheckpointFiles` opens the directory once and every file relative to that open
 directory (``dir_fd``), so every pass reads the files of the directory it started with,
