@@ -13,11 +13,12 @@ bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 __all__ = [
     "MAX_DEPTH",
@@ -41,8 +42,9 @@ class JsonProblem(ValueError):
     """The file is not JSON this reader accepts; the message says why (never its bytes)."""
 
 
-def read_json(file: Path, *, max_bytes: int) -> Any:
-    """The JSON value in ``file``, refused unless it stays within the bounds above.
+def read_json(file: Path | IO[bytes], *, max_bytes: int) -> Any:
+    """The JSON value in ``file`` (a path, or a binary file already open at its start),
+    refused unless it stays within the bounds above.
 
     Reads at most ``max_bytes + 1`` bytes. Local.
 
@@ -57,10 +59,12 @@ def read_json(file: Path, *, max_bytes: int) -> Any:
     return parse_json(data)
 
 
-def read_at_most(file: Path, max_bytes: int) -> bytes | None:
-    """The bytes of ``file``, or ``None`` when it holds more than ``max_bytes`` (its size
-    is looked at first: ``read(n)`` sizes its buffer by ``n``, not by the file)."""
-    with open(file, "rb") as f:
+def read_at_most(file: Path | IO[bytes], max_bytes: int) -> bytes | None:
+    """The bytes of ``file`` (a path, or a binary file already open at its start), or
+    ``None`` when it holds more than ``max_bytes`` (its size is looked at first: ``read(n)``
+    sizes its buffer by ``n``, not by the file)."""
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(open(file, "rb")) if isinstance(file, Path) else file
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             return None

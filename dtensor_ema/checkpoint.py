@@ -8,13 +8,20 @@ what plain DCP does not do:
 * :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
   over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
   raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
-  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checksums`).
+  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checksums`); with
+  ``async_=True`` it copies the state and writes in the background
+  (:mod:`dtensor_ema.background`), with the same promises.
 * :func:`load_checkpoint` checks the checkpoint against every ``ModelEMA`` it will fill (the
   data files exist and are long enough; the checksums; tensor names, shapes and dtypes; the
   counter and the options that shape the next update) **before** DCP writes into the live
   EMA tensors, so a refused checkpoint leaves the EMA as it was. Plain ``dcp.load`` checks
   names and shapes first too, but casts other dtypes silently, ignores extra tensors, and
   only learns that the decay options differ after it has overwritten the EMA in place.
+  Then every EMA reads into staging buffers and is swapped in only when every rank read and
+  checked everything: whatever fails during the load (a read, a refused entry, an
+  out-of-range value), every EMA is exactly as before. It reads the files it verified, as
+  they were when it opened them (:mod:`dtensor_ema.checkpoint_files`): a save committed to
+  the same path meanwhile gives one save's data or an error naming it, never a mix.
 
 Reading runs no code from the checkpoint: ``.metadata`` is unpickled with a restricted
 unpickler and non-tensor values with ``torch.load(..., weights_only=True)``
@@ -24,15 +31,17 @@ unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
 import shutil
+import uuid
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -41,11 +50,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dtensor_ema import background
 from dtensor_ema._collectives import (
     agree,
     agree_on_call,
     all_reduce,
     entering,
+    group_gather_rows,
     group_of,
     quiet_single_process,
     rank_of,
@@ -58,6 +69,7 @@ from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.reader import (
     PREVIOUS_SUFFIX,
     Checkpoint,
+    CheckpointChangedError,
     CheckpointError,
     UnverifiedCheckpointWarning,
     Verify,
@@ -72,9 +84,9 @@ from dtensor_ema.state import (
     common_names,
     compare_tensors,
     deferred_names,
+    staging_state,
     tracked_difference,
     validate_state,
-    with_common_subsets,
 )
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
@@ -86,13 +98,47 @@ _EMA_TENSORS = EMA_TENSORS
 
 
 # ---------------------------------------------------------------------------------- save
+@overload
 def save_checkpoint(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = True,
-) -> None:
+    async_: Literal[False] = False,
+) -> None: ...
+
+
+@overload
+def save_checkpoint(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    async_: Literal[True],
+) -> concurrent.futures.Future[None]: ...
+
+
+@overload
+def save_checkpoint(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    async_: bool,
+) -> concurrent.futures.Future[None] | None: ...
+
+
+def save_checkpoint(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    async_: bool = False,
+) -> concurrent.futures.Future[None] | None:
     """Save ``state`` with DCP so that a failed save never damages the checkpoint at ``path``.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
@@ -130,7 +176,32 @@ def save_checkpoint(
     plain ``dcp.load`` ignores these files. Then one more flag all-reduce, so rank 0 commits only
     once every rank's checksum file is written. With
     ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not call this makes the
-    others fail after that many seconds, naming it.
+    others fail after that many seconds, naming it. Peak extra memory (blocking): DCP's
+    write buffers; nothing is copied.
+
+    **Background saves** (``async_=True``, as ``dcp.async_save``): the call agrees on the
+    path, the EMAs and their counts, collects the state dicts and copies every tensor of
+    ``state`` to the CPU (the EMA shards, and any model or optimizer tensors in ``state``;
+    a DTensor stays a DTensor of its mesh holding a copy of this rank's piece), then returns
+    a ``concurrent.futures.Future`` while one background thread per process writes that
+    copy with every promise above: ``<path>.partial`` committed only when every rank
+    finished, the checksums, the one save id. ``update()`` (and training) may run at once:
+    the checkpoint holds the state at the call. A crash during the write leaves the previous
+    checkpoint at ``path``. ``future.result()`` returns ``None`` or raises what a blocking
+    save would have (on every rank). The writes' collectives run on a gloo group over the
+    ranks of ``process_group``, created by the first background save of each group (every
+    rank of that group calls it first: ``dist.new_group``, local synchronization) and kept.
+    Every later :func:`save_checkpoint` of this process first waits for a pending background
+    write (so two saves never share ``<path>.partial``); call ``future.result()`` before
+    loading what it wrote and before destroying the process group. Peak extra memory: one
+    CPU copy of ``state``'s tensors (for an EMA, its local shards: ``1/W`` of the tracked
+    tensors): the staging buffer, kept for the next background save, which copies into it
+    (:func:`dtensor_ema.background.release_staging` frees it). Training is blocked for the
+    agreement and the copy: 0.09-0.13 of a blocking save for GPT-2 at W=2
+    (``benchmarks/async_save.py``).
+
+    Returns:
+        ``None``; with ``async_=True`` the future of the background write.
 
     Raises:
         ValueError: ``path`` exists and is not a directory, or the ranks were given
@@ -138,10 +209,14 @@ def save_checkpoint(
         RuntimeError: a rank failed; the message says which. ``path`` is unchanged.
     """
     group = group_of(process_group)
+    background.wait_pending()
     with entering("save_checkpoint", group=group):
         agreed = agree_on_path(group, Path(path), "save_checkpoint")
         _agree_on_emas("save_checkpoint", state, group, counted=True)
+        if async_:
+            return _save_in_background(state, Path(path), group, checksums, agreed.save_id)
         _save(state, Path(path), group, checksums, agreed.save_id)
+        return None
 
 
 def _save(
@@ -151,6 +226,52 @@ def _save(
     checksums: bool,
     save_id: str,
 ) -> None:
+    _prepare(path, group)
+    error: Exception | None = None
+    try:
+        staged = _state_dicts(state)
+    except (Exception, CheckpointException) as e:
+        error = _ordinary(e, f"collecting the state to save to {path}")
+    agree(group, error, f"collecting the state to save to {path}")
+    _write_and_commit(staged, path, group, checksums, save_id)
+
+
+def _save_in_background(
+    state: Mapping[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+    checksums: bool,
+    save_id: str,
+) -> concurrent.futures.Future[None]:
+    """Copy the state now, write and commit it on the background writer."""
+    error: Exception | None = None
+    staged: dict[str, Any] = {}
+    try:
+        if rank_of(group) == 0 and path.exists() and not path.is_dir():
+            raise ValueError(f"checkpoint path {path} exists and is not a directory")
+        staged = background.cpu_copy(_state_dicts(state))
+    except (Exception, CheckpointException) as e:
+        error = _ordinary(e, f"collecting the state to save to {path}")
+    agree(group, error, f"collecting the state to save to {path}")
+    writer_group = background.background_group(group)
+
+    def write() -> None:
+        _prepare(path, writer_group)
+        # No quiet_single_process() here: warnings.catch_warnings is not thread-safe.
+        _write_and_commit(staged, path, writer_group, checksums, save_id, quiet=False)
+
+    return background.submit(write)
+
+
+def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    # Stateful values are turned into plain state dicts here, not inside dcp.save, so a
+    # rank whose state_dict() raises is seen by all ranks before any DCP collective.
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _prepare(path: Path, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 refuses a path that is a file, tidies what an interrupted save left and makes
+    the parent folder; the ranks agree."""
     partial, previous = _siblings(path)
     error: Exception | None = None
     if rank_of(group) == 0:
@@ -162,16 +283,25 @@ def _save(
         except (OSError, ValueError) as e:
             error = e
     agree(group, error, f"preparing to save {path}")
-    try:
-        # Stateful values are turned into plain state dicts here, not inside dcp.save, so a
-        # rank whose state_dict() raises is seen by all ranks before any DCP collective.
-        staged = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    except (Exception, CheckpointException) as e:
-        error = _ordinary(e, f"collecting the state to save to {path}")
-    agree(group, error, f"collecting the state to save to {path}")
+
+
+def _write_and_commit(
+    staged: dict[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+    checksums: bool,
+    save_id: str,
+    *,
+    quiet: bool = True,
+) -> None:
+    """DCP writes ``staged`` into ``<path>.partial``; every rank records its checksums; rank
+    0 commits once every rank succeeded. **Collective** over ``group``. ``quiet``: hide
+    DCP's warning that one process saves alone (the foreground only)."""
+    partial, previous = _siblings(path)
+    error: Exception | None = None
     writer = RecordingWriter(partial, save_id=save_id)
     try:
-        with quiet_single_process():
+        with quiet_single_process() if quiet else contextlib.nullcontext():
             dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointException as e:  # a BaseException: make it an ordinary error
         raise CheckpointError(
@@ -278,7 +408,32 @@ def load_checkpoint(
     The ranks agree on the outcome, so all of them raise or none does, every rank with the
     same message naming which rank saw what, and a refused checkpoint leaves every EMA
     exactly as it was. Other entries (model, optimizer) get DCP's own checks: missing keys
-    and shape mismatches raise before anything is written.
+    and shape mismatches raise before anything is written. The saved counter must fit an
+    int64 and the numbers of the saved options be finite, checked with the options.
+
+    **A failed load changes no EMA.** Every EMA (and every member of a ``MultiModelEMA``)
+    reads into buffers of its own layout (:func:`~dtensor_ema.state.staging_state`: this
+    rank's pieces, as DTensors of its mesh), and is swapped in (copied into its live shards,
+    its counter set) only when every rank has read everything and checked what it read (one
+    more flag all-reduce): whatever fails in between, on any rank (an I/O error, a short
+    read, an exception of the storage layer, a refused entry, an out-of-range value, a
+    ``Stateful`` entry's ``load_state_dict``), every EMA keeps its tensors, update count,
+    options and tracked set, and keeps updating. Peak extra memory: one more copy of each
+    loaded EMA's local shards (``1/W`` of its tracked tensors; measured in
+    ``benchmarks/load_memory.py``), plus what DCP holds while it reads one item. Model and
+    optimizer entries keep DCP's behaviour: they are read in place, so a load that fails
+    while reading may leave them partly written (load them again).
+
+    **A load reads the bytes it verified.** The checkpoint directory is opened once, and
+    every file is read from that directory as it was first seen (same inode, size and
+    modification time), held open from the checksum pass to the item reads: a
+    :func:`save_checkpoint` of another job that commits to the same path meanwhile (it
+    renames the directory away) is not seen, and the load returns the save it began with.
+    Where that cannot hold (the committed save deleted a file before this load opened it, a
+    file was rewritten in place, the ranks opened different saves: one all-gather of four
+    int64s per rank compares them), every rank raises
+    :class:`~dtensor_ema.reader.CheckpointChangedError` naming the saves and the file, never
+    "corrupted", with every EMA unchanged.
 
     An EMA that tracks other tensors than the checkpoint's (``ModelEMA(track=...)``,
     ``add_tensors``: the checkpoint's config lists what its EMA left untracked) is refused
@@ -328,6 +483,7 @@ def load_checkpoint(
             a checksum differs from the saved one or belongs to another save, or a checksum
             file names no save (``verify``), the checkpoint has no checksums
             (``verify="require"``); or DCP failed (one line naming what it raised).
+        CheckpointChangedError: another save wrote to ``path`` while this load read it.
 
     When ranks fail differently, every rank raises the same message, of the first failing
     rank's exception type (``RuntimeError`` where that type is not a builtin or ours).
@@ -362,38 +518,173 @@ def _load(
     except Exception as e:  # anything else: still tell the other ranks
         error = RuntimeError(f"reading the checkpoint at {path} failed: {e!r}")
         error.__cause__ = e
-    agree(group, error, f"checking the checkpoint at {path}")
-    assert checkpoint is not None
-    others = {where: _other_stages(checkpoint, where, ema, group) for where, ema in emas.items()}
     try:
-        for where, ema in emas.items():
-            _check_ema_tensors(checkpoint, where, ema, others[where])
-    except (ValueError, CheckpointError) as e:
-        error = e
-    agree(group, error, f"checking the checkpoint at {path}")
-    if unverified is not None:
-        warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=3)
-
-    if emas:
-        # The counter and options are small: read them alone, then let the EMA judge them
-        # while its tensors are still untouched.
-        saved: dict[str, Any] = {}
-        for where, ema in emas.items():
-            _set_nested(saved, where, _without_tensors(ema.state_dict()))
-        checkpoint.load(saved, group=group, verify=check)
-        subsets: dict[tuple[str, ...], list[str]] = {}
+        agree(group, error, f"checking the checkpoint at {path}")
+        assert checkpoint is not None
+        _agree_on_save(group, checkpoint)
+        others = {w: _other_stages(checkpoint, w, ema, group) for w, ema in emas.items()}
         try:
             for where, ema in emas.items():
-                names = _judge_saved_values(
-                    checkpoint, where, ema, _get_nested(saved, where), common_subset, others[where]
-                )
-                if names is not None:
-                    subsets[where] = names
-        except (KeyError, ValueError) as e:
+                _check_ema_tensors(checkpoint, where, ema, others[where])
+        except (ValueError, CheckpointError) as e:
             error = e
-        agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
-        state = with_common_subsets(state, subsets)
-    checkpoint.load(state, group=group, verify=check)
+        agree(group, error, f"checking the checkpoint at {path}")
+        if unverified is not None:
+            warnings.warn(unverified, UnverifiedCheckpointWarning, stacklevel=3)
+        subsets = _judge_saved(checkpoint, emas, group, check, common_subset, others)
+        _load_staged(state, checkpoint, group, check, subsets)
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
+
+
+def _judge_saved(
+    checkpoint: Checkpoint,
+    emas: Mapping[tuple[str, ...], ModelEMA],
+    group: dist.ProcessGroup | None,
+    check: bool,
+    common_subset: bool,
+    others: Mapping[tuple[str, ...], frozenset[str]],
+) -> dict[tuple[str, ...], list[str]]:
+    """Read each EMA's saved counter and options alone (small) and let the EMA judge them
+    (:func:`_judge_saved_values`; ``others``: each EMA's tensors that other pipeline stages
+    saved) while nothing is written; the ranks agree. Returns the tensors to load of each
+    EMA that loads only those both track (``common_subset``). **Collective** (a DCP load of
+    the values, then one flag all-reduce)."""
+    if not emas:
+        return {}
+    saved: dict[str, Any] = {}
+    for where, ema in emas.items():
+        _set_nested(saved, where, _without_tensors(ema.state_dict()))
+    checkpoint.load(saved, group=group, verify=check)
+    subsets: dict[tuple[str, ...], list[str]] = {}
+    error: Exception | None = None
+    try:
+        for where, ema in emas.items():
+            names = _judge_saved_values(
+                checkpoint, where, ema, _get_nested(saved, where), common_subset, others[where]
+            )
+            if names is not None:
+                subsets[where] = names
+    except (KeyError, ValueError) as e:
+        error = e
+    except Exception as e:  # a malformed value: still tell the other ranks
+        error = ValueError(f"checkpoint {checkpoint.path}: the saved EMA state is malformed: {e!r}")
+    agree(group, error, f"checking the EMA options saved in {checkpoint.path}")
+    return subsets
+
+
+class _Stage:
+    """One EMA's part of a load, read into buffers of its own layout
+    (:func:`~dtensor_ema.state.staging_state`) and swapped in only once every rank has read
+    and checked everything (:func:`_load_staged`)."""
+
+    def __init__(self, ema: ModelEMA, names: list[str] | None) -> None:
+        self.ema = ema
+        self.common_subset = names is not None
+        self.state = staging_state(ema.state_dict(), names)
+
+    def validate(self) -> None:
+        """What was read, checked against the EMA as :meth:`swap_in` will (nothing written)."""
+        validate_state(self.state, self.ema.state_dict(), common_subset=self.common_subset)
+
+    def swap_in(self) -> None:
+        """Copy the staged pieces into the live EMA and set its counter (local)."""
+        self.ema.load_state_dict(self.state, common_subset=self.common_subset)
+
+
+def _load_staged(
+    state: dict[str, Any],
+    checkpoint: Checkpoint,
+    group: dist.ProcessGroup | None,
+    check: bool,
+    subsets: Mapping[tuple[str, ...], list[str]],
+) -> None:
+    """The DCP load of ``state``: every EMA reads into its own staging buffers, every other
+    entry as ``dcp.load`` reads it (in place; a ``Stateful`` gets its ``load_state_dict``).
+    The EMAs are swapped in only when every rank has read everything and checked what it
+    read: whatever fails before (a read, a refused entry, an out-of-range value, a
+    ``Stateful``'s ``load_state_dict`` on any rank), every EMA keeps its tensors, counter,
+    options and tracked set. **Collective** over ``group``: DCP's, and two flag all-reduces.
+    Peak extra memory: one more copy of each loaded EMA's local shards."""
+    path = checkpoint.path
+    stages: dict[tuple[str, ...], _Stage] = {}
+    staged: dict[str, Any] = {}
+    error: Exception | None = None
+    try:
+        for key, value in state.items():
+            if isinstance(value, ModelEMA):
+                stages[(key,)] = _Stage(value, subsets.get((key,)))
+                staged[key] = stages[(key,)].state
+            elif isinstance(value, MultiModelEMA):
+                for name, ema in value.items():
+                    stages[(key, name)] = _Stage(ema, subsets.get((key, name)))
+                staged[key] = {name: stages[(key, name)].state for name in value}
+            else:  # as dcp.load does: a Stateful's state dict, loaded in place
+                staged[key] = value.state_dict() if isinstance(value, Stateful) else value
+    except Exception as e:
+        error = e
+    agree(group, error, f"collecting the state to load from {path}")
+    checkpoint.load(staged, group=group, verify=check)  # DCP: every rank raises alike
+    try:
+        for stage in stages.values():
+            stage.validate()
+        for key, value in state.items():
+            if isinstance(value, (ModelEMA, MultiModelEMA)):
+                continue
+            if isinstance(value, Stateful):
+                value.load_state_dict(staged[key])
+            else:
+                state[key] = staged[key]
+    except Exception as e:
+        error = e
+    agree(group, error, f"loading {path}")
+    for stage in stages.values():
+        stage.swap_in()
+
+
+def _agree_on_save(group: dist.ProcessGroup | None, checkpoint: Checkpoint) -> None:
+    """Every rank opened the same save: a save that committed to the path while the ranks
+    opened it would have some read the old one and some the new one. **Collective**: one
+    all-gather of four int64s per rank (nothing in one process).
+
+    Raises:
+        CheckpointChangedError: on every rank, naming which ranks read which save.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    high, low = _id_words(checkpoint.save_id)
+    rows = group_gather_rows(group, [checkpoint.metadata_digests["crc32"], high, low])
+    by_save: dict[tuple[int, ...], list[int]] = {}
+    for rank, *values in rows:
+        by_save.setdefault(tuple(values), []).append(rank)
+    if len(by_save) == 1:
+        return
+    seen = "; ".join(
+        f"ranks {ranks} read save {_id_text(values[1], values[2])}"
+        for values, ranks in by_save.items()
+    )
+    raise CheckpointChangedError(
+        f"checkpoint {checkpoint.path} changed while the ranks opened it: {seen}. Another "
+        "save committed to this path meanwhile; nothing was loaded: load again once that "
+        "save has finished"
+    )
+
+
+def _id_words(save_id: str | None) -> tuple[int, int]:
+    """A save id (a UUID) as two int64s; ``(0, 0)`` for none or another form."""
+    try:
+        value = uuid.UUID(save_id or "").int
+    except ValueError:
+        return 0, 0
+    high, low = value >> 64, value & (2**64 - 1)
+    return high - 2**64 * (high >= 2**63), low - 2**64 * (low >= 2**63)
+
+
+def _id_text(high: int, low: int) -> str:
+    if (high, low) == (0, 0):
+        return "(no id)"
+    return repr(str(uuid.UUID(int=((high % 2**64) << 64) | (low % 2**64))))
 
 
 def _emas_in(state: Mapping[str, Any]) -> dict[tuple[str, ...], ModelEMA]:

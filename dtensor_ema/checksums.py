@@ -32,13 +32,14 @@ deserializes them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -104,10 +105,15 @@ def item_key(index: MetadataIndex) -> str:
 
 
 def digests_of_ranges(
-    path: Path, ranges: Sequence[tuple[int, int]], algorithms: Sequence[str]
+    path: Path,
+    ranges: Sequence[tuple[int, int]],
+    algorithms: Sequence[str],
+    *,
+    file: BinaryIO | None = None,
 ) -> list[dict[str, int]]:
     """The ``algorithms``' digests of each ``(offset, length)`` byte range of the file at
-    ``path``, ``[{name: digest}, ...]``.
+    ``path`` (or of ``file``, already open: ``path`` then only names it), ``[{name:
+    digest}, ...]``.
 
     The file is memory-mapped and each range digested in place: no copy, no extra memory
     beyond the page cache.
@@ -116,19 +122,27 @@ def digests_of_ranges(
         EOFError: a range ends past the end of the file.
         OSError: the file cannot be read.
     """
+    with contextlib.ExitStack() as stack:
+        if file is None:
+            file = stack.enter_context(open(path, "rb"))
+        return _digests_of_ranges(file.fileno(), path, ranges, algorithms)
+
+
+def _digests_of_ranges(
+    fd: int, path: Path, ranges: Sequence[tuple[int, int]], algorithms: Sequence[str]
+) -> list[dict[str, int]]:
     functions = [(name, ALGORITHMS[name]) for name in algorithms]
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        for offset, length in ranges:
-            if offset + length > size:
-                raise EOFError(f"{path.name} has {size} bytes, a range ends at {offset + length}")
-        if size == 0:
-            return [{name: fn(b"") for name, fn in functions} for _ in ranges]
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            if hasattr(mmap, "MADV_SEQUENTIAL"):
-                mapped.madvise(mmap.MADV_SEQUENTIAL)
-            with memoryview(mapped) as view:
-                return [{name: fn(view[o : o + n]) for name, fn in functions} for o, n in ranges]
+    size = os.fstat(fd).st_size
+    for offset, length in ranges:
+        if offset + length > size:
+            raise EOFError(f"{path.name} has {size} bytes, a range ends at {offset + length}")
+    if size == 0:
+        return [{name: fn(b"") for name, fn in functions} for _ in ranges]
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        with memoryview(mapped) as view:
+            return [{name: fn(view[o : o + n]) for name, fn in functions} for o, n in ranges]
 
 
 class RecordingWriter(FileSystemWriter):

@@ -19,7 +19,11 @@ import torch
 from dtensor_ema.fused_update import CountedStep
 from dtensor_ema.options import EmaOptions
 
-__all__ = ["DeviceStep", "HostStep", "UpdateCounter", "check_count"]
+__all__ = ["MAX_COUNT", "DeviceStep", "HostStep", "UpdateCounter", "check_count"]
+
+MAX_COUNT = 2**63 - 1
+"""The largest count: it must fit an int64 (saved counters beyond it are refused before a
+load writes anything)."""
 
 
 class DeviceStep(NamedTuple):
@@ -45,10 +49,21 @@ class HostStep(NamedTuple):
 
 
 def check_count(value: object, name: str = "updates") -> int:
-    """``value`` as a counter value; raises ``ValueError`` unless an ``int >= 0``."""
+    """``value`` as a counter value; raises ``ValueError`` unless an ``int >= 0`` that fits
+    an int64 (at most :data:`MAX_COUNT`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        raise ValueError(f"{name} must be an int >= 0, got {_shown(value)}")
+    if value > MAX_COUNT:
+        raise ValueError(f"{name} must fit an int64 (at most 2**63 - 1), got {_shown(value)}")
     return value
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, but a huge int by its size (its digits could run to pages, or past
+    Python's limit for converting an int to text)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 96:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
 
 
 class UpdateCounter:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema import updater as updaters
-from dtensor_ema.counter import UpdateCounter
+from dtensor_ema.counter import UpdateCounter, check_count
 from dtensor_ema.cuda_graph import (
     CAPTURE_FAILED,
     GraphDecision,
@@ -392,7 +392,15 @@ class EmaEngine:
     def load_whole_state(self, ema: Mapping[str, torch.Tensor], updates: int) -> None:
         """Load :meth:`whole_state`'s values: its tracked set wins over what ``track=``
         picks now (``add_tensors``/``drop_tensors`` before the save). Local when the EMA is
-        whole on this rank (the only case :meth:`whole_state` allows)."""
+        whole on this rank (the only case :meth:`whole_state` allows). The counter is
+        checked first and every value is cut to its entry before any is copied, so a bad
+        value or count leaves the tensors and the counter as they were.
+
+        Raises:
+            ValueError: a count outside ``[0, 2**63 - 1]``, a value that does not fit its
+                entry.
+        """
+        check_count(updates)
         tracked = {e.fqn for e in self._plan}
         missing = [k for k in ema if k not in tracked]
         extra = [k for k in tracked if k not in ema]
@@ -400,8 +408,9 @@ class EmaEngine:
             self.change_tracked(missing, add=True)
         if extra:
             self.change_tracked(extra, add=False)
-        for entry in self._plan:
-            entry.ema_local.copy_(ema_local_from_full(entry, ema[entry.fqn]))
+        pieces = [(e.ema_local, ema_local_from_full(e, ema[e.fqn])) for e in self._plan]
+        for target, piece in pieces:
+            target.copy_(piece)
         self.restore_count(updates)
 
     # ------------------------------------------------------------------ tracked set

@@ -640,8 +640,10 @@ class ModelEMA:
         Local: no collective, ever. ``"ema"`` values may be this EMA's own live tensors (a
         DCP load filled them in place), DTensors holding **this rank's** piece with this
         EMA's mesh and placements, or full plain tensors (sliced to this rank's piece).
-        Everything is checked before anything is written: a refused state leaves the EMA
-        and its counter unchanged. Peak extra memory: none (shards are copied in place).
+        Everything is checked before anything is written (names, shapes, dtypes, options;
+        the counter must fit an int64, the options' numbers be finite): a refused state
+        leaves the EMA's tensors, counter, options and tracked set unchanged. Peak extra
+        memory: none (shards are copied in place).
 
         Args:
             state_dict: the state.
@@ -654,6 +656,7 @@ class ModelEMA:
                 dict belongs in :meth:`load_full_state_dict`).
             ValueError: missing/unexpected fqns, shape or dtype mismatches, another tracked
                 set (naming the tensors each side tracks alone; unless ``common_subset``),
+                a counter outside ``[0, 2**63 - 1]`` or a non-finite option value,
                 options different from this EMA's (resuming with other options would not
                 continue the saved trajectory), or DTensors saved by another rank or laid
                 out differently (load those through DCP).

@@ -212,8 +212,9 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore every EMA; the names must match exactly. Local.
 
-        Every member's state is validated (:func:`dtensor_ema.state.validate_state`) before
-        any is written, so a refused state leaves all of them unchanged.
+        Every member's state is validated (:func:`dtensor_ema.state.validate_state`: names,
+        shapes, dtypes, options, a counter that fits an int64) before any is written, so a
+        refused state leaves all of them unchanged.
         """
         if set(state_dict) != set(self._emas):
             raise ValueError(

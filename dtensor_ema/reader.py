@@ -36,6 +36,11 @@ Lightning drop-in's and callback's loads of sharded checkpoints.
   ``.metadata`` (:attr:`Checkpoint.save_id`): files of two saves never load together. A
   mismatch names the file and the entry, never a digest of the bytes read. Checksum files
   are JSON read within bounds (:mod:`dtensor_ema.bounded_json`).
+* Every file is read from the directory :func:`open_checkpoint` opened, as first seen
+  (:class:`~dtensor_ema.checkpoint_files.CheckpointFiles`, :meth:`Checkpoint.opened`): the
+  checks, the checksum pass and the item reads see the same bytes, whatever another save
+  commits to the path meanwhile; a file that changed is reported as changed
+  (:class:`CheckpointChangedError`), never as corrupted.
 * :func:`verification`: ``verify=True`` on a checkpoint without checksum files warns
   (:class:`UnverifiedCheckpointWarning`); ``verify="require"`` refuses it.
 * :meth:`Checkpoint.entries_under`, :meth:`Checkpoint.top_level_keys`: what the checkpoint
@@ -46,6 +51,7 @@ Nothing here communicates except :meth:`Checkpoint.load` (DCP's collectives).
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import os
 import pickle
@@ -53,7 +59,7 @@ import re
 import sys
 import warnings
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, cast
@@ -74,6 +80,7 @@ from torch.futures import Future
 
 from dtensor_ema._collectives import MESSAGE_RANKS, describe, quiet_single_process, same_error
 from dtensor_ema.bounded_json import JsonProblem, read_at_most, read_json
+from dtensor_ema.checkpoint_files import CheckpointFiles
 from dtensor_ema.checksums import (
     FORMAT,
     METADATA_FILE,
@@ -93,6 +100,7 @@ __all__ = [
     "METADATA_GLOBALS",
     "PREVIOUS_SUFFIX",
     "Checkpoint",
+    "CheckpointChangedError",
     "CheckpointError",
     "ChecksumError",
     "SafeLoadPlanner",
@@ -119,6 +127,13 @@ class ChecksumError(CheckpointError):
     """A saved item's (or ``.metadata``'s) bytes differ from those saved, or cannot be read,
     or a checksum file belongs to another save; the message names the file and, for an
     item, the tensor or value (never a digest of the bytes read)."""
+
+
+class CheckpointChangedError(CheckpointError):
+    """Another save wrote to a checkpoint's path while a load read it (a concurrent
+    :func:`~dtensor_ema.save_checkpoint` committed there, or a ``dcp.save`` wrote into the
+    directory): the message names the file, what changed and, where it can be read, the
+    other save's id. Nothing was mixed; load again once that save has finished."""
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -239,10 +254,37 @@ class Checkpoint:
     """The most bytes a checksum file of this checkpoint may have (from its items)."""
     _recorded: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Checksum files read so far, by name."""
+    files: CheckpointFiles | None = None
+    """The directory as :func:`open_checkpoint` opened it: every file is read from it, as
+    first seen (:mod:`dtensor_ema.checkpoint_files`)."""
 
     @property
     def metadata_file(self) -> Path:
         return self.path / METADATA_FILE
+
+    def opened(self) -> CheckpointFiles:
+        """:attr:`files` (opened now if this checkpoint was built without)."""
+        if self.files is None:
+            self.files = CheckpointFiles(self.path, self.changed)
+        return self.files
+
+    def close(self) -> None:
+        """Close the files held open (idempotent; garbage collection closes them too)."""
+        if self.files is not None:
+            self.files.close()
+
+    def changed(self, detail: str) -> CheckpointChangedError:
+        """The error for a file that changed since this load began (``detail``: which,
+        how), naming this load's save and, where its ``.metadata`` reads within bounds, the
+        one now at the path (:func:`_save_id_at`)."""
+        ours = f" (save {self.save_id!r})" if self.save_id else ""
+        now = _save_id_at(self.path)
+        other = f"another save (save {now!r})" if now and now != self.save_id else "another save"
+        return CheckpointChangedError(
+            f"checkpoint {self.path}{ours} changed while it was read: {detail}; {other} was "
+            f"written to {self.path} meanwhile. Nothing was mixed: load again once that save "
+            "has finished"
+        )
 
     @property
     def save_id(self) -> str | None:
@@ -295,7 +337,8 @@ class Checkpoint:
     def check_files(self) -> None:
         """Every data file the metadata names exists, is long enough, and holds its items
         in byte ranges that do not overlap (DCP writes each item once). Local; opens no
-        file (one ``stat`` per data file). :func:`open_checkpoint` calls it.
+        file (one ``stat`` per data file, in the directory that was opened: each file is
+        recorded as first seen). :func:`open_checkpoint` calls it.
 
         Raises:
             FileNotFoundError: naming the missing or truncated files.
@@ -303,10 +346,10 @@ class Checkpoint:
         """
         missing: list[str] = []
         short: list[str] = []
+        files = self.opened()
         for relative, items in sorted(self.facts.items.items()):
-            try:
-                size = (self.path / relative).stat().st_size
-            except OSError:
+            size = files.size(relative)
+            if size is None:
                 missing.append(relative)
                 continue
             items.sort()
@@ -416,9 +459,10 @@ class Checkpoint:
             chunks.sort()
             algorithms = sorted({c[2] for c in chunks})
             try:
-                found = digests_of_ranges(
-                    self.path / file, [(c[0], c[1]) for c in chunks], algorithms
-                )
+                with self.opened().opened(file) as f:  # the bytes the load will read
+                    found = digests_of_ranges(
+                        self.path / file, [(c[0], c[1]) for c in chunks], algorithms, file=f
+                    )
             except (OSError, EOFError) as e:
                 raise ChecksumError(
                     f"{self.path / file}: cannot be read, the file is corrupted: {type(e).__name__}"
@@ -438,7 +482,12 @@ class Checkpoint:
         name = sidecar_name(rank)
         if name not in self._recorded:
             file = path_inside(self.path, name, f"checkpoint {self.path}")
-            payload = _read_sidecar(file, self.path, self.sidecar_bytes) if file.exists() else {}
+            files = self.opened()
+            payload = (
+                _read_sidecar(name, files, self.sidecar_bytes)
+                if files.size(name) is not None
+                else {}
+            )
             if payload:
                 self._check_same_save(file, payload)
             self._recorded[name] = payload
@@ -468,8 +517,8 @@ class Checkpoint:
         else:
             ranks = sorted(
                 int(m.group(1))
-                for f in self.path.glob(SIDECAR_GLOB)
-                if (m := _SIDECAR.match(f.name)) is not None
+                for name in self.opened().names()
+                if (m := _SIDECAR.match(name)) is not None
             )
         items: dict[str, dict[str, Any]] = {}
         for rank in ranks:
@@ -584,54 +633,67 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             else f"no checkpoint at {path}: the directory does not exist"
         )
     file = path_inside(path, METADATA_FILE, f"checkpoint {path}")
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete DCP checkpoint: it has no {METADATA_FILE} file (the "
-            "save did not finish, or this is not a checkpoint directory)"
-        )
-    limit = max(METADATA_FLOOR_BYTES, _other_files_bytes(path))
-    data = read_at_most(file, limit)
-    if data is None:
-        raise CheckpointError(
-            f"{file}: larger than the {limit} bytes of the checkpoint's other files together: "
-            "not what DCP writes (its metadata is a fraction of the data it describes); "
-            "refused before it was read"
-        )
+    files = CheckpointFiles(path, lambda detail: CheckpointChangedError(f"{path}: {detail}"))
     try:
-        metadata = _unpickle_metadata(data, file)
-        facts = check_metadata(metadata)
-    except (_Unreadable, MetadataProblem) as e:
-        corrupted = _metadata_corruption(path, data)
-        if corrupted is not None:
-            raise corrupted from None
-        if isinstance(e, _Unreadable):
+        if files.size(METADATA_FILE) is None:
+            raise FileNotFoundError(
+                f"{path} is not a complete DCP checkpoint: it has no {METADATA_FILE} file (the "
+                "save did not finish, or this is not a checkpoint directory)"
+            )
+        names = files.names()
+        limit = _metadata_limit(files.size(n) for n in names if n != METADATA_FILE)
+        with files.read_once(METADATA_FILE) as f:
+            data = read_at_most(f, limit)
+        if data is None:
             raise CheckpointError(
-                f"{file}: not a readable DCP .metadata file ({e}: truncated, corrupted, or "
-                "not written by DCP)"
-            ) from None
-        raise CheckpointError(f"{file}: {e}; refused before anything else was read") from None
-    assert isinstance(metadata, Metadata)
-    has_checksums = next(iter(path.glob(SIDECAR_GLOB)), None) is not None
-    checkpoint = Checkpoint(
-        path, metadata, digests(data), has_checksums, facts, _sidecar_bytes(metadata)
-    )
-    checkpoint.check_paths()
-    checkpoint.check_files()
-    checkpoint.check_coverage()
+                f"{file}: larger than the {limit} bytes of the checkpoint's other files "
+                "together: not what DCP writes (its metadata is a fraction of the data it "
+                "describes); refused before it was read"
+            )
+        try:
+            metadata = _unpickle_metadata(data, file)
+            facts = check_metadata(metadata)
+        except (_Unreadable, MetadataProblem) as e:
+            corrupted = _metadata_corruption(files, data)
+            if corrupted is not None:
+                raise corrupted from None
+            if isinstance(e, _Unreadable):
+                raise CheckpointError(
+                    f"{file}: not a readable DCP .metadata file ({e}: truncated, corrupted, or "
+                    "not written by DCP)"
+                ) from None
+            raise CheckpointError(f"{file}: {e}; refused before anything else was read") from None
+        assert isinstance(metadata, Metadata)
+        has_checksums = any(fnmatch.fnmatch(n, SIDECAR_GLOB) for n in names)
+        checkpoint = Checkpoint(
+            path, metadata, digests(data), has_checksums, facts, _sidecar_bytes(metadata)
+        )
+        checkpoint.files = files
+        files.changed = checkpoint.changed
+        checkpoint.check_paths()
+        checkpoint.check_files()
+        checkpoint.check_coverage()
+    except BaseException:
+        files.close()
+        raise
     return checkpoint
 
 
-def _other_files_bytes(path: Path) -> int:
-    """The bytes of the regular files of ``path`` besides ``.metadata``."""
-    total = 0
+def _metadata_limit(sizes: Iterable[int | None]) -> int:
+    """The most bytes a ``.metadata`` may have: the other files of its directory together
+    (``sizes``; ``None``: not a plain file), or :data:`METADATA_FLOOR_BYTES`."""
+    return max(METADATA_FLOOR_BYTES, sum(size or 0 for size in sizes))
+
+
+def _other_files_sizes(path: Path) -> Iterator[int | None]:
+    """The sizes of the regular files of ``path`` besides ``.metadata``, by path."""
     with os.scandir(path) as entries:
         for entry in entries:
             if entry.name != METADATA_FILE and entry.is_file():
                 try:
-                    total += entry.stat().st_size
+                    yield entry.stat().st_size
                 except OSError:
                     continue
-    return total
 
 
 def _sidecar_bytes(metadata: Metadata) -> int:
@@ -642,15 +704,17 @@ def _sidecar_bytes(metadata: Metadata) -> int:
     )
 
 
-def _metadata_corruption(path: Path, data: bytes) -> ChecksumError | None:
+def _metadata_corruption(files: CheckpointFiles, data: bytes) -> ChecksumError | None:
     """:class:`ChecksumError` when rank 0's checksum file records a digest of ``.metadata``
     that ``data`` does not match (a corrupted file explains the failure better than what
     it happens to hold); ``None`` when nothing can be said."""
-    file = path / sidecar_name(0)
+    path = files.path
     try:
-        if not file.is_file():
+        if files.size(sidecar_name(0)) is None:
             return None
-        payload = _read_sidecar(file, path, (64 << 10) + 64 * len(data))
+        payload = _read_sidecar(sidecar_name(0), files, (64 << 10) + 64 * len(data))
+    except CheckpointChangedError:
+        raise
     except (OSError, CheckpointError):
         return None
     recorded = payload.get("metadata")
@@ -663,6 +727,20 @@ def _metadata_corruption(path: Path, data: bytes) -> ChecksumError | None:
         f"{path / METADATA_FILE}: does not match the checksum ({algorithm}) recorded when it "
         "was saved: the file is corrupted or was replaced"
     )
+
+
+def _save_id_at(path: Path) -> str | None:
+    """The save id of the ``.metadata`` at ``path`` now, ``None`` where there is none or it
+    cannot be read: for the message of :class:`CheckpointChangedError`. Read by path (the
+    save now there, not the one this load opened), within the bounds :func:`open_checkpoint`
+    sets and with the same restricted unpickler."""
+    try:
+        data = read_at_most(path / METADATA_FILE, _metadata_limit(_other_files_sizes(path)))
+        metadata = None if data is None else _unpickle_metadata(data, path / METADATA_FILE)
+    except Exception:
+        return None
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
 
 
 def path_inside(directory: Path, name: object, what: str) -> Path:
@@ -967,11 +1045,17 @@ class _Reader(FileSystemReader):
             by_file.setdefault(storage[index].relative_path, []).append(index)
         for relative, found in sorted(by_file.items()):
             file = checkpoint.path / relative
-            with open(file, "rb") as f:
+            with checkpoint.opened().opened(relative) as f:  # the file verified
                 for index in sorted(found, key=lambda i: storage[i].offset):
                     info = storage[index]
                     with _Slice(f, info.offset, info.length) as stream:
                         _check_archive(stream, info.length, _where(file, index))
+
+    def _item_stream(self, file: IO[bytes], info: Any) -> _Slice:
+        """The bytes of one item to read (``info``: its ``_StorageInfo``) in the held data
+        ``file``: where :meth:`read_data` reads from the storage (as DCP's
+        ``_slice_file``)."""
+        return _Slice(file, info.offset, info.length)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan``, one data file at a time, in file order (their
@@ -992,11 +1076,11 @@ class _Reader(FileSystemReader):
             by_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
         for relative, items in sorted(by_file.items()):
             file = checkpoint.path / relative
-            with open(file, "rb") as f:
+            with checkpoint.opened().opened(relative) as f:  # the file verified
                 for item in sorted(items, key=lambda i: storage[i.storage_index].offset):
                     info = storage[item.storage_index]
                     where = _where(file, item.storage_index)
-                    with _Slice(f, info.offset, info.length) as stream:
+                    with self._item_stream(f, info) as stream:
                         loaded = _load_item(stream, where, checked=True)  # in planning
                     if item.type == LoadItemType.BYTE_IO:
                         if isinstance(planner, SafeLoadPlanner):
@@ -1056,12 +1140,16 @@ _DIGEST = (1 << 64) - 1
 _BYTES = (1 << 63) - 1
 
 
-def _read_sidecar(file: Path, directory: Path, limit: int) -> dict[str, Any]:
-    """One rank's checksum file, read within ``limit`` bytes and checked field by field:
-    its format and version, its save id, each item's file (inside ``directory``), offset,
-    length and digests (ints), the digests of ``.metadata`` (rank 0)."""
+def _read_sidecar(name: str, files: CheckpointFiles, limit: int) -> dict[str, Any]:
+    """One rank's checksum file ``name`` of the directory ``files`` opened (as first seen),
+    read within ``limit`` bytes and checked field by field: its format and version, its
+    save id, each item's file (inside the directory), offset, length and digests (ints),
+    the digests of ``.metadata`` (rank 0)."""
+    directory = files.path
+    file = directory / name
     try:
-        payload = read_json(file, max_bytes=limit)
+        with files.read_once(name) as f:
+            payload = read_json(f, max_bytes=limit)
     except OSError as e:
         raise ChecksumError(f"{file}: unreadable ({type(e).__name__})") from None
     except JsonProblem as e:

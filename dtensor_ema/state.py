@@ -35,6 +35,7 @@ refused, naming the tensors, unless the caller asks for the tensors both hold
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtensor_ema.counter import check_count
 from dtensor_ema.flat_chunks import FlatChunks
 from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.options import TRACKING_CONFIG_KEYS
@@ -52,10 +54,9 @@ __all__ = [
     "EMA_TENSORS",
     "STATE_KEYS",
     "UPDATES",
-    "CommonSubsetState",
-    "GroupState",
     "TensorSpec",
     "TrackedDifference",
+    "check_config_values",
     "common_names",
     "compare_tensors",
     "deferred_names",
@@ -63,10 +64,11 @@ __all__ = [
     "load_local_state",
     "local_piece",
     "local_state",
+    "saved_count",
+    "staging_state",
     "tag_rank",
     "tracked_difference",
     "validate_state",
-    "with_common_subsets",
 ]
 
 UPDATES = "updates"
@@ -242,62 +244,88 @@ def deferred_names(saved_names: Iterable[str], ours: Mapping[str, Any]) -> list[
     return deferred + [k for k in ours[EMA_TENSORS] if k not in present]
 
 
-class CommonSubsetState:
-    """A DCP ``Stateful`` view of one ``ModelEMA`` through the tensors it shares with a
-    checkpoint (``load_checkpoint(..., common_subset=True)``): its state dict holds only
-    ``names``, and loading validates and copies only those (the others keep their values).
+def staging_state(state: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:
+    """A state like ``state`` (an EMA's own :func:`local_state`) whose tensors are new
+    buffers of the same layout, for a load to read into before anything live is written.
+
+    Each ``"ema"`` tensor (only ``names``, when given) gets an uninitialized buffer of its
+    shape, dtype and device; a DTensor gets one with its mesh, placements, global shape and
+    stride, holding this rank's piece (no communication); a ZeRO-3 entry
+    (:class:`~dtensor_ema.flat_chunks.FlatChunks`) one over the same flat range. The caller
+    must fill every element (a DCP load whose chunks cover each tensor exactly once) before
+    reading it. ``updates`` and ``config`` are kept, for the load to replace. Local. Peak
+    extra memory: one copy of the EMA's local shards (``1/W`` of the tracked tensors).
     """
-
-    def __init__(self, ema: Any, names: Iterable[str]) -> None:
-        self.ema = ema
-        self.names = list(names)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.ema.state_dict()
-        tensors = state[EMA_TENSORS]
-        return {**state, EMA_TENSORS: {k: tensors[k] for k in self.names}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.ema.load_state_dict(state, common_subset=True)
+    tensors = state[EMA_TENSORS]
+    chosen = list(tensors) if names is None else list(names)
+    return {**state, EMA_TENSORS: {k: _empty_like(tensors[k]) for k in chosen}}
 
 
-class GroupState:
-    """A DCP ``Stateful`` over named members (a ``MultiModelEMA`` whose members load
-    through :class:`CommonSubsetState`): ``{name: member.state_dict()}``."""
+def _empty_like(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, FlatChunks):  # a ZeRO-3 entry: the same flat range, new memory
+        return FlatChunks(torch.empty_like(value.local), value.shape, value.start)
+    if isinstance(value, DTensor):
+        return DTensor.from_local(
+            torch.empty_like(value.to_local()),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return torch.empty_like(value)
 
-    def __init__(self, members: Mapping[str, Any]) -> None:
-        self.members = dict(members)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {name: member.state_dict() for name, member in self.members.items()}
+def saved_count(value: Any) -> int:
+    """A saved ``updates`` value as the count it stands for: an ``int`` (or a one-element
+    integer tensor) in ``[0, 2**63 - 1]``, so that restoring it cannot fail halfway.
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, member in self.members.items():
-            member.load_state_dict(state[name])
+    Raises:
+        ValueError: anything else, naming the value (a huge one by its size).
+    """
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    ):
+        value = int(value.item())
+    return check_count(value, "checkpoint 'updates'")
 
 
-def with_common_subsets(
-    state: dict[str, Any], subsets: Mapping[tuple[str, ...], list[str]]
-) -> dict[str, Any]:
-    """``state`` (what ``dcp.load`` gets) with each EMA that loads only some of its tensors
-    seen through :class:`CommonSubsetState`: ``subsets`` maps an EMA's path (``("ema",)``,
-    or ``("emas", "fast")`` for a ``MultiModelEMA`` member) to the names it loads."""
-    if not subsets:
-        return state
-    out = dict(state)
-    for key, value in state.items():
-        if (key,) in subsets:
-            out[key] = CommonSubsetState(value, subsets[(key,)])
-        elif any(len(w) == 2 and w[0] == key for w in subsets):  # a MultiModelEMA
-            out[key] = GroupState(
-                {
-                    name: CommonSubsetState(member, subsets[(key, name)])
-                    if (key, name) in subsets
-                    else member
-                    for name, member in value.items()
-                }
+def check_config_values(config: Any) -> None:
+    """A saved ``config`` is JSON text (or a dict) whose numbers are finite and whose ints
+    fit an int64: the decays, half-lives and step counts a resume would use.
+
+    Raises:
+        ValueError: naming the option and its value.
+    """
+    if not isinstance(config, (str, Mapping)):
+        raise ValueError(f"checkpoint 'config' must be JSON text, got a {type(config).__name__}")
+    try:
+        parsed = _config(config)
+    except ValueError as e:
+        raise ValueError(f"checkpoint 'config' is not valid JSON ({type(e).__name__})") from None
+    for where, number in _numbers(parsed, ()):
+        name = ".".join(where) or "config"
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ValueError(f"checkpoint option {name} must be finite, got {number!r}")
+        if isinstance(number, int) and not -(2**63) <= number <= 2**63 - 1:
+            raise ValueError(
+                f"checkpoint option {name} must fit an int64, got an int of "
+                f"{number.bit_length()} bits"
             )
-    return out
+
+
+def _numbers(value: Any, where: tuple[str, ...]) -> Iterable[tuple[tuple[str, ...], float]]:
+    """``(path, number)`` of every int and float in a parsed JSON value."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _numbers(v, (*where, str(k)))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, (*where, str(i)))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield where, value
 
 
 def validate_state(
@@ -322,7 +350,9 @@ def validate_state(
             a full model state dict, which :meth:`ModelEMA.load_full_state_dict` loads).
         ValueError: missing/unexpected fqns, shape or dtype mismatches, another tracked set
             (naming the tensors; unless ``common_subset``), a counter that is not an int
-            >= 0, or options (schedule, ``update_every``, ...) different from this EMA's:
+            in ``[0, 2**63 - 1]`` (:func:`saved_count`), a ``config`` that is not JSON or
+            holds a non-finite number or an int beyond int64 (:func:`check_config_values`),
+            or options (schedule, ``update_every``, ...) different from this EMA's:
             resuming with other options would not continue the saved trajectory.
     """
     for key in (EMA_TENSORS, UPDATES):
@@ -337,6 +367,9 @@ def validate_state(
     values = state[EMA_TENSORS]
     if not isinstance(values, Mapping):
         raise ValueError(f"EMA state dict's 'ema' must map fqns to tensors, got {type(values)}")
+    updates = saved_count(state[UPDATES])
+    if CONFIG in state:
+        check_config_values(state[CONFIG])
     diff = tracked_difference(values, state.get(CONFIG), ours)
     problems = compare_tensors(
         {k: v for k, v in values.items() if k not in diff.only_saved},
@@ -360,11 +393,6 @@ def validate_state(
                 "checkpoint EMA options differ from this EMA's (construct ModelEMA with the "
                 f"checkpoint's options to resume): {'; '.join(diffs)}."
             )
-    updates = state[UPDATES]
-    if isinstance(updates, torch.Tensor) and updates.numel() == 1:
-        updates = int(updates.item())
-    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
-        raise ValueError(f"checkpoint 'updates' must be an int >= 0, got {updates!r}")
     return updates
 
 

@@ -222,23 +222,28 @@ def duplicate_chunk(directory: Path, fqn: str, **kwargs: Any) -> None:
     rewrite(directory, metadata, **kwargs)
 
 
-def replace_value(directory: Path, fqn: str, payload: Any, **kwargs: Any) -> None:
-    """Append ``torch.save(payload)`` to the data file of ``fqn``'s (first) item and point
-    ``.metadata`` at it: the entry's pickle now holds ``payload``."""
+def replace_value(
+    directory: Path, fqn: str, payload: Any, *, at: tuple[int, ...] | None = None, **kwargs: Any
+) -> None:
+    """Append ``torch.save(payload)`` to the data file of ``fqn``'s item (its chunk at
+    offsets ``at``; the first) and point ``.metadata`` at it: the entry's pickle now holds
+    ``payload``."""
     import io
 
     import torch
 
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    replace_item(directory, fqn, buffer.getvalue(), **kwargs)
+    replace_item(directory, fqn, buffer.getvalue(), at=at, **kwargs)
 
 
-def replace_item(directory: Path, fqn: str, data: bytes, **kwargs: Any) -> None:
-    """Append ``data`` to the data file of ``fqn``'s (first) item and point ``.metadata``
-    at it."""
+def replace_item(
+    directory: Path, fqn: str, data: bytes, *, at: tuple[int, ...] | None = None, **kwargs: Any
+) -> None:
+    """Append ``data`` to the data file of ``fqn``'s item (its chunk at offsets ``at``; the
+    first) and point ``.metadata`` at it."""
     metadata = read_metadata(directory)
-    info = metadata.storage_data[index_of(metadata, fqn)]
+    info = metadata.storage_data[index_of(metadata, fqn, at)]
     file = directory / info.relative_path
     info.offset = file.stat().st_size
     info.length = len(data)

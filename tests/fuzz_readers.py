@@ -55,6 +55,7 @@ READERS = [
     for m in (
         "bounded_json",
         "checkpoint",
+        "checkpoint_files",
         "checksums",
         "coverage",
         "export",

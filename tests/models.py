@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -183,6 +184,15 @@ class ReferenceEMA:
 
 def _ema_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def error_text(fn: Callable[[], object]) -> str | None:
+    """``"<type>: <message>"`` of what ``fn()`` raised, ``None`` if it returned."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from crafted import checkpoints_under, refused_globals, replace_value
 from dist_harness import run_ranks
 from models import ReferenceEMA, make_model, mismatches
+from models import error_text as _error
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
@@ -277,14 +278,6 @@ def load_one(ckpt: str, wrapper: str, tmp: Path) -> dict[str, Any]:
     out["vs_never_stopped"] = mismatches(full(ema.ema_tensors()), never_stopped)
     out["module"], out["ema"] = module, ema
     return out
-
-
-def _error(fn: Callable[[], object]) -> str | None:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _is_rank0() -> bool:
