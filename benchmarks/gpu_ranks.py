@@ -24,9 +24,12 @@ model:
 * ``ema.module``: its forward against the same plain model (``build_module``'s promise:
   relative error <= 1e-5, bf16 models <= 1e-2).
 * Bytes: every rank's ``local_nbytes()``; the largest over total / W.
-* W = 4 saves the eager EMA with ``save_checkpoint`` (and rank 0 the reference, to CPU);
-  W = 2 loads each W = 4 checkpoint into its own DDP or FSDP2 model (HSDP's into FSDP2) and
-  :func:`load_one_process` loads them in the suite's process with no process group.
+* W = 4 saves the eager EMA with ``save_checkpoint`` (and rank 0 the reference, to CPU),
+  then with ``save_checkpoint(async_=True)``, updating once more while it writes; W = 2
+  loads each W = 4 checkpoint (both saves: staged loads of device shards) into its own DDP
+  or FSDP2 model (HSDP's into FSDP2), then a copy with one byte flipped, which must raise
+  and leave the EMA as it was; :func:`load_one_process` loads the blocking saves in the
+  suite's process with no process group.
 
 The same ranks then run :mod:`gpu_zero3`: the model as DeepSpeed ZeRO-3 partitions (the
 attributes DeepSpeed sets, emulated on the device), every update flavour, the swap, the
@@ -381,8 +384,23 @@ def run_case(
 
         attempt(row, "dcp_save", save)
     attempt(row, "module_forward", lambda: forward_ok(forward(eager.module, device), want, dtype))
+    if save_dir is not None:  # last: it updates the EMA once more
+        attempt(row, "dcp_save_async", lambda: save_in_background(eager, path))
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
+
+
+def save_in_background(ema: Any, path: Path) -> str:
+    """``save_checkpoint(async_=True)`` of ``ema`` to ``<path>_async``, then one more
+    ``update()`` while the write runs: the checkpoint must hold the state at the call, the
+    one the blocking save wrote to ``path`` (the W = 2 loads check both against the same
+    reference). Collective."""
+    from dtensor_ema import save_checkpoint
+
+    future = save_checkpoint({"ema": ema}, Path(f"{path}_async"), async_=True)
+    ema.update()
+    future.result()
+    return "ok"
 
 
 def _ema_full(ema: Any) -> dict[str, torch.Tensor]:
@@ -400,7 +418,11 @@ def load_case(
     model = build(into, DTYPES[dt], device, world)
     ema = ModelEMA(model, decay=DECAY, tau=TAU, cuda_graph=False)
 
-    attempt(row, "dcp_load", lambda: _load_and_compare(ema, save_dir, f"{layout}_{dt}"))
+    name = f"{layout}_{dt}"
+    attempt(row, "dcp_load", lambda: load_and_compare(ema, save_dir, name))
+    if Path(save_dir / f"{name}_async").exists():
+        attempt(row, "dcp_load_async", lambda: load_and_compare(ema, save_dir, name, "_async"))
+    attempt(row, "failed_load_unchanged", lambda: failed_load(row, ema, save_dir, name, world))
     return row
 
 
@@ -415,22 +437,67 @@ def load_one_process(layout: str, dt: str, device: torch.device, save_dir: Path)
     def load() -> Any:
         model = make_model("transformer").to(device=device, dtype=DTYPES[dt])
         ema = ModelEMA(model, decay=DECAY, tau=TAU, cuda_graph=False)
-        return _load_and_compare(ema, save_dir, f"{layout}_{dt}")
+        return load_and_compare(ema, save_dir, f"{layout}_{dt}")
 
     attempt(row, "dcp_load", load)
     return row
 
 
-def _load_and_compare(ema: Any, save_dir: Path, name: str) -> Any:
-    """Load checkpoint ``save_dir/name`` into ``ema`` (collective over its mesh) and compare
-    its full tensors and counter with the reference saved beside it (``name.ref.pt``)."""
+def load_and_compare(
+    ema: Any,
+    save_dir: Path,
+    name: str,
+    suffix: str = "",
+    full: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+) -> Any:
+    """Load checkpoint ``save_dir/<name><suffix>`` into ``ema`` (collective over its mesh)
+    and compare its full tensors (``full(ema)``, default :func:`_ema_full`) and counter with
+    the reference saved beside the blocking save (``name.ref.pt``)."""
     from dtensor_ema import load_checkpoint
 
     saved = torch.load(save_dir / f"{name}.ref.pt", weights_only=True)
-    load_checkpoint({"ema": ema}, save_dir / name)
-    bad = differing(_ema_full(ema), saved["ref"])
+    load_checkpoint({"ema": ema}, save_dir / f"{name}{suffix}")
+    bad = differing((full or _ema_full)(ema), saved["ref"])
     if ema.updates != saved["updates"]:
         bad.append(f"updates {ema.updates} != {saved['updates']}")
+    return verdict(bad)
+
+
+def failed_load(
+    row: dict[str, Any],
+    ema: Any,
+    save_dir: Path,
+    name: str,
+    world: int,
+    full: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+) -> Any:
+    """A load of a copy of ``save_dir/name`` with one byte flipped in the middle of its
+    largest data file (rank 0 writes the copy) must raise on every rank and leave ``ema``
+    exactly as it was: the staged load's promise, with the EMA on the device. What it raised
+    goes to ``row["failed_load_raised"]``. Collective."""
+    import shutil
+
+    from dtensor_ema import load_checkpoint
+
+    broken = save_dir / f"{name}_broken_w{world}"
+    if dist.get_rank() == 0:
+        shutil.copytree(save_dir / name, broken)
+        largest = max(broken.glob("*.distcp"), key=lambda f: f.stat().st_size)
+        data = bytearray(largest.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        largest.write_bytes(bytes(data))
+    dist.barrier()
+    before = (full or _ema_full)(ema)
+    count = ema.updates
+    try:
+        load_checkpoint({"ema": ema}, broken)
+    except Exception as err:
+        row["failed_load_raised"] = f"{type(err).__name__}: {str(err)[:160]}"
+    else:
+        return ["the load of a corrupted checkpoint did not raise"]
+    bad = differing((full or _ema_full)(ema), before)
+    if ema.updates != count:
+        bad.append(f"updates {ema.updates} != {count}")
     return verdict(bad)
 
 

@@ -1095,7 +1095,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
 
 
 EXACT_KEYS = re.compile(
-    r"^(differs.*|.*_differs|update_.*|weights|restored|ema_sd|model_sd|dcp_load|local_shapes|"
+    r"^(differs.*|.*_differs|update_.*|weights|restored|ema_sd|model_sd|dcp_load.*|failed_load_unchanged|local_shapes|"
     r"local_values_after_update|eager_differs_from_reference)$"
 )
 """Fields that hold an exactness result: ``"exact"``, or what differs (a list, an error);

@@ -156,6 +156,11 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
     assert len(loads) == 16 and all(r["dcp_load"] == "exact" for r in loads), loads
     assert sum(r["world"] == 1 for r in loads) == 8
     assert sum("zero3" in r["layout"] for r in loads) == 4  # W=4 -> W=2, W=4 -> one process
+    for row in (r for r in loads if r["world"] == 2):  # background saves; a failed load
+        assert row["dcp_load_async"] == row["failed_load_unchanged"] == "exact", row
+        assert row["failed_load_raised"].startswith("ChecksumError"), row
+    for row in (r for r in cases + zero3 if r["world"] == 4):
+        assert row["dcp_save_async"] == "ok", row
     fake = body["fake_world"]
     assert {(r["world"], r["layout"], r["rank"]) for r in fake} == {
         (w, layout, r) for w in (8, 64) for layout in ("ddp", "fsdp2", "hsdp") for r in (0, w - 1)
