@@ -32,7 +32,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
     _install(session, "test,lightning,transformers,compat,zoo,docs,deepspeed,torchft,olmo,fuzz")
-    _pytest(session)
+    _pytest(session, "-n", "2", "--dist", "loadfile")  # as README.md's test command
 
 
 FLOOR_TORCH = "torch==2.12.1"
