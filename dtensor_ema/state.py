@@ -69,6 +69,7 @@ __all__ = [
     "tag_rank",
     "tracked_difference",
     "validate_state",
+    "wrapped_like",
 ]
 
 UPDATES = "updates"
@@ -263,17 +264,29 @@ def staging_state(state: Mapping[str, Any], names: Iterable[str] | None = None) 
 
 def _empty_like(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, FlatChunks):  # a ZeRO-3 entry: the same flat range, new memory
-        return FlatChunks(torch.empty_like(value.local), value.shape, value.start)
+        return wrapped_like(value, torch.empty_like(value.local))
     if isinstance(value, DTensor):
-        return DTensor.from_local(
-            torch.empty_like(value.to_local()),
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        return wrapped_like(value, torch.empty_like(value.to_local()))
     return torch.empty_like(value)
+
+
+def wrapped_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's piece, plain) wrapped as ``like`` is: a DTensor on ``like``'s
+    mesh and placements with its global shape and stride, or a ZeRO-3 flat range
+    (``FlatChunks``) at its offset; a plain ``like`` gives ``local`` itself. ``local``'s
+    shape is not checked against ``like``'s piece. Local: no communication, no copy."""
+    if isinstance(like, FlatChunks):
+        return FlatChunks(local, like.shape, like.start)
+    if isinstance(like, DTensor):
+        return DTensor.from_local(
+            local,
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+    return local
 
 
 def saved_count(value: Any) -> int:

@@ -56,7 +56,7 @@ from dtensor_ema.integrations._common import (
 )
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.reader import CheckpointError, open_checkpoint
-from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES
+from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES, wrapped_like
 
 __all__ = ["EMA_KEY_PREFIX", "EMACallback"]
 
@@ -478,15 +478,7 @@ def _like(live: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     mesh and placements, or a ZeRO-3 flat range at its offset; shapes are checked by
     ``ModelEMA.load_state_dict``. Local."""
     if isinstance(live, DTensor):
-        local = piece.to(live.to_local().device)
-        return DTensor.from_local(
-            local,
-            live.device_mesh,
-            live.placements,
-            run_check=False,
-            shape=live.shape,
-            stride=live.stride(),
-        )
+        return wrapped_like(live, piece.to(live.to_local().device))
     if isinstance(live, FlatChunks):
-        return FlatChunks(piece.to(live.local.device), live.shape, live.start)
+        return wrapped_like(live, piece.to(live.local.device))
     return piece

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.state import tag_rank
+from dtensor_ema.state import tag_rank, wrapped_like
 
 __all__ = ["FaultTolerantEMA", "register_ema"]
 
@@ -257,15 +257,7 @@ def _copied(value: Any) -> Any:
     """``value`` with every tensor replaced by a detached copy (DTensors keep their mesh,
     placements, shape and the saving rank's tag); dicts, lists and tuples rebuilt."""
     if isinstance(value, DTensor):
-        local = value.to_local().detach().clone()
-        copy = DTensor.from_local(
-            local,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        copy = wrapped_like(value, value.to_local().detach().clone())
         tag_rank(copy)
         return copy
     if isinstance(value, torch.Tensor):
