@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "drop_partition_hooks",
     "drop_secondary",
     "is_partitioned",
     "partition_group",
@@ -100,6 +101,50 @@ def drop_secondary(param: torch.Tensor) -> None:
     builds it again from the whole parameter. Local."""
     if getattr(param, "ds_secondary_tensor", None) is not None:
         param.ds_secondary_tensor = None  # type: ignore[attr-defined]
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_HOOK_ID_SETS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _from_deepspeed(hook: object) -> bool:
+    function = getattr(hook, "func", hook)  # functools.partial
+    function = getattr(function, "hook", function)  # torch's _WrappedHook
+    return str(getattr(function, "__module__", "") or "").startswith("deepspeed.")
+
+
+def drop_partition_hooks(module: nn.Module) -> int:
+    """Remove, from ``module`` and every submodule, the hooks DeepSpeed defined (ZeRO-3
+    registers a gather before and a release after every submodule's forward, and the
+    backward hooks that partition gradients; each is a function of a ``deepspeed.`` module).
+    For a *copy* of a ZeRO-3 module whose parameters are plain tensors: DeepSpeed's hooks
+    would gather partitions it does not hold. Hooks of any other origin stay. Local;
+    returns how many were removed."""
+    removed = 0
+    for sub in module.modules():
+        for name in _HOOK_DICTS:
+            hooks = getattr(sub, name, None)
+            if not hooks:
+                continue
+            for key in [k for k, hook in hooks.items() if _from_deepspeed(hook)]:
+                del hooks[key]
+                removed += 1
+                for id_set in _HOOK_ID_SETS:
+                    getattr(sub, id_set, {}).pop(key, None)
+    return removed
 
 
 def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -> str | None:

@@ -25,7 +25,7 @@ import os
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -463,6 +463,139 @@ def zero012(out: dict[str, Any]) -> None:
         ]
 
 
+class _Case(NamedTuple):
+    """One EMA on a ZeRO-3 engine. ``update``: ``None`` for ``ema.update()``;
+    ``copies_first``: its first update copies the model (torch's ``AveragedModel``,
+    ema-pytorch); ``module``: the module its users evaluate and save (drop-ins);
+    ``engine``: the ModelEMA whose state is compared with the reference."""
+
+    make: Callable[[Any], Any]
+    evaluate: Callable[[Any, Any, torch.Tensor], torch.Tensor]
+    update: Callable[[Any, Any, int], None] | None = None
+    copies_first: bool = False
+    module: Callable[[Any], nn.Module] | None = None
+    engine: Callable[[Any], Any] = lambda ema: ema.engine
+    decay: float = DECAY
+
+
+def _dropin_cases() -> dict[str, _Case]:
+    """Each drop-in built and evaluated as its library's users do, and ModelEMA's options
+    that keep buffers of their own, evaluated with ``average_parameters``."""
+    from dtensor_ema import ModelEMA, MultiModelEMA
+    from dtensor_ema.compat import ema_pytorch, swa_utils, timm, ultralytics
+
+    def swapped(ema: Any, engine: Any, x: torch.Tensor) -> torch.Tensor:
+        engine.eval()
+        with ema.average_parameters(), torch.no_grad():
+            return engine(x)
+
+    def own_eval(ema: Any, engine: Any, x: torch.Tensor) -> torch.Tensor:
+        ema.eval()  # the gather timm's validate(), torch's and ema-pytorch's habits trigger
+        with torch.no_grad():
+            return ema(x)
+
+    def gathered_then(ema: Any, engine: Any, x: torch.Tensor) -> torch.Tensor:
+        ema.gather_for_save()  # ultralytics' ema.ema is a module: gather, then call it
+        with torch.no_grad():
+            return ema.ema(x)
+
+    options = {"decay": DECAY, "tau": None}
+    return {
+        "timm": _Case(
+            make=lambda e: timm.ModelEmaV3(e, decay=DECAY),
+            evaluate=own_eval,
+            update=lambda ema, e, step: ema.update(e, step=step + 10),
+            module=lambda ema: ema.module,
+        ),
+        "ultralytics": _Case(
+            make=lambda e: ultralytics.ModelEMA(e.module, decay=DECAY, tau=1e-9),
+            evaluate=gathered_then,
+            update=lambda ema, e, step: ema.update(e.module),
+            module=lambda ema: ema.ema,
+        ),
+        "swa_utils": _Case(
+            make=lambda e: swa_utils.AveragedModel(
+                e.module, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(DECAY), use_buffers=True
+            ),
+            evaluate=own_eval,
+            update=lambda ema, e, step: ema.update_parameters(e.module),
+            copies_first=True,
+            module=lambda ema: ema.module,
+        ),
+        "ema_pytorch": _Case(  # power=1e9: the decay is beta from the second update on
+            make=lambda e: ema_pytorch.EMA(  # beta=0.5: its float32 decay is exact
+                e.module, beta=0.5, update_after_step=0, update_every=1, power=1e9
+            ),
+            evaluate=own_eval,
+            update=lambda ema, e, step: ema.update(),
+            copies_first=True,
+            module=lambda ema: ema.ema_model,
+            decay=0.5,
+        ),
+        "offload": _Case(
+            make=lambda e: ModelEMA(e, offload=True, **options),
+            evaluate=swapped,
+            engine=lambda ema: ema,
+        ),
+        "bucket_view": _Case(
+            make=lambda e: ModelEMA(e, parameters_as_bucket_view=True, **options),
+            evaluate=swapped,
+            engine=lambda ema: ema,
+        ),
+        "multi": _Case(  # both updated by one call; "fast" checked
+            make=lambda e: MultiModelEMA(e, {"slow": {"decay": 0.99}, "fast": options}),
+            evaluate=lambda ema, e, x: swapped(ema["fast"], e, x),
+            engine=lambda ema: ema["fast"],
+        ),
+    }
+
+
+def dropins(out: dict[str, Any]) -> None:
+    """The drop-ins and ModelEMA's offload, bucket-view and MultiModelEMA on a ZeRO-3
+    engine, one engine each: after ``STEPS`` updates the evaluation output equals a plain
+    ``Net`` holding the reference EMA, bit for bit (the drop-ins evaluate a replica: a plain
+    copy whose parameters are gathered in their real shapes, DeepSpeed's hooks removed from
+    it); the drop-in's full state (what its users save) equals the reference; DeepSpeed's
+    engine still trains afterwards and the next update stays exact. ema-pytorch with
+    ``ignore_names``: the ignored weight in the replica is the model's current one."""
+    from dtensor_ema.compat import ema_pytorch
+
+    for name, case in _dropin_cases().items():
+        engine = _engine(_config(3))
+        _train_step(engine, 0)
+        ema = case.make(engine)
+        ref = ReferenceEMA(gathered(engine.module), case.decay, None)
+        for step in range(1, STEPS + 2):
+            if step == STEPS + 1:  # after the evaluation: DeepSpeed's engine still trains
+                x = _batch(99)
+                expected = _plain({**gathered(engine.module), **ref.ema}, torch.float32)(x)
+                record = {"output": torch.equal(case.evaluate(ema, engine, x), expected)}
+                if case.module is not None:  # the state its users save, gathered
+                    ema.gather_for_save()
+                    record["state"] = mismatches(case.module(ema).state_dict(), ref.ema)
+            _train_step(engine, step)
+            if case.update is None:
+                ema.update()
+            else:
+                case.update(ema, engine, step)
+            if case.copies_first and step == 1:
+                ref = ReferenceEMA(gathered(engine.module), case.decay, None)
+            else:
+                ref.update(gathered(engine.module))
+        record["next"] = mismatches(case.engine(ema).get_ema_state_dict(), ref.ema)
+        out[name] = record
+
+    engine = _engine(_config(3))
+    _train_step(engine, 0)
+    ignoring = ema_pytorch.EMA(engine.module, beta=DECAY, ignore_names={"fc.weight"})
+    ignoring.update()
+    _train_step(engine, 1)
+    ignoring.eval()
+    out["ignored_is_model"] = torch.equal(
+        ignoring.ema_model.fc.weight, gathered(engine.module)["fc.weight"]
+    )
+
+
 def other_layouts(out: dict[str, Any], plan: dict[str, Any]) -> None:
     """The ZeRO-3 checkpoint loaded into an FSDP2 EMA and a DDP EMA of a plain ``Net``; the
     FSDP2 EMA saves its own (which :func:`zero3_fp32` loads back into ZeRO-3)."""
@@ -498,6 +631,7 @@ def ds_body(rank: int, world_size: int, tmp: str, plan: dict[str, Any]) -> dict[
     out["bf16"] = _section(zero3_bf16)
     out["zero_init"] = _section(zero_init_first)
     out["zero012"] = _section(zero012)
+    out["dropins"] = _section(dropins)
     if plan.get("hpz"):
         out["hpz"] = _section(hpz, world_size)
     if plan.get("posthoc"):
@@ -802,3 +936,26 @@ def test_settings_the_ema_cannot_follow_are_refused(runs: dict[str, Any], world:
         assert "fc.weight" in refusals["repartitioned"]
         assert "partition" in refusals["repartitioned"]
         assert refusals["repartitioned_untouched"] == "[]"
+
+
+DROPINS = ("timm", "ultralytics", "swa_utils", "ema_pytorch", "offload", "bucket_view", "multi")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dropins_and_options_evaluate_and_save_the_zero3_ema(
+    runs: dict[str, Any], world: int
+) -> None:
+    """timm, ultralytics, torch swa_utils and ema-pytorch drop-ins on a ZeRO-3 model:
+    their evaluation habit gives a plain model's output with the reference EMA, bit for
+    bit, and the module they save holds the reference (before the fix their forward ran
+    DeepSpeed's gather hooks on the replica's plain tensors and raised AttributeError);
+    ModelEMA with offload, bucket view and MultiModelEMA: exact through
+    ``average_parameters``. DeepSpeed's engine trains on and the next update is exact."""
+    for rank, result in enumerate(runs[world]):
+        section = _part(result, "dropins")
+        for name in DROPINS:
+            record = section[name]
+            assert record["output"], f"rank {rank}, {name}: evaluation output differs"
+            assert record.get("state", []) == [], f"rank {rank}, {name}: saved state differs"
+            assert record["next"] == [], f"rank {rank}, {name}: update after evaluation"
+        assert section["ignored_is_model"], f"rank {rank}: ignore_names weight not the model's"

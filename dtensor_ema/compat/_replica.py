@@ -6,8 +6,11 @@ collective, :meth:`EmaReplica.materialize` (the facades' ``gather_for_save()``, 
 ``eval()``/``materialize()`` where they have a module; every rank of the EMA's mesh calls
 it), puts the full EMA where the habits read it. Where it goes depends on the layout:
 
-* **replica** (default for plain and DDP models, whose tensors the EMA splits ``1/W`` per
-  rank): :attr:`EmaReplica.module` is a structural copy of the model whose float buffers
+* **replica** (default for plain, DDP and DeepSpeed ZeRO-3 models, whose tensors the EMA
+  splits ``1/W`` per rank): :attr:`EmaReplica.module` is a structural copy of the model
+  (of a ZeRO-3 model: without DeepSpeed's hooks, its parameters in their real shapes,
+  gathered even on one rank, tracked or not, since the model holds only placeholders and
+  partitions) whose float buffers
   ARE the engine's EMA buffers when the engine keeps them whole
   (``ModelEMA(replicate_buffers=True)``: live, so ``distribute_bn``/``update_bn`` act on
   the EMA itself), whose integer buffers are copies of the model's (refreshed by every
@@ -63,6 +66,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.zero_partition import drop_partition_hooks, is_partitioned, real_shape
 
 __all__ = [
     "EmaReplica",
@@ -109,7 +113,10 @@ class EmaReplica:
         self.fix = fix
         self._sharded_option = sharded
         model = engine.model
-        self.live = engine.mesh is None or engine.mesh.size() == 1
+        # DeepSpeed ZeRO-3: the EMA of a parameter is a flat range of it, never the tensor
+        # in its real shape, so the replica's slots are gathered even on one rank.
+        self.partitioned = any(is_partitioned(p) for p in model.parameters())
+        self.live = (engine.mesh is None or engine.mesh.size() == 1) and not self.partitioned
         # DTensor models (FSDP2, TP) use the engine's module at every W, W=1 included:
         # their modules cannot be deep-copied (FSDP2 raises on ``deepcopy``).
         dtensor_model = any(isinstance(t, DTensor) for t in model.state_dict().values())
@@ -125,6 +132,7 @@ class EmaReplica:
         self._rank0_version = -1
         self._module: nn.Module | None = None
         self._gathered: list[list[str]] = []  # names of each gathered tensor (tied: several)
+        self._untracked_gathered = False  # a gathered slot holds a tensor the EMA ignores
         self._ints: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tracked_version = -1  # the engine's tracked set the module was built for
         if not self.sharded:
@@ -134,6 +142,8 @@ class EmaReplica:
         named = dict(model.state_dict(keep_vars=True))
         memo, self._gathered = self._slot_values(named)
         module = copy.deepcopy(model, memo)
+        if self.partitioned:  # a plain module now: DeepSpeed's gathers would find nothing
+            drop_partition_hooks(module)
         module.eval()
         object.__setattr__(module, "_dtensor_ema_fix", self.fix)  # read by the hooks
         self._ints = [
@@ -157,6 +167,7 @@ class EmaReplica:
         ema = self.engine.ema_tensors()
         untracked = set(self.engine.untracked)
         self._tracked_version = self.engine.engine.plan.tracked_version
+        self._untracked_gathered = False
         values: dict[int, torch.Tensor] = {}
         names: dict[int, list[str]] = {}
         for fqn, tensor in named.items():
@@ -165,7 +176,11 @@ class EmaReplica:
                 continue
             ours = ema.get(fqn)
             whole = ours is not None and (self.live or not isinstance(ours, DTensor))
-            if fqn in untracked:  # not averaged (track=): the model's own, shared, no copy
+            if is_partitioned(tensor):  # ZeRO-3: gathered in its real shape, tracked or not
+                names[id(tensor)] = [fqn]
+                self._untracked_gathered |= fqn in untracked
+                values[id(tensor)] = nn.Parameter(_meta(tensor), requires_grad=False)
+            elif fqn in untracked:  # not averaged (track=): the model's own, shared, no copy
                 values[id(tensor)] = (
                     nn.Parameter(tensor.detach(), requires_grad=False)
                     if isinstance(tensor, nn.Parameter)
@@ -261,7 +276,7 @@ class EmaReplica:
             )
             self._rank0, self._rank0_version = (full or None), self.version
             return
-        full = self.engine.get_ema_state_dict()
+        full = self.engine.get_ema_state_dict(include_untracked=self._untracked_gathered)
         for names in self._gathered:
             value = full[names[0]]
             for fqn in names:
@@ -351,7 +366,9 @@ def _full_local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _meta(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    """A storage-less stand-in of ``tensor`` in its real shape (ZeRO-3: ``ds_shape``)."""
+    shape = real_shape(tensor) if is_partitioned(tensor) else tensor.shape
+    return torch.empty(shape, dtype=tensor.dtype, device="meta")
 
 
 def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
