@@ -8,7 +8,10 @@ folder, calls ``body(rank, world_size, folder, args)`` and hands back its dict.
 from __future__ import annotations
 
 import os
+import queue as queues
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -30,7 +33,12 @@ def _entry(body: Body, rank: int, world_size: int, folder: str, args: Any, queue
         timeout=timedelta(seconds=1800),
     )
     try:
-        queue.put({"rank": rank, **body(rank, world_size, folder, args)})
+        row = {"rank": rank, **body(rank, world_size, folder, args)}
+    except BaseException:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+        raise
+    else:
+        queue.put(row)
     finally:
         dist.destroy_process_group()
 
@@ -39,7 +47,14 @@ def run_gloo_ranks(
     body: Body, world_size: int, args: Any, *, timeout_s: float = 3600
 ) -> list[dict[str, Any]]:
     """``body`` (a module-level function) on ``world_size`` spawned gloo ranks; their rows,
-    each with its ``"rank"``, in rank order."""
+    each with its ``"rank"``, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback in the message) or died before it
+            reported (its exit code); the other ranks are terminated at once instead of
+            waiting in a collective for the missing one.
+        TimeoutError: some rank did not report within ``timeout_s``.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as folder:
@@ -49,7 +64,37 @@ def run_gloo_ranks(
         ]
         for p in procs:
             p.start()
-        rows = sorted((queue.get(timeout=timeout_s) for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join()
+        try:
+            rows = _collect(queue, procs, timeout_s)
+        except BaseException:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            raise
+        finally:
+            for p in procs:
+                p.join()
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def _collect(queue: Any, procs: list[Any], timeout_s: float) -> list[dict[str, Any]]:
+    """Every rank's row, checking every second for a rank that raised or died."""
+    deadline = time.monotonic() + timeout_s
+    rows: list[dict[str, Any]] = []
+    while len(rows) < len(procs):
+        try:
+            row = queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if dead:
+                raise RuntimeError(f"rank(s) died before reporting (exit codes): {dead}") from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - {row["rank"] for row in rows})
+                raise TimeoutError(
+                    f"rank(s) {missing} did not report within {timeout_s} s"
+                ) from None
+            continue
+        if "error" in row:
+            raise RuntimeError(f"rank {row['rank']} raised:\n{row['error']}")
+        rows.append(row)
     return rows

@@ -118,3 +118,41 @@ def test_deepspeed_zero_benchmark(tmp_path: Path) -> None:
         assert r["recipe_MiB"] == pytest.approx(r["model_MiB"], rel=1e-3), r
         for key in ("update_ms", "copy_ms", "recipe_all_ms", "recipe_each_ms"):
             assert _positive(r[key]), (key, r)
+
+
+_FAILING_BODY = '''
+import torch.distributed as dist
+
+
+def body(rank, world_size, folder, args):
+    if rank == 1:
+        raise ValueError("rank one fails on purpose")
+    dist.barrier()  # rank 0 would wait here for rank 1 until the group's timeout
+    return {}
+'''
+
+_DRIVER = '''
+import sys, time
+from benchmarks.gloo_ranks import run_gloo_ranks
+from failing_body import body
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    try:
+        run_gloo_ranks(body, 2, None)
+    except RuntimeError as e:
+        print(f"caught after {time.monotonic() - start:.0f} s: {e}")
+        sys.exit(3)
+'''
+
+
+def test_gloo_ranks_reports_a_failing_rank_at_once(tmp_path: Path) -> None:
+    """``benchmarks/gloo_ranks.py``: a rank that raises fails the run with its traceback
+    within seconds, the rank waiting for it in a collective terminated (before, the driver
+    waited for the queue until ``timeout_s``, an hour by default)."""
+    (tmp_path / "failing_body.py").write_text(_FAILING_BODY)
+    (tmp_path / "driver.py").write_text(_DRIVER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    code, stdout, stderr = run_script([str(tmp_path / "driver.py")], tmp_path, env, timeout_s=90)
+    assert code == 3, stdout[-3000:] + stderr[-3000:]
+    assert "rank 1 raised" in stdout and "rank one fails on purpose" in stdout, stdout
