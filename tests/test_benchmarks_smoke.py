@@ -120,7 +120,7 @@ def test_deepspeed_zero_benchmark(tmp_path: Path) -> None:
             assert _positive(r[key]), (key, r)
 
 
-_FAILING_BODY = '''
+_FAILING_BODY = """
 import torch.distributed as dist
 
 
@@ -129,9 +129,9 @@ def body(rank, world_size, folder, args):
         raise ValueError("rank one fails on purpose")
     dist.barrier()  # rank 0 would wait here for rank 1 until the group's timeout
     return {}
-'''
+"""
 
-_DRIVER = '''
+_DRIVER = """
 import sys, time
 from benchmarks.gloo_ranks import run_gloo_ranks
 from failing_body import body
@@ -143,7 +143,7 @@ if __name__ == "__main__":
     except RuntimeError as e:
         print(f"caught after {time.monotonic() - start:.0f} s: {e}")
         sys.exit(3)
-'''
+"""
 
 
 def test_gloo_ranks_reports_a_failing_rank_at_once(tmp_path: Path) -> None:
