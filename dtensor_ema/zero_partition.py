@@ -22,8 +22,8 @@ excluded, it is exactly DTensor ``Shard(0)`` of the flattened tensor over that g
 (:func:`dtensor_ema.layout.chunk_range`). This module only reads those attributes (read in
 DeepSpeed 0.19.8's ``runtime/zero/partition_parameters.py``), and removes DeepSpeed's
 gather hooks from a plain copy of a ZeRO-3 module (:func:`drop_partition_hooks`, for the
-drop-ins' replica); :mod:`dtensor_ema.layout` turns the attributes into a layout. It never imports DeepSpeed: a model without ZeRO-3 parameters
-costs one ``getattr`` per tensor.
+drop-ins' replica); :mod:`dtensor_ema.layout` turns the attributes into a layout. It never
+imports DeepSpeed: a model without ZeRO-3 parameters costs one ``getattr`` per tensor.
 """
 
 from __future__ import annotations

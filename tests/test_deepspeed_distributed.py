@@ -34,6 +34,7 @@ from comm_mode import comm_debug_mode
 from dist_harness import run_ranks
 from models import ReferenceEMA, mismatches
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 pytest.importorskip("deepspeed")
 
@@ -596,6 +597,79 @@ def dropins(out: dict[str, Any]) -> None:
     )
 
 
+def lora(out: dict[str, Any], folder: str) -> None:
+    """peft LoRA on a tiny Llama under ZeRO-3, every weight partitioned (threshold 0): the
+    EMA of only what trains (``track="trainable"``) equals the reference lerp of the gathered
+    adapters at every step and holds ``1/W`` of their elements; the exported PEFT adapter
+    holds the reference; DeepSpeed's forward with the EMA swapped in equals a plain peft
+    model holding it, and the adapters come back exactly."""
+    try:
+        from models import peft_lora
+    except ImportError:  # pragma: no cover - the test skips without peft
+        return
+    from dtensor_ema import ModelEMA
+    from dtensor_ema.peft_export import export_peft_adapter
+
+    model = peft_lora("llama")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    config = {**_config(3, stage3_param_persistence_threshold=0)}
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+
+    def step(i: int) -> None:
+        generator = torch.Generator().manual_seed(10 * i + dist.get_rank())
+        ids = torch.randint(0, 96, (2, 8), generator=generator)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    step(0)
+    ema = ModelEMA(engine, decay=DECAY, tau=None, track="trainable")
+    ref = {n: t for n, t in _gathered_all(engine.module).items() if n in trained}
+    out["steps"] = []
+    for i in range(1, STEPS + 1):
+        step(i)
+        ema.update()
+        now = _gathered_all(engine.module)
+        for name, tensor in ref.items():
+            tensor.lerp_(now[name], 1 - DECAY)
+        out["steps"].append(mismatches(ema.get_ema_state_dict(), ref))
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in ema.ema_tensors().values()]
+    out["local_numel"] = sum(t.numel() for t in local)
+    out["trained"] = (len(ref), sum(t.numel() for t in ref.values()))
+    export_peft_adapter(ema, Path(folder))
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        exported = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        out["exported"] = mismatches(
+            exported, {n.replace(".default.", "."): t for n, t in ref.items()}
+        )
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(99))
+    plain = peft_lora("llama").eval()
+    with torch.no_grad():
+        for name, param in plain.named_parameters():
+            param.copy_(ref.get(name, now[name]))
+        expected = plain(input_ids=ids).logits
+        engine.eval()
+        before = _gathered_all(engine.module)
+        with ema.average_parameters():
+            out["forward"] = torch.equal(engine(input_ids=ids).logits, expected)
+        out["restored"] = mismatches(_gathered_all(engine.module), before)
+
+
+def _gathered_all(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` in full (ZeRO-3 partitions gathered). Collective."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        ds_tensor = param.ds_tensor.detach().contiguous()
+        rows = torch.empty(dist.get_world_size() * ds_tensor.numel(), dtype=ds_tensor.dtype)
+        dist.all_gather_into_tensor(rows, ds_tensor)
+        out[name] = rows[: param.ds_numel].view(param.ds_shape).clone()
+    return out
+
+
 def other_layouts(out: dict[str, Any], plan: dict[str, Any]) -> None:
     """The ZeRO-3 checkpoint loaded into an FSDP2 EMA and a DDP EMA of a plain ``Net``; the
     FSDP2 EMA saves its own (which :func:`zero3_fp32` loads back into ZeRO-3)."""
@@ -636,6 +710,8 @@ def ds_body(rank: int, world_size: int, tmp: str, plan: dict[str, Any]) -> dict[
         out["hpz"] = _section(hpz, world_size)
     if plan.get("posthoc"):
         out["posthoc"] = _section(posthoc, plan["posthoc"])
+    if plan.get("lora"):
+        out["lora"] = _section(lora, plan["lora"])
     return out
 
 
@@ -675,7 +751,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("deepspeed")
     ckpt = {w: str(tmp / f"zero3_w{w}") for w in (1, 2, 3)}
     single = str(tmp / "single")
-    w3 = run_ranks(ds_body, 3, tmp, str(tmp), {"save": ckpt[3], "posthoc": str(tmp / "snaps")})
+    w3 = run_ranks(
+        ds_body,
+        3,
+        tmp,
+        str(tmp),
+        {"save": ckpt[3], "posthoc": str(tmp / "snaps"), "lora": str(tmp / "lora")},
+    )
     torch.manual_seed(0)
     plain = ModelEMA(Net(), decay=DECAY, tau=None)
     try:  # in this process, with no process group
@@ -959,3 +1041,21 @@ def test_dropins_and_options_evaluate_and_save_the_zero3_ema(
             assert record.get("state", []) == [], f"rank {rank}, {name}: saved state differs"
             assert record["next"] == [], f"rank {rank}, {name}: update after evaluation"
         assert section["ignored_is_model"], f"rank {rank}: ignore_names weight not the model's"
+
+
+def test_lora_adapters_under_zero3(runs: dict[str, Any]) -> None:
+    """peft LoRA on DeepSpeed ZeRO-3 at W = 3, every weight partitioned: the EMA of the
+    trained adapters only is exact at every step with ``1/W`` of their elements per rank
+    (every element on one rank, padding excluded), the exported PEFT adapter holds the
+    reference, and DeepSpeed's forward inside ``average_parameters()`` equals a plain peft
+    model with it."""
+    pytest.importorskip("peft")
+    sections = [_part(result, "lora") for result in runs[3]]
+    for rank, section in enumerate(sections):
+        assert section["steps"] == [[]] * STEPS, f"rank {rank}"
+        assert section["forward"] and section["restored"] == [], f"rank {rank}"
+    assert sections[0]["exported"] == []
+    tensors, elements = sections[0]["trained"]
+    local = [section["local_numel"] for section in sections]
+    # each tensor: ceil(n / 3) on the first ranks, the rest on the last (at most 2 fewer)
+    assert sum(local) == elements and max(local) - min(local) <= 2 * tensors, (local, elements)
