@@ -112,17 +112,22 @@ def gathered(module: nn.Module) -> dict[str, torch.Tensor]:
     live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     for name in Net().state_dict():
         tensor = live[name]
-        ds_tensor = getattr(tensor, "ds_tensor", None)
-        if ds_tensor is None:
+        if getattr(tensor, "ds_tensor", None) is None:
             out[name] = tensor.detach().clone()
             continue
-        rows = torch.empty(dist.get_world_size() * ds_tensor.numel(), dtype=ds_tensor.dtype)
-        dist.all_gather_into_tensor(rows, ds_tensor.detach().contiguous())
-        full = rows[: tensor.ds_numel].view(tensor.ds_shape).clone()
+        full = _gather_partitions(tensor)
         if tensor.numel() == tensor.ds_numel and not torch.equal(tensor.detach(), full):
             raise AssertionError(f"{name}: the whole copy differs from its partitions")
         out[name] = full
     return out
+
+
+def _gather_partitions(param: torch.Tensor) -> torch.Tensor:
+    """A ZeRO-3 parameter in full, from every rank's partition. Collective."""
+    ds_tensor = param.ds_tensor.detach().contiguous()  # type: ignore[attr-defined]
+    rows = torch.empty(dist.get_world_size() * ds_tensor.numel(), dtype=ds_tensor.dtype)
+    dist.all_gather_into_tensor(rows, ds_tensor)
+    return rows[: param.ds_numel].view(param.ds_shape).clone()  # type: ignore[attr-defined]
 
 
 def _plain(state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
@@ -660,14 +665,8 @@ def lora(out: dict[str, Any], folder: str) -> None:
 
 
 def _gathered_all(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of ``module`` in full (ZeRO-3 partitions gathered). Collective."""
-    out: dict[str, torch.Tensor] = {}
-    for name, param in module.named_parameters():
-        ds_tensor = param.ds_tensor.detach().contiguous()
-        rows = torch.empty(dist.get_world_size() * ds_tensor.numel(), dtype=ds_tensor.dtype)
-        dist.all_gather_into_tensor(rows, ds_tensor)
-        out[name] = rows[: param.ds_numel].view(param.ds_shape).clone()
-    return out
+    """Every parameter of a ZeRO-3 ``module`` in full. Collective."""
+    return {name: _gather_partitions(p) for name, p in module.named_parameters()}
 
 
 def other_layouts(out: dict[str, Any], plan: dict[str, Any]) -> None:
