@@ -43,7 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
 
 from dtensor_ema import ModelEMA, save_checkpoint
-from dtensor_ema import background as background_saves
+from dtensor_ema.checkpoint import background as background_saves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gloo_ranks import run_gloo_ranks

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dtensor_ema
 
-from dtensor_ema import ModelEMA, checksums, export_ema
+from dtensor_ema import ModelEMA, export_ema
 from dtensor_ema._collectives import CHECK_ENV, check_group_enters
-from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
-from dtensor_ema.reader import open_checkpoint
+from dtensor_ema.checkpoint import checksums
+from dtensor_ema.checkpoint.reader import open_checkpoint
+from dtensor_ema.checkpoint.save_load import load_checkpoint, save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gloo_ranks import run_gloo_ranks

@@ -33,7 +33,7 @@ from rss import reset_peak, status_kib
 from torch.distributed.device_mesh import init_device_mesh
 
 from dtensor_ema import ModelEMA, export_ema
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors
 
 MIB = 1024 * 1024
 

@@ -115,7 +115,7 @@ def interleave(
 
 def compile_seconds(ema: Any) -> float | None:
     """Sum of first-call compile times of an EMA's compiled kernels (None if none)."""
-    from dtensor_ema.compiled_lerp import CompiledLerp
+    from dtensor_ema.update.compiled_lerp import CompiledLerp
 
     seconds = [
         v[1].compile_seconds
@@ -288,7 +288,7 @@ def _perturb(model: torch.nn.Module, step: int) -> None:
 
 def section_offload(args: argparse.Namespace) -> dict[str, Any]:
     """GPT-2 step time with no EMA, on-device EMAs and both offload updaters; exactness."""
-    from gpu_ranks import with_chunked
+    from gpu_checks import with_chunked
     from workloads import GPT
 
     from dtensor_ema import ModelEMA
@@ -543,7 +543,8 @@ def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]
     graphed and an eager EMA over training steps with evaluation forwards between them,
     against a ``lerp_`` reference of the full parameters."""
     import torch.distributed as dist
-    from gpu_ranks import DTYPES, build, forward, full_cpu, ramp, train_step
+    from gpu_checks import DTYPES, full_cpu, ramp
+    from gpu_ranks import build, forward, train_step
 
     from dtensor_ema import ModelEMA
 
@@ -742,7 +743,7 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
                     impls["compiled"] = comp.update
                 if "combo" in wanted and cuda:
                     # Inductor's horizontal fusion: one launch for many tensors.
-                    from dtensor_ema import compiled_lerp
+                    from dtensor_ema.update import compiled_lerp
 
                     saved = compiled_lerp.INDUCTOR_OPTIONS["cuda"]
                     compiled_lerp.INDUCTOR_OPTIONS["cuda"] = {"combo_kernels": True}
@@ -989,7 +990,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
         "commit": _commit(),
     }
-    from dtensor_ema import cuda_graph, updater
+    from dtensor_ema.update import cuda_graph, updater
 
     env["defaults"] = {"AUTO_REPLAY": cuda_graph.AUTO_REPLAY, "CUDA_OFFLOAD": updater.CUDA_OFFLOAD}
     if args.device == "cuda":

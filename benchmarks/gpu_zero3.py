@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_ranks import (
+from gpu_checks import (
     DECAY,
     DTYPES,
     STEPS,
@@ -263,7 +263,7 @@ def load_case(dt: str, world: int, device: torch.device, save_dir: Path) -> dict
 def load_one_process(dt: str, device: torch.device, save_dir: Path) -> dict[str, Any]:
     """Load the W = 4 ZeRO-3 checkpoint in this process, no process group, into the plain
     model on ``device``."""
-    from gpu_ranks import load_one_process as load_plain
+    from gpu_checks import load_one_process as load_plain
 
     row = load_plain("zero3", dt, device, save_dir)
     row["layout"] = f"load {LAYOUT} W=4 -> one process"

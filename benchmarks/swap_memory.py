@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dtensor_ema import ModelEMA
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors
 
 
 def _model(blocks: int) -> nn.Module:

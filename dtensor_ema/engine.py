@@ -4,9 +4,10 @@
 :class:`~dtensor_ema.options.EmaOptions`, and owns everything an update touches:
 
 * the plan (:mod:`dtensor_ema.plan`: the model-to-EMA binding, the tracked set),
-* the counter (:mod:`dtensor_ema.counter`: how many calls, which decay),
-* the update groups (:mod:`dtensor_ema.fused_update`: cached local views per kernel call),
-* the updater (:mod:`dtensor_ema.updater`, :mod:`dtensor_ema.cuda_graph`: who applies a
+* the counter (:mod:`dtensor_ema.update.counter`: how many calls, which decay),
+* the update groups (:mod:`dtensor_ema.update.fused_update`: cached local views per kernel call),
+* the updater (:mod:`dtensor_ema.update.updater`, :mod:`dtensor_ema.update.cuda_graph`: who applies
+a
   step, and when), chosen in one place, :func:`make_updater`,
 * changes of the tracked set (the plan decides which tracked tensors are copied),
 * whether the EMA is swapped into the model (nothing may update it then).
@@ -16,7 +17,7 @@
 export use this class's public surface (``ema.engine``), never ``ModelEMA``'s internals.
 
 Data flow: model -> :func:`~dtensor_ema.plan.build_plan` (entries made one tensor at a time
-by :func:`~dtensor_ema.layout.make_entry`) -> :func:`~dtensor_ema.fused_update.update_groups`
+by :func:`~dtensor_ema.layout.make_entry`) -> :func:`~dtensor_ema.update.fused_update.update_groups`
 -> :meth:`EmaEngine.step` (``updater.run(counter)``: one fused call per group) ->
 materialize/swap/checkpoint read :attr:`EmaEngine.plan`.
 """
@@ -33,9 +34,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema import updater as updaters
-from dtensor_ema.counter import UpdateCounter, check_count
-from dtensor_ema.cuda_graph import (
+from dtensor_ema.layout import ema_local_from_full
+from dtensor_ema.materialize.swap import swapped_in
+from dtensor_ema.options import EmaOptions
+from dtensor_ema.plan import EmaPlan, build_plan, unwrap_model
+from dtensor_ema.update import updater as updaters
+from dtensor_ema.update.counter import UpdateCounter, check_count
+from dtensor_ema.update.cuda_graph import (
     CAPTURE_FAILED,
     GraphDecision,
     GraphedStep,
@@ -44,12 +49,8 @@ from dtensor_ema.cuda_graph import (
     log_decision,
     resolve,
 )
-from dtensor_ema.fused_update import UpdateGroup, update_groups
-from dtensor_ema.layout import ema_local_from_full
-from dtensor_ema.options import EmaOptions
-from dtensor_ema.plan import EmaPlan, build_plan, unwrap_model
-from dtensor_ema.swap import swapped_in
-from dtensor_ema.updater import Updater
+from dtensor_ema.update.fused_update import UpdateGroup, update_groups
+from dtensor_ema.update.updater import Updater
 
 __all__ = ["EmaEngine", "make_updater"]
 
@@ -63,14 +64,14 @@ def make_updater(
 ) -> Updater:
     """The one place that picks the updater for the options. Local.
 
-    * ``offload``: the host worker (:class:`~dtensor_ema.updater.OffloadUpdater`), or on
-      CUDA, once :data:`~dtensor_ema.updater.CUDA_OFFLOAD` says ``"chunked"`` and every group
-      lerps, the chunked device pipeline (:class:`~dtensor_ema.updater.
+    * ``offload``: the host worker (:class:`~dtensor_ema.update.updater.OffloadUpdater`), or on
+      CUDA, once :data:`~dtensor_ema.update.updater.CUDA_OFFLOAD` says ``"chunked"`` and every group
+      lerps, the chunked device pipeline (:class:`~dtensor_ema.update.updater.
       ChunkedOffloadUpdater`);
-    * ``capturable``: :class:`~dtensor_ema.updater.CapturableUpdater`; else
-      :class:`~dtensor_ema.updater.InlineUpdater`;
-    * either of those two wrapped in :class:`~dtensor_ema.cuda_graph.GraphedUpdater` when
-      ``graph`` says replay (:func:`~dtensor_ema.cuda_graph.resolve` never does with
+    * ``capturable``: :class:`~dtensor_ema.update.updater.CapturableUpdater`; else
+      :class:`~dtensor_ema.update.updater.InlineUpdater`;
+    * either of those two wrapped in :class:`~dtensor_ema.update.cuda_graph.GraphedUpdater` when
+      ``graph`` says replay (:func:`~dtensor_ema.update.cuda_graph.resolve` never does with
       ``offload``).
 
     Peak extra memory: the offload worker's host staging copy of the source shards, or the
@@ -332,7 +333,7 @@ class EmaEngine:
 
     @contextlib.contextmanager
     def swapped_in(self, bucket_bytes: int) -> Iterator[nn.Module]:
-        """The EMA weights in the model inside the context (:mod:`dtensor_ema.swap`);
+        """The EMA weights in the model inside the context (:mod:`dtensor_ema.materialize.swap`);
         nothing may update or materialize the EMA meanwhile. **Collective** over the
         replica groups on entry and exit (see ``ModelEMA.average_parameters``).
 

@@ -4,9 +4,9 @@ Every EMA element lives on exactly one rank: each tensor's local piece (the whol
 plain/DDP models, ``to_local()`` for FSDP2/TP parameters) is split by rows over the mesh
 dims it is replicated on (:mod:`dtensor_ema.layout`), so memory and update work are about
 ``1/W`` of a replicated EMA, and ``update()`` never communicates: one fused ``lerp`` per
-(device, dtype) group over cached local views (:mod:`dtensor_ema.fused_update`).
+(device, dtype) group over cached local views (:mod:`dtensor_ema.update.fused_update`).
 
-The math (:mod:`dtensor_ema.counter`): every ``update()`` call counts; every
+The math (:mod:`dtensor_ema.update.counter`): every ``update()`` call counts; every
 ``update_every``-th call averages, with ``step = updates - update_after_step``::
 
     d = 0                                        # step <= 0: copy the model
@@ -25,8 +25,9 @@ Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit 
 :class:`~dtensor_ema.engine.EmaEngine` (``ema.engine``), which owns the plan (the
 model-to-EMA binding, :mod:`dtensor_ema.plan`), the counter, the update groups and the
 updater (inline, device, offloaded, CUDA-graph replay). Full state dicts
-(:mod:`dtensor_ema.full_state`), the local checkpoint state (:mod:`dtensor_ema.state`) and
-the EMA module (:mod:`dtensor_ema.ema_module`) read the engine's plan.
+(:mod:`dtensor_ema.materialize.full_state`), the local checkpoint state (:mod:`dtensor_ema.state`)
+and
+the EMA module (:mod:`dtensor_ema.materialize.ema_module`) read the engine's plan.
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema._collectives import collective, entering
-from dtensor_ema.counter import check_count
-from dtensor_ema.cuda_graph import GraphDecision
 from dtensor_ema.decay import DecaySchedule
-from dtensor_ema.ema_module import UnitSpec, build_ema_module, refuse_unmirrored_options
 from dtensor_ema.engine import EmaEngine
-from dtensor_ema.full_state import gather_options, gather_state, iter_state, load_full_state
 from dtensor_ema.layout import resolve_world_mesh
-from dtensor_ema.materialize import DEFAULT_BUCKET_BYTES
+from dtensor_ema.materialize.ema_module import UnitSpec, build_ema_module, refuse_unmirrored_options
+from dtensor_ema.materialize.full_state import (
+    gather_options,
+    gather_state,
+    iter_state,
+    load_full_state,
+)
+from dtensor_ema.materialize.gather import DEFAULT_BUCKET_BYTES
+from dtensor_ema.materialize.twin import guard_untracked_loads
 from dtensor_ema.options import (
     UNSET,
     EmaOptions,
@@ -59,7 +64,8 @@ from dtensor_ema.options import (
 )
 from dtensor_ema.plan import model_device, model_tensors, reshard_fsdp, unwrap_model
 from dtensor_ema.state import load_local_state, local_state
-from dtensor_ema.twin import guard_untracked_loads
+from dtensor_ema.update.counter import check_count
+from dtensor_ema.update.cuda_graph import GraphDecision
 
 __all__ = ["ModelEMA"]
 
@@ -116,7 +122,7 @@ class ModelEMA:
         offload: keep the EMA shards in host memory; a worker thread applies each step
             behind the next training step, from a host snapshot of the source shards
             (CUDA: pinned, copied on a side stream that the current stream waits for; the
-            path last proven on a GPU, :data:`dtensor_ema.updater.CUDA_OFFLOAD`; the
+            path last proven on a GPU, :data:`dtensor_ema.update.updater.CUDA_OFFLOAD`; the
             chunked device pipeline is opt-in until proven there). Reads wait for it
             (:meth:`flush`); :meth:`close` stops it.
         kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``; same bits.
@@ -131,14 +137,14 @@ class ModelEMA:
             across replicas (default ``True``, :mod:`dtensor_ema.replicas`); ``False`` only
             for EMAs whose first update copies the model.
         cuda_graph: ``True``: on CUDA, replay a captured graph of the update (raises
-            where that is not exact, see :func:`dtensor_ema.cuda_graph.decide`); ``None``
+            where that is not exact, see :func:`dtensor_ema.update.cuda_graph.decide`); ``None``
             (default): eager, since replay is opt-in until proven on hardware
-            (:data:`dtensor_ema.cuda_graph.AUTO_REPLAY`); ``False``: never. The decision
+            (:data:`dtensor_ema.update.cuda_graph.AUTO_REPLAY`); ``False``: never. The decision
             and its reason are in :attr:`cuda_graph`.
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
             (default), ``"weighted_sum"``, ``"subtract"``, ``"subtract_alpha"``, or torch
             SWA's ``"divide"``/``"swa"`` (with ``RunningMeanDecay``)
-            (:data:`dtensor_ema.fused_update.FORMULAS`; eager kernel, one temporary of this
+            (:data:`dtensor_ema.update.fused_update.FORMULAS`; eager kernel, one temporary of this
             rank's shard size per update).
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
@@ -406,7 +412,7 @@ class ModelEMA:
 
         Yields the unwrapped model. Only tracked tensors are swapped (untracked ones are
         the model's own already). Each rank rebuilds only its own local piece of every
-        tensor (:mod:`dtensor_ema.swap`): the full model is never gathered on a rank.
+        tensor (:mod:`dtensor_ema.materialize.swap`): the full model is never gathered on a rank.
 
         **Collective** over the groups of the replica dims (the whole mesh for plain/DDP
         models, HSDP's replicate dim, ``tp`` for TP-replicated weights; nothing for 1-D
@@ -450,7 +456,7 @@ class ModelEMA:
         its forward reads. No second copy of the EMA is kept (HSDP with ``mesh=None``: plus
         the model's local shard of the parameters split over the replicate dim). Works on
         wrapped (activation checkpointing), compiled and torchtitan-parallelized models;
-        see :func:`~dtensor_ema.ema_module.build_ema_module` and ``docs/evaluation.md``.
+        see :func:`~dtensor_ema.materialize.ema_module.build_ema_module` and ``docs/evaluation.md``.
         Tensors the EMA does not track (``track=``) are the model's own, shared, never
         copied nor sharded in the twin (with a mesh, each unit gathers them from the
         model's pieces around its forward, as the model's own forward would); so the
@@ -473,7 +479,7 @@ class ModelEMA:
             RuntimeError: the module was already built.
             NotImplementedError: a layout the twin cannot mirror (``offload=True``,
                 ``replicate_buffers=True``, and those named by
-                :func:`~dtensor_ema.ema_module.build_ema_module`), naming it.
+                :func:`~dtensor_ema.materialize.ema_module.build_ema_module`), naming it.
             ValueError: bad ``units`` or ``compute_dtype``.
         """
         if self._module is not None:

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema.fused_update import lerp_groups_
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import AveragingFunction, ExcludeSpec, TrackSpec
 from dtensor_ema.state import validate_state
+from dtensor_ema.update.fused_update import lerp_groups_
 
 __all__ = ["MultiModelEMA"]
 

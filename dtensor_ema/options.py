@@ -40,7 +40,7 @@ options. Present only when some floating-point tensor is untracked."""
 Formula = Literal["lerp", "weighted_sum", "subtract", "subtract_alpha", "divide", "swa"]
 
 FORMULA_NAMES = ("lerp", "weighted_sum", "subtract", "subtract_alpha", "divide", "swa")
-"""The ``formula`` option's values (see :data:`dtensor_ema.fused_update.FORMULAS`)."""
+"""The ``formula`` option's values (see :data:`dtensor_ema.update.fused_update.FORMULAS`)."""
 
 _COUNTED_FORMULAS = ("divide", "swa")
 """Formulas that read the averaging step (``n``), not only the decay."""
@@ -264,12 +264,12 @@ class EmaOptions:
     cuda_graph: bool | None = None
     """Replay ``update()`` as a captured CUDA graph: ``True`` (on CUDA; ``ModelEMA`` raises
     naming the reason where it is not safe and exact, see
-    :func:`dtensor_ema.cuda_graph.decide`), ``None`` (auto: eager for now, replay is opt-in
-    until proven on hardware, :data:`dtensor_ema.cuda_graph.AUTO_REPLAY`) or ``False``
+    :func:`dtensor_ema.update.cuda_graph.decide`), ``None`` (auto: eager for now, replay is opt-in
+    until proven on hardware, :data:`dtensor_ema.update.cuda_graph.AUTO_REPLAY`) or ``False``
     (never). Not part of the checkpoint config."""
     formula: Formula = "lerp"
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
-    :data:`dtensor_ema.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
+    :data:`dtensor_ema.update.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
     rounding (eager kernel only)."""
     bucket_view: bool = False
     """Keep this rank's EMA shards as views into one flat buffer per (device, dtype), in

@@ -703,7 +703,7 @@ def _listed(names: list[str], limit: int = 5) -> str:
 def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
     """Move every entry's ``ema_local`` into one flat buffer per (device, dtype). Local.
 
-    Laid out in the order :mod:`dtensor_ema.materialize` gathers in, so that the local
+    Laid out in the order :mod:`dtensor_ema.materialize.gather` gathers in, so that the local
     shards of one gather bucket are adjacent and the bucket's send buffer is a view of the
     flat buffer (no packing): first the entries split over replica levels, grouped by their
     levels, those gathered on their own (large and evenly split) last; then DTensor entries
@@ -715,7 +715,7 @@ def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
     Returns:
         The flat buffers (held alive by the views).
     """
-    from dtensor_ema.materialize import DIRECT_BYTES
+    from dtensor_ema.materialize.gather import DIRECT_BYTES
 
     groups: dict[tuple[Any, ...], int] = {}
     keyed = []

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.counter import check_count
 from dtensor_ema.flat_chunks import FlatChunks
 from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.options import TRACKING_CONFIG_KEYS
 from dtensor_ema.plan import EmaPlan
+from dtensor_ema.update.counter import check_count
 
 __all__ = [
     "CONFIG",

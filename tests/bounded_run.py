@@ -106,7 +106,7 @@ def cli(argv: list[str]) -> dict[str, Any]:
 
 
 def coverage(shape: list[int], chunks: list[list[list[int]]]) -> str | None:
-    from dtensor_ema.reader import coverage_problem
+    from dtensor_ema.checkpoint.reader import coverage_problem
 
     return coverage_problem(shape, [(o, s) for o, s in chunks])
 

@@ -77,7 +77,7 @@ def refused_globals(directory: Path) -> set[tuple[str, str]]:
     (none for every checkpoint we write); also opens it with that reader."""
     import torch
 
-    from dtensor_ema.reader import METADATA_GLOBALS, open_checkpoint
+    from dtensor_ema.checkpoint.reader import METADATA_GLOBALS, open_checkpoint
 
     with contextlib.suppress(FileNotFoundError):  # a test's incomplete copy: still read
         open_checkpoint(directory)

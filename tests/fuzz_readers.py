@@ -53,17 +53,17 @@ from models import reader_model
 READERS = [
     f"dtensor_ema.{m}"
     for m in (
-        "bounded_json",
-        "checkpoint",
-        "checkpoint_files",
-        "checksums",
-        "coverage",
-        "export",
-        "metadata_check",
+        "checkpoint.bounded_json",
+        "checkpoint.save_load",
+        "checkpoint.files",
+        "checkpoint.checksums",
+        "checkpoint.coverage",
+        "export.full_weights",
+        "checkpoint.metadata_check",
         "posthoc.cli",
         "posthoc.snapshots",
         "posthoc.synthesis",
-        "reader",
+        "checkpoint.reader",
     )
 ]
 """The modules whose branches guide the fuzzing (instrumenting all of dtensor_ema takes
@@ -197,8 +197,10 @@ def _targets(seeds: Seeds, scratch: Path) -> list[Target]:
 def _structured(target: Target, data: bytes, rng: random.Random) -> bytes | None:
     """A structure-aware mutation of ``data`` (or of the clean file when ``data`` does not
     parse): one field of the object it holds changed, written back in its format."""
-    from dtensor_ema.pickle_scan import memo_problem
-    from dtensor_ema.reader import _MetadataUnpickler  # the restricted unpickler (no code)
+    from dtensor_ema.checkpoint.pickle_scan import memo_problem
+    from dtensor_ema.checkpoint.reader import (
+        _MetadataUnpickler,  # the restricted unpickler (no code)
+    )
 
     for source in (data, target.clean):
         try:

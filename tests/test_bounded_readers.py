@@ -608,8 +608,8 @@ def test_bounded_json_and_pickle_scan_accept_what_is_written() -> None:
     one ``LONG_BINPUT`` or ``PUT`` beyond the pickle's length does not."""
     import pickle
 
-    from dtensor_ema.bounded_json import JsonProblem, parse_json
-    from dtensor_ema.pickle_scan import memo_problem
+    from dtensor_ema.checkpoint.bounded_json import JsonProblem, parse_json
+    from dtensor_ema.checkpoint.pickle_scan import memo_problem
 
     text = {"a[:": [1, {"b": ']]"\\{'}], "c": 'x"[:', "d": [[[[[[[]]]]]]]}
     assert parse_json(json.dumps(text).encode()) == text

@@ -46,10 +46,11 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtensor_ema import ModelEMA, checksums, convert_checkpoint, export_ema
+from dtensor_ema import ModelEMA, convert_checkpoint, export_ema
 from dtensor_ema._collectives import MESSAGE_BYTES, agree, mesh_agree
-from dtensor_ema.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from dtensor_ema.reader import ChecksumError, UnverifiedCheckpointWarning
+from dtensor_ema.checkpoint import checksums
+from dtensor_ema.checkpoint.reader import ChecksumError, UnverifiedCheckpointWarning
+from dtensor_ema.checkpoint.save_load import CheckpointError, load_checkpoint, save_checkpoint
 
 CORRUPTED = "0.weight"  # the tensor whose first saved chunk gets a flipped byte
 

@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import ModelEMA, MultiModelEMA, load_checkpoint, save_checkpoint
-from dtensor_ema import checksums as checksums_module
-from dtensor_ema import reader as reader_module
+from dtensor_ema.checkpoint import checksums as checksums_module
+from dtensor_ema.checkpoint import reader as reader_module
 
 pytestmark = pytest.mark.distributed
 
@@ -459,7 +459,7 @@ def concurrent_scenarios(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[st
 def _different_opens(tmp: Path, saves: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Rank 0 opens and checks ``A``; then ``B`` is committed; the other ranks open
     ``B``."""
-    import dtensor_ema.checkpoint as checkpoint_module
+    import dtensor_ema.checkpoint.save_load as checkpoint_module
 
     rank = _rank()
     folder, path, flag = _folder_with_a_and_b(tmp, "concurrent-opens")
@@ -865,7 +865,7 @@ def test_files_beyond_the_held_limit_are_opened_again_and_checked(
 ) -> None:
     """A load that reads more files than it may hold open reopens them, and a file replaced
     meanwhile is reported as changed (one process, the W=2 checkpoint: two data files)."""
-    from dtensor_ema import checkpoint_files
+    from dtensor_ema.checkpoint import files as checkpoint_files
 
     tmp, _ = w2
     monkeypatch.setattr(checkpoint_files, "HELD_FILES", 1)

@@ -8,7 +8,7 @@ reader (``load_checkpoint``, ``convert_checkpoint``, ``synthesize``, ``merge_sna
 sharded checkpoints) gets checkpoints whose ``.metadata`` would create a marker file
 (``os.system``): the marker is never created, each raises ``CheckpointError`` naming the
 refused global and the file, and the clean checkpoints load bit for bit. The allow-list of
-``dtensor_ema.reader`` is pinned to the globals of every kind of checkpoint we write. One
+``dtensor_ema.checkpoint.reader`` is pinned to the globals of every kind of checkpoint we write. One
 process, no spawn; the multi-rank loads are in ``test_checkpoint_integrity.py`` (W=2) and
 every checkpoint test of the suite loads through the same reader.
 
@@ -56,8 +56,8 @@ from dtensor_ema import (
     save_checkpoint,
     synthesize,
 )
+from dtensor_ema.checkpoint.reader import ChecksumError, UnverifiedCheckpointWarning
 from dtensor_ema.posthoc.cli import main as cli_main
-from dtensor_ema.reader import ChecksumError, UnverifiedCheckpointWarning
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -145,7 +145,7 @@ def test_allow_list_is_exactly_what_our_checkpoints_need(written: dict[str, Any]
     """Pinned both ways: every global of every kind of checkpoint we write is allowed, and
     every allowed global appears in one of them (``WindowsPath`` stands for ``PosixPath`` on
     Windows). Dtypes are allowed as a family: each seen is a torch dtype."""
-    from dtensor_ema.reader import METADATA_GLOBALS, open_checkpoint
+    from dtensor_ema.checkpoint.reader import METADATA_GLOBALS, open_checkpoint
 
     dirs = _written_dirs(written["root"])
     kinds = {d.relative_to(written["root"]).parts[0] for d in dirs}
@@ -513,7 +513,7 @@ LAYOUTS = {  # shape, chunks (offsets, sizes), the problem named (None: covered 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_coverage_of_chunk_layouts(layout: str) -> None:
     """``reader.coverage_problem``: exact for grids and other boxes, naming the rows."""
-    from dtensor_ema.reader import coverage_problem
+    from dtensor_ema.checkpoint.reader import coverage_problem
 
     shape, chunks, expected = LAYOUTS[layout]
     problem = coverage_problem(shape, chunks)

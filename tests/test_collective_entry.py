@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtensor_ema import ModelEMA, export_ema
-from dtensor_ema.checkpoint import save_checkpoint
+from dtensor_ema.checkpoint.save_load import save_checkpoint
 from dtensor_ema.compat.swa_utils import AveragedModel
 from dtensor_ema.integrations._common import copy_ema_into_model
 

@@ -49,7 +49,7 @@ from dtensor_ema.compat import ema_pytorch as our_ema_pytorch  # noqa: E402
 from dtensor_ema.compat import lightning as our_lightning  # noqa: E402
 from dtensor_ema.compat import swa_utils as our_swa  # noqa: E402
 from dtensor_ema.decay import DiffusersDecay, EmaPytorchDecay, RunningMeanDecay  # noqa: E402
-from dtensor_ema.fused_update import combine_  # noqa: E402
+from dtensor_ema.update.fused_update import combine_  # noqa: E402
 
 
 class Net(nn.Module):

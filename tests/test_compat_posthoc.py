@@ -390,7 +390,7 @@ def test_engine_takes_exact_gammas(tmp_path: Path) -> None:
     """``dtensor_ema.PostHocEMA(gammas=)`` keeps the exponents as given (no round trip
     through ``sigma_rel``) and refuses bad ones."""
     from dtensor_ema import PostHocEMA as Engine
-    from dtensor_ema.phema_math import gamma_to_sigma_rel
+    from dtensor_ema.posthoc.phema_math import gamma_to_sigma_rel
 
     gammas = (16.972198602303447, 6.937203937601809)
     engine = Engine(Net(), gammas=gammas, snapshot_dir=tmp_path)

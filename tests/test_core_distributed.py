@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_ema import ModelEMA
-from dtensor_ema.materialize import DIRECT_BYTES
+from dtensor_ema.materialize.gather import DIRECT_BYTES
 
 pytestmark = pytest.mark.distributed
 

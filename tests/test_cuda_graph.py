@@ -1,6 +1,6 @@
 """The CUDA-graph decision and bookkeeping of ``update()``, on CPU.
 
-:func:`dtensor_ema.cuda_graph.decide` is pure, so every reason is checked here. The graph
+:func:`dtensor_ema.update.cuda_graph.decide` is pure, so every reason is checked here. The graph
 path of ``ModelEMA`` runs on CPU with a fake CUDA: ``decide`` is told the model is on CUDA
 and the graph factory is a stand-in that, like a real graph, runs the step once when it is
 captured and then replays *the captured step function*, bound to the update groups of
@@ -21,8 +21,8 @@ from models import mismatches
 from torch import nn
 
 from dtensor_ema import ModelEMA
-from dtensor_ema import cuda_graph as graphs
 from dtensor_ema.decay import CallableDecay, RampDecay
+from dtensor_ema.update import cuda_graph as graphs
 
 SAFE = {
     "requested": None,

@@ -613,7 +613,7 @@ def lora(out: dict[str, Any], folder: str) -> None:
     except ImportError:  # pragma: no cover - the test skips without peft
         return
     from dtensor_ema import ModelEMA
-    from dtensor_ema.peft_export import export_peft_adapter
+    from dtensor_ema.export.peft import export_peft_adapter
 
     model = peft_lora("llama")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -955,7 +955,7 @@ def test_checkpoint_stores_real_shapes_as_chunks(runs: dict[str, Any]) -> None:
     """Item 4: the W = 3 checkpoint looks like any other: the same keys, real shapes, and
     each partitioned tensor's chunks (a flat range of it is several boxes) cover it exactly
     once (the reader's coverage check accepts them)."""
-    from dtensor_ema.reader import open_checkpoint
+    from dtensor_ema.checkpoint.reader import open_checkpoint
 
     metadata = open_checkpoint(Path(runs["ckpt"][3])).metadata.state_dict_metadata
     shapes = {k: tuple(v.shape) for k, v in Net().state_dict().items()}

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from dtensor_ema.checkpoint.reader import coverage_problem
 from dtensor_ema.flat_chunks import FlatChunks, flat_boxes
 from dtensor_ema.layout import chunk_range
-from dtensor_ema.reader import coverage_problem
 
 SHAPES = [(), (5,), (3, 4), (2, 3, 4), (2, 1, 3, 2), (4, 0, 2), (1, 1, 5)]
 

@@ -478,7 +478,7 @@ def test_coverage_agrees_with_counting_every_element(case: Any) -> None:
     element: ``None`` exactly when each is held once; the rows it names as not covered
     hold an element held by none, those it names as covered more than once an element
     held twice, and together they are every row with such an element."""
-    from dtensor_ema.reader import coverage_problem
+    from dtensor_ema.checkpoint.reader import coverage_problem
 
     shape, data = case
     chunks = []

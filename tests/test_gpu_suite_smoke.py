@@ -248,7 +248,7 @@ class _FakeGraph:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtensor_ema import cuda_graph as graphs
+    from dtensor_ema.update import cuda_graph as graphs
 
     real = graphs.decide
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import dtensor_ema
 from dtensor_ema import ModelEMA, export_ema, load_checkpoint, save_checkpoint
-from dtensor_ema.fused_update import UpdateGroup
+from dtensor_ema.update.fused_update import UpdateGroup
 
 
 def _reference(states: list[dict[str, torch.Tensor]], decay: float) -> dict[str, torch.Tensor]:

@@ -338,8 +338,8 @@ def _perturbed_ema(model: nn.Module, config: TorchtitanEMA.Config) -> Torchtitan
 def _load_converting(ema: TorchtitanEMA, path: Path) -> int:
     """DCP's load of ``path`` into ``ema`` as the trainer's checkpoint manager does it:
     through ``EMALoad``, then its conversion."""
+    from dtensor_ema.checkpoint.reader import open_checkpoint
     from dtensor_ema.integrations.torchtitan.resume import EMALoad
-    from dtensor_ema.reader import open_checkpoint
 
     load = EMALoad(ema, open_checkpoint(path))
     dcp.load({"ema": load}, checkpoint_id=str(path))
@@ -357,8 +357,8 @@ def test_qkv_resume_converts_the_ema_both_ways(tmp_path: Path) -> None:
     refused, naming the way out."""
     from titan_models import qwen3_debugmodel
 
+    from dtensor_ema.checkpoint.reader import open_checkpoint
     from dtensor_ema.integrations.torchtitan.resume import EMALoad
-    from dtensor_ema.reader import open_checkpoint
 
     config = TorchtitanEMA.Config(enable=True, decays=[0.9])
     fused, unfused = qwen3_debugmodel(seed=0), qwen3_debugmodel(fused=False, seed=1)

@@ -18,7 +18,8 @@ from dist_harness import DEVICE_TYPE, run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema import ModelEMA, MultiModelEMA, compiled_lerp
+from dtensor_ema import ModelEMA, MultiModelEMA
+from dtensor_ema.update import compiled_lerp
 
 STEPS = 4
 DECAY, TAU = 0.9, 2.0

@@ -20,8 +20,8 @@ from torch import nn
 
 import dtensor_ema.engine as engine
 from dtensor_ema import ModelEMA
-from dtensor_ema import updater as updaters
-from dtensor_ema.updater import (
+from dtensor_ema.update import updater as updaters
+from dtensor_ema.update.updater import (
     ChunkedOffloadUpdater,
     OffloadUpdater,
     host_runs,

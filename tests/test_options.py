@@ -28,7 +28,7 @@ from dtensor_ema import (
     WarmupDecay,
 )
 from dtensor_ema.options import EmaOptions
-from dtensor_ema.updater import OffloadUpdater
+from dtensor_ema.update.updater import OffloadUpdater
 
 
 def _ramp(s: int) -> float:

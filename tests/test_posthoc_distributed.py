@@ -120,7 +120,7 @@ def _lora_run(rank: int, world: int, root: Path) -> dict[str, Any]:
     adapter."""
     from models import peft_lora
 
-    from dtensor_ema.peft_export import save_peft_adapter
+    from dtensor_ema.export.peft import save_peft_adapter
 
     model = peft_lora("gpt2")
     snaps = root / f"lora_w{world}"

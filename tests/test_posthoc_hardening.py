@@ -35,8 +35,8 @@ from models import make_model
 from torch import nn
 
 from dtensor_ema import PostHocEMA, merge_snapshots, synthesize
+from dtensor_ema.checkpoint.reader import CheckpointError
 from dtensor_ema.posthoc.cli import main as cli_main
-from dtensor_ema.reader import CheckpointError
 
 SIGMAS = (0.05, 0.10)
 LAST = "step-000000000012"

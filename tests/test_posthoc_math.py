@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtensor_ema.phema_math import (
+from dtensor_ema.posthoc.phema_math import (
     gamma_to_sigma_rel,
     power_beta,
     profile_fit_error,

@@ -167,7 +167,7 @@ def test_synthesized_lora_ema_exports_as_a_peft_adapter(lora: dict[str, Any]) ->
     import peft
     from models import peft_lora, transformers_base
 
-    from dtensor_ema.peft_export import ADAPTER_FILES, save_peft_adapter
+    from dtensor_ema.export.peft import ADAPTER_FILES, save_peft_adapter
 
     sd = synthesize(lora["dir"], 0.08)
     target = lora["tmp"] / "adapter"

@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dtensor_ema import ModelEMA, PostHocEMA, export_ema, load_checkpoint, save_checkpoint
 from dtensor_ema._collectives import CHECK_ENV, agree_on_call, entering
-from dtensor_ema.reader import open_checkpoint
+from dtensor_ema.checkpoint.reader import open_checkpoint
 
 pytestmark = pytest.mark.distributed
 

@@ -198,7 +198,7 @@ def test_bf16_staged_upcast_matches_reference(chunk: int, monkeypatch: pytest.Mo
     """Mixed dtypes upcast through a reused scratch buffer, in slices of ``chunk`` elements
     (7: every tensor split, batches of one slice); a channels_last weight takes the
     non-contiguous path. Both must equal the plain upcast-then-lerp reference."""
-    import dtensor_ema.fused_update as fused_update
+    import dtensor_ema.update.fused_update as fused_update
 
     monkeypatch.setattr(fused_update, "UPCAST_CHUNK", chunk)
     model = make_model("edge").to(torch.bfloat16)

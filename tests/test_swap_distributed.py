@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from torch import nn
 
-import dtensor_ema.swap as swap_module
+import dtensor_ema.materialize.swap as swap_module
 from dtensor_ema import ModelEMA
 
 DECAY = 0.7

@@ -9,7 +9,7 @@ model_to_ema``) and attributes (``ema_models``, ``gammas``, ``step``). The numbe
 ema-pytorch 0.8.3's (``tests/test_compat_posthoc.py``):
 
 * gammas from ``sigma_rels`` as ema-pytorch computes them (``numpy.roots``; they differ from
-  :func:`~dtensor_ema.phema_math.sigma_rel_to_gamma` in the last bits);
+  :func:`~dtensor_ema.posthoc.phema_math.sigma_rel_to_gamma` in the last bits);
 * call ``s`` (1, 2, ...) of ``update()`` averages when ``(s - 1) % update_every == 0`` with
   ``beta = (1 - 1/(s + 1)) ** (gamma + 1)``, the first one a copy: the engine's power
   schedule at ``t = s + 1`` (bit for bit);
@@ -52,10 +52,10 @@ from dtensor_ema._collectives import group_of
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import TrackSpec
-from dtensor_ema.phema_math import profile_inner
-from dtensor_ema.phema_math import sigma_rel_to_gamma as _newton_gamma
 from dtensor_ema.posthoc import PostHocEMA as _Engine
 from dtensor_ema.posthoc import Term, list_snapshots
+from dtensor_ema.posthoc.phema_math import profile_inner
+from dtensor_ema.posthoc.phema_math import sigma_rel_to_gamma as _newton_gamma
 from dtensor_ema.posthoc.synthesis import combine
 
 __all__ = ["KarrasEMA", "NotIgnored", "PostHocEMA", "sigma_rel_to_gamma"]

@@ -66,6 +66,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import group_of
+from dtensor_ema.checkpoint.reader import CheckpointError, open_checkpoint
 from dtensor_ema.compat.swa_utils import AveragedModel, get_ema_avg_fn
 from dtensor_ema.integrations._common import (
     EvalSwap,
@@ -73,7 +74,6 @@ from dtensor_ema.integrations._common import (
     follow_trainable,
     is_rank0,
 )
-from dtensor_ema.reader import CheckpointError, open_checkpoint
 from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES
 
 __all__ = ["CURRENT_PREFIX", "EMAWeightAveraging", "WeightAveraging"]
@@ -326,7 +326,8 @@ class WeightAveraging(Callback):
         """Read this rank's shards of the raw weights (into the module) and of the average
         (into the EMA) from the DCP checkpoint at ``path``. **Collective** (every rank).
         Peak extra memory: one copy of this rank's shards of the module and of the EMA.
-        Runs no code from the checkpoint (:mod:`dtensor_ema.reader`): a ``.metadata`` that is
+        Runs no code from the checkpoint (:mod:`dtensor_ema.checkpoint.reader`): a ``.metadata``
+        that is
         not DCP's raises ``CheckpointError``."""
         assert self._average_model is not None
         engine = self._average_model.engine

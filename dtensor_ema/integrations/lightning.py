@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema._collectives import group_gather_rows, group_of
+from dtensor_ema.checkpoint.reader import CheckpointError, open_checkpoint
 from dtensor_ema.flat_chunks import FlatChunks
 from dtensor_ema.integrations._common import (
     EvalSwap,
@@ -55,7 +56,6 @@ from dtensor_ema.integrations._common import (
     full_ema_tensors,
 )
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.reader import CheckpointError, open_checkpoint
 from dtensor_ema.state import CONFIG, EMA_TENSORS, UPDATES, wrapped_like
 
 __all__ = ["EMA_KEY_PREFIX", "EMACallback"]
@@ -408,7 +408,7 @@ class EMACallback(Callback):
     def _read_sharded(self, ema: ModelEMA) -> dict[str, torch.Tensor]:
         """This rank's EMA shards from the DCP checkpoint being restored (collective). Runs
         no code from the checkpoint: a ``.metadata`` that is not DCP's raises
-        ``CheckpointError`` (:mod:`dtensor_ema.reader`)."""
+        ``CheckpointError`` (:mod:`dtensor_ema.checkpoint.reader`)."""
         if self._ckpt_path is None or not Path(self._ckpt_path).is_dir():
             raise ValueError(
                 f"EMACallback({self.name!r}): the checkpoint's EMA is sharded (DCP) but the "

@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 from olmo_core.io import is_url
 from olmo_core.train.callbacks import Callback, EvaluatorCallback
 
-from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
+from dtensor_ema.checkpoint.save_load import load_checkpoint, save_checkpoint
 from dtensor_ema.integrations._common import StepGate, decay_name, is_rank0
 from dtensor_ema.multi import MultiModelEMA
 

@@ -40,7 +40,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dtensor_ema._collectives import agree, group_of
-from dtensor_ema.checkpoint import load_checkpoint, save_checkpoint
+from dtensor_ema.checkpoint.save_load import load_checkpoint, save_checkpoint
 from dtensor_ema.integrations._common import (
     StepGate,
     check_ema_options,

@@ -8,7 +8,7 @@ length after training.
   explicit weights.
 * ``python -m dtensor_ema.posthoc {list,synthesize,merge} ...`` does both from the shell.
 
-The formulas are in :mod:`dtensor_ema.phema_math`.
+The formulas are in :mod:`dtensor_ema.posthoc.phema_math`.
 """
 
 from dtensor_ema.posthoc.ema import PostHocEMA, PowerDecay

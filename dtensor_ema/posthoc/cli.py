@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from dtensor_ema.phema_math import profile_density, sigma_rel_to_gamma
+from dtensor_ema.checkpoint.reader import CheckpointError
+from dtensor_ema.posthoc.phema_math import profile_density, sigma_rel_to_gamma
 from dtensor_ema.posthoc.snapshots import list_snapshots
 from dtensor_ema.posthoc.synthesis import (
     Term,
@@ -29,7 +30,6 @@ from dtensor_ema.posthoc.synthesis import (
     plan_synthesis,
     synthesize,
 )
-from dtensor_ema.reader import CheckpointError
 
 __all__ = ["main"]
 

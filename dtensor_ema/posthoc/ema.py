@@ -5,7 +5,7 @@ Karras et al. 2024 ("Analyzing and Improving the Training Dynamics of Diffusion 
 showed that the EMA length matters a great deal and can be picked after training: keep two
 power-function EMAs (``sigma_rel`` 0.05 and 0.10), save both every few thousand steps, and
 reconstruct any other ``sigma_rel`` as a least-squares combination of the snapshots
-(:mod:`dtensor_ema.phema_math` has the formulas).
+(:mod:`dtensor_ema.posthoc.phema_math` has the formulas).
 
 :class:`PostHocEMA` tracks the profiles as a :class:`~dtensor_ema.MultiModelEMA` (the same
 sharded plan as :class:`~dtensor_ema.ModelEMA`, one pass over the parameters for all
@@ -33,19 +33,19 @@ from dtensor_ema._collectives import agree_on_call
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema._collectives import rank_of as _rank
-from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.same_path import agree_on_path
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec, TrackSpec
-from dtensor_ema.phema_math import (
+from dtensor_ema.plan import model_tensors
+from dtensor_ema.posthoc import snapshots as snap
+from dtensor_ema.posthoc.phema_math import (
     check_sigma_rel,
     gamma_to_sigma_rel,
     power_beta,
     sigma_rel_to_gamma,
 )
-from dtensor_ema.plan import model_tensors
-from dtensor_ema.posthoc import snapshots as snap
-from dtensor_ema.same_path import agree_on_path
 from dtensor_ema.state import CONFIG, EMA_TENSORS
 
 __all__ = ["PostHocEMA", "PowerDecay"]
@@ -117,7 +117,7 @@ class PostHocEMA:
             are followed only when every float tensor is tracked), the manifest lists the
             ``untracked`` ones, and :func:`~dtensor_ema.synthesize` returns the tracked
             tensors (export a PEFT adapter with
-            :func:`~dtensor_ema.peft_export.save_peft_adapter`). Change the set with
+            :func:`~dtensor_ema.export.peft.save_peft_adapter`). Change the set with
             ``ph.emas.add_tensors``/``drop_tensors``; snapshots on both sides of a change are
             not synthesized together.
         ema_dtype: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.

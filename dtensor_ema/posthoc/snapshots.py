@@ -31,7 +31,7 @@ every byte it reads.
 Reading is strict (:func:`read_manifest`): a snapshot folder must be a plain
 ``step-<12 digits>`` entry of the directory being read (a symlink may not lead out of it,
 nor may ``manifest.json`` or ``.metadata`` lead out of the snapshot folder), its manifest
-(at most :data:`MAX_MANIFEST_BYTES`, read by :mod:`dtensor_ema.bounded_json`) must match
+(at most :data:`MAX_MANIFEST_BYTES`, read by :mod:`dtensor_ema.checkpoint.bounded_json`) must match
 :data:`FORMAT`'s schema field by field (ints within int64, at most :data:`MAX_PROFILES`
 profiles, shapes of at most 64 dims), name the folder's own step, and carry the SHA-256 of
 its content (``checksum``), so a hand-edited ``t`` or profile is refused. Every problem
@@ -55,8 +55,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from dtensor_ema.bounded_json import JsonProblem, read_json
-from dtensor_ema.metadata_check import MAX_DIMS, MAX_ELEMENTS
+from dtensor_ema.checkpoint.bounded_json import JsonProblem, read_json
+from dtensor_ema.checkpoint.metadata_check import MAX_DIMS, MAX_ELEMENTS
 
 __all__ = [
     "FORMAT",

@@ -1,7 +1,7 @@
 """Combine post-hoc EMA snapshots into new averages, streaming tensor bucket by bucket.
 
 :func:`synthesize` reconstructs the power-function EMA of any ``sigma_rel`` from the
-snapshots' least-squares weights (:func:`~dtensor_ema.phema_math.solve_coefficients`);
+snapshots' least-squares weights (:func:`~dtensor_ema.posthoc.phema_math.solve_coefficients`);
 :func:`merge_snapshots` averages snapshots with explicit weights (the last ``K`` uniformly, or
 warmup-stable-merge style weights). Both run on one engine:
 
@@ -14,7 +14,7 @@ warmup-stable-merge style weights). Both run on one engine:
   saved chunks that overlap it) and the output is a sharded DCP checkpoint that loads into
   a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
 
-Snapshots are read through :mod:`dtensor_ema.reader`, so reading someone else's snapshots
+Snapshots are read through :mod:`dtensor_ema.checkpoint.reader`, so reading someone else's snapshots
 runs no code from them and allocates no more than their files hold: every selected
 snapshot's ``.metadata`` is read with a restricted unpickler and checked, its data files and
 its save id checked (the manifest's, the checksum files'), before any tensor is read; every
@@ -41,9 +41,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_ema._collectives import agree
 from dtensor_ema._collectives import group_of as _group
-from dtensor_ema.checkpoint import save_checkpoint
+from dtensor_ema.checkpoint.reader import (
+    Checkpoint,
+    CheckpointError,
+    ChecksumError,
+    open_checkpoint,
+)
+from dtensor_ema.checkpoint.save_load import save_checkpoint
+from dtensor_ema.export.state_file import check_destination, write_state_file
 from dtensor_ema.layout import chunk_range
-from dtensor_ema.phema_math import (
+from dtensor_ema.posthoc.phema_math import (
     DEFAULT_MAX_CONDITION,
     check_sigma_rel,
     profile_fit_error,
@@ -51,8 +58,6 @@ from dtensor_ema.phema_math import (
     solve_coefficients,
 )
 from dtensor_ema.posthoc.snapshots import Snapshot, check_compatible, dtype_from_str, list_snapshots
-from dtensor_ema.reader import Checkpoint, CheckpointError, ChecksumError, open_checkpoint
-from dtensor_ema.state_file import check_destination, write_state_file
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -137,7 +142,7 @@ def plan_synthesis(
     Returns:
         ``(terms, fit_error)``: one term per (snapshot, tracked profile), weights summing to
         1; ``fit_error`` is the relative L2 distance between the combined and the target
-        profile (:func:`~dtensor_ema.phema_math.profile_fit_error`).
+        profile (:func:`~dtensor_ema.posthoc.phema_math.profile_fit_error`).
 
     Raises:
         FileNotFoundError: a missing snapshot directory.
@@ -287,7 +292,7 @@ def synthesize(
         paths for a sequence). Snapshots of a ``PostHocEMA(track=...)`` that left tensors
         untracked give the tracked tensors only (no integer buffers): load them with
         ``model.load_state_dict(sd, strict=False)``, or write a LoRA model's adapters with
-        :func:`~dtensor_ema.peft_export.save_peft_adapter`; a ``.safetensors`` output
+        :func:`~dtensor_ema.export.peft.save_peft_adapter`; a ``.safetensors`` output
         lists the absent tensors in its metadata (``dtensor_ema.untracked``).
 
     Peak memory (per rank): one output copy (``1/W`` of it when distributed) plus a few
@@ -566,7 +571,7 @@ def _check_entries(checkpoint: Checkpoint, wanted: Mapping[str, tuple[list[int],
     Raises:
         CheckpointError: naming the snapshot, the entry and what is wrong (missing, another
             shape or dtype). Chunks that leave a gap or overlap were refused when the
-            snapshot was opened (:func:`~dtensor_ema.reader.check_coverage`).
+            snapshot was opened (:func:`~dtensor_ema.checkpoint.reader.check_coverage`).
     """
     saved = checkpoint.metadata.state_dict_metadata
     where = f"{checkpoint.path}"

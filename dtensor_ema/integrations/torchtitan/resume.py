@@ -22,12 +22,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtensor_ema._collectives import group_gather_rows
+from dtensor_ema.checkpoint.reader import Checkpoint
 from dtensor_ema.integrations._common import is_rank0
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.qkv import QKVConversion, convert, find_conversions
 from dtensor_ema.layout import ema_local_from_full
 from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.reader import Checkpoint
 from dtensor_ema.state import EMA_TENSORS
 
 __all__ = ["CONVERT_BUCKET_BYTES", "EMALoad", "saved_emas"]
@@ -57,7 +57,7 @@ class EMALoad:
 
     Args:
         ema: the live EMA.
-        checkpoint: the checkpoint (read by :func:`dtensor_ema.reader.open_checkpoint`).
+        checkpoint: the checkpoint (read by :func:`dtensor_ema.checkpoint.reader.open_checkpoint`).
         common_subset: load the tensors both the checkpoint and the EMA hold, keep the
             EMA's others (:meth:`TorchtitanEMA.load_state_dict`'s ``common_subset``).
         bucket_bytes: bound on one read of :meth:`convert`.

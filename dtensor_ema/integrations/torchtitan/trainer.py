@@ -53,6 +53,7 @@ from torchtitan.config.manager import custom_registry
 from torchtitan.trainer import Trainer
 
 from dtensor_ema._collectives import agree, group_of
+from dtensor_ema.checkpoint.reader import Checkpoint, open_checkpoint
 from dtensor_ema.integrations._common import is_rank0
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.hf import (
@@ -61,7 +62,6 @@ from dtensor_ema.integrations.torchtitan.hf import (
     stream_hf,
 )
 from dtensor_ema.integrations.torchtitan.resume import EMALoad, saved_emas
-from dtensor_ema.reader import Checkpoint, open_checkpoint
 
 __all__ = ["EMA", "EMACheckpointManager", "EMATrainer", "EMAValidator", "stage_mesh", "with_ema"]
 
@@ -558,7 +558,7 @@ def _check_keys(sd_adapter: Any, states: dict[str, Any]) -> None:
 
 def _local_checkpoint(checkpoint_id: str) -> Checkpoint | None:
     """The DCP checkpoint at ``checkpoint_id`` read by
-    :func:`dtensor_ema.reader.open_checkpoint` (no code run); ``None`` where there is no
+    :func:`dtensor_ema.checkpoint.reader.open_checkpoint` (no code run); ``None`` where there is no
     local checkpoint folder to read (a remote path): the load decides.
 
     Raises:

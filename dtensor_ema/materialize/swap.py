@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dtensor_ema.layout import PlanEntry
-from dtensor_ema.materialize import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
+from dtensor_ema.materialize.gather import LocalPiece, SplitPiece, gather_full_tensors, iter_unsplit
 from dtensor_ema.plan import EmaPlan, reshard_fsdp
 
 __all__ = ["swapped_in"]

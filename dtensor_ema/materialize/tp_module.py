@@ -20,10 +20,11 @@ layout the model's forward computes with, and drops them right after:
 Untracked tensors take the same path from the model's own local pieces (an FSDP2 shard is
 gathered over the dp group, as the model's own forward would; a plain or TP-local piece is
 read in place). This is the twin of every EMA with untracked tensors on a mesh (DDP,
-FSDP2, HSDP, TP): the FSDP2 twin of :mod:`dtensor_ema.ema_module` would have to shard them.
+FSDP2, HSDP, TP): the FSDP2 twin of :mod:`dtensor_ema.materialize.ema_module` would have to shard
+them.
 
 The TP forward hooks and torchtitan's forward closures are carried over from the model
-(see :func:`~dtensor_ema.twin.rebind_callables`), so the twin runs the model's own
+(see :func:`~dtensor_ema.materialize.twin.rebind_callables`), so the twin runs the model's own
 TP forward. Idle memory: the EMA (1/W of the model per rank) plus the twin's float buffers;
 peak extra memory in a forward: one unit's parameters in the compute layout (the model's
 TP-local size, in the compute dtype) plus the gather's flat buffers, plus activations.
@@ -42,10 +43,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dtensor_ema.layout import PlanEntry, ReplicaLevel, chunk_range, contiguous_stride
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
-from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.plan import EmaPlan
-from dtensor_ema.twin import (
+from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors
+from dtensor_ema.materialize.twin import (
     SharedSlots,
     clone_without_fsdp,
     install_forward_hooks,
@@ -53,6 +52,8 @@ from dtensor_ema.twin import (
     slots,
     student_mp_policy,
 )
+from dtensor_ema.model_keys import canonical_fqn
+from dtensor_ema.plan import EmaPlan
 
 __all__ = ["build_tp_twin", "needs_tp_twin"]
 
@@ -209,7 +210,8 @@ def build_tp_twin(
             FSDP2 unit's ``param_dtype`` if set, else the model parameter's dtype.
 
     Untracked parameters (``plan.untracked``) are gathered from the model's own pieces;
-    untracked float buffers are the model's own (:class:`~dtensor_ema.twin.SharedSlots`).
+    untracked float buffers are the model's own
+    (:class:`~dtensor_ema.materialize.twin.SharedSlots`).
 
     Raises:
         NotImplementedError: a DTensor buffer, or a parameter whose layout the twin cannot

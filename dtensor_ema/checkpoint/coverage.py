@@ -3,7 +3,8 @@
 A DCP load fills its destination from the saved chunks that overlap it: rows no chunk
 holds keep whatever the destination held (``torch.empty`` memory in an offline
 conversion), and rows held twice are written twice, from whichever is read last. So every
-reader of :mod:`dtensor_ema.reader` checks every tensor's chunks first, in time that grows
+reader of :mod:`dtensor_ema.checkpoint.reader` checks every tensor's chunks first, in time that
+grows
 as ``n log n`` in the number of chunks ``n``, however they are laid out:
 
 * The layouts sharding makes (each dim cut into intervals, one chunk per cell of their

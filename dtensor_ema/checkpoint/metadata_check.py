@@ -1,6 +1,7 @@
 """What a DCP ``.metadata`` may say, checked field by field before any of it is used.
 
-:func:`dtensor_ema.reader.open_checkpoint` unpickles ``.metadata`` with only DCP's metadata
+:func:`dtensor_ema.checkpoint.reader.open_checkpoint` unpickles ``.metadata`` with only DCP's
+metadata
 classes allowed, but their fields can still hold anything a pickle can build: ``None`` where
 a list belongs, a shape of 3000 dims or ``10**12`` elements, a chunk whose storage item is
 a few bytes long, a compression transform that inflates a few kilobytes into gigabytes, a

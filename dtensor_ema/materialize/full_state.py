@@ -1,7 +1,7 @@
 """Full state dicts keyed like the model: gathered out of the EMA, and loaded back into it.
 
 Out (:func:`gather_state`): the EMA's (or the model's) local pieces travel in flat buckets
-(:mod:`dtensor_ema.materialize`), then the integer buffers and tied aliases are filled in, in
+(:mod:`dtensor_ema.materialize.gather`), then the integer buffers and tied aliases are filled in, in
 the model's key order (tensors the EMA does not track come from the model, or are left
 out), and the model's own state-dict post-hooks run
 (:func:`dtensor_ema.model_keys.to_model_keys`: torchtitan's fused ``wqkv`` comes out as
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.layout import PlanEntry, ema_local_from_full, model_geometry, model_shape
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors, gather_to_rank0
+from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors, gather_to_rank0
 from dtensor_ema.model_keys import from_model_keys, hooked_prefixes, to_model_keys
 from dtensor_ema.plan import EmaPlan
 from dtensor_ema.state import TensorSpec, compare_tensors

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from dtensor_ema.fused_update import CountedStep
 from dtensor_ema.options import EmaOptions
+from dtensor_ema.update.fused_update import CountedStep
 
 __all__ = ["MAX_COUNT", "DeviceStep", "HostStep", "UpdateCounter", "check_count"]
 
@@ -44,7 +44,7 @@ class HostStep(NamedTuple):
     decay: float | None
     """Its decay (``0.0``: copy; ``None``: a call ``update_every`` skips)."""
     step: float | None
-    """What an updater applies: the decay, or a :class:`~dtensor_ema.fused_update.
+    """What an updater applies: the decay, or a :class:`~dtensor_ema.update.fused_update.
     CountedStep` for formulas that read the averaging step; ``None`` when skipped."""
 
 

@@ -32,7 +32,7 @@ initialization, cached scratch buffers and compiled kernels happen outside the c
 then captures it; later calls replay. :meth:`GraphedStep.invalidate` drops the graph (and
 its memory pool) so the next call captures again.
 
-:class:`GraphedUpdater` is the replay as an :class:`~dtensor_ema.updater.Updater`: it runs
+:class:`GraphedUpdater` is the replay as an :class:`~dtensor_ema.update.updater.Updater`: it runs
 each ``update()`` call through the graph, and through the updater it wraps (inline or
 capturable) inside a caller's own capture or after a failed capture.
 :func:`dtensor_ema.engine.make_updater` wraps an updater in it when :func:`resolve` says yes.
@@ -48,9 +48,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dtensor_ema.counter import UpdateCounter
-from dtensor_ema.fused_update import UpdateGroup
-from dtensor_ema.updater import CapturableUpdater, Done, Updater
+from dtensor_ema.update.counter import UpdateCounter
+from dtensor_ema.update.fused_update import UpdateGroup
+from dtensor_ema.update.updater import CapturableUpdater, Done, Updater
 
 __all__ = [
     "AUTO_REPLAY",
@@ -340,8 +340,8 @@ class GraphedUpdater(Updater):
     wrapped ``inner`` updater's (the eager path). Local: no communication.
 
     Args:
-        inner: the updater of the same groups (:class:`~dtensor_ema.updater.
-            InlineUpdater`, or :class:`~dtensor_ema.updater.CapturableUpdater` with
+        inner: the updater of the same groups (:class:`~dtensor_ema.update.updater.
+            InlineUpdater`, or :class:`~dtensor_ema.update.updater.CapturableUpdater` with
             ``capturable=True``); :meth:`submit`, :meth:`wait` and :meth:`close` are its.
         device: the CUDA device of the EMA.
         decision: why replay is on (:func:`resolve`); :attr:`decision` says why it is off

@@ -3,10 +3,10 @@
 The updaters share one interface (``run`` one ``update()`` call, ``submit`` a step,
 ``wait``, ``rebind``, ``invalidate``, ``close``); :func:`dtensor_ema.engine.make_updater`
 is the one place that picks one (and wraps it in the CUDA-graph replay,
-:class:`dtensor_ema.cuda_graph.GraphedUpdater`):
+:class:`dtensor_ema.update.cuda_graph.GraphedUpdater`):
 
 * :class:`InlineUpdater` applies each step at once, one fused call per
-  :class:`~dtensor_ema.fused_update.UpdateGroup` (the default).
+  :class:`~dtensor_ema.update.fused_update.UpdateGroup` (the default).
 * :class:`CapturableUpdater` applies a step whose decay lives on the device, with no host
   synchronization (``capturable=True``: ``torch.compile`` / CUDA graphs).
 * :class:`OffloadUpdater` snapshots the sources and applies the step to host-resident EMA
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from dtensor_ema.counter import DeviceStep, UpdateCounter
-from dtensor_ema.fused_update import UpdateGroup, apply_groups_, lerp_step_
+from dtensor_ema.update.counter import DeviceStep, UpdateCounter
+from dtensor_ema.update.fused_update import UpdateGroup, apply_groups_, lerp_step_
 
 __all__ = [
     "CUDA_OFFLOAD",
@@ -125,7 +125,7 @@ class InlineUpdater(Updater):
 
 
 class CapturableUpdater(Updater):
-    """Applies a :class:`~dtensor_ema.counter.DeviceStep`: weight ``1 - decay`` (averaged
+    """Applies a :class:`~dtensor_ema.update.counter.DeviceStep`: weight ``1 - decay`` (averaged
     groups) or ``1`` (copied groups) on active calls, ``0`` on skipped ones; all on the
     device. Its :meth:`run` counts on the device too (no host sync, compiles whole)."""
 

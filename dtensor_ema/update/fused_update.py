@@ -7,7 +7,7 @@ is updated by one kernel on cached local views:
 
 * ``"eager"``: ``torch._foreach_lerp_`` (``_foreach_copy_`` for copies); mixed dtypes (bf16
   model, fp32 EMA) upcast through a reused scratch buffer first.
-* ``"compiled"``: :class:`~dtensor_ema.compiled_lerp.CompiledLerp`, one pass that reads
+* ``"compiled"``: :class:`~dtensor_ema.update.compiled_lerp.CompiledLerp`, one pass that reads
   each source value once (upcast in registers) and reads and writes each EMA value once,
   for K EMAs of the same sources at a time. Same bits as eager.
 """
@@ -20,14 +20,14 @@ from typing import Any, Literal
 
 import torch
 
-from dtensor_ema.compiled_lerp import (
+from dtensor_ema.options import AveragingFunction
+from dtensor_ema.plan import EmaPlan
+from dtensor_ema.update.compiled_lerp import (
     COMPILED_EMA_DTYPES,
     CompiledLerp,
     compile_unavailable_reason,
     warn_unavailable,
 )
-from dtensor_ema.options import AveragingFunction
-from dtensor_ema.plan import EmaPlan
 
 __all__ = [
     "FOREACH_DEVICE_TYPES",

@@ -1,5 +1,5 @@
-"""Building blocks of the EMA's twin modules (:mod:`dtensor_ema.ema_module` and
-:mod:`dtensor_ema.tp_module` both build on them; neither imports the other's internals).
+"""Building blocks of the EMA's twin modules (:mod:`dtensor_ema.materialize.ema_module` and
+:mod:`dtensor_ema.materialize.tp_module` both build on them; neither imports the other's internals).
 
 A twin is a structural clone of the model whose parameter slots hold the EMA (or gather it
 around the forward). Here: the model's registered tensor slots by canonical fqn
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.layout import PlanEntry
-from dtensor_ema.materialize import LocalPiece, gather_full_tensors
+from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.plan import EmaPlan
 

@@ -11,7 +11,8 @@ inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte 
   tensor chunk (its local shard; a replicated tensor only on the rank DCP picked to write
   it) and each non-tensor value, as the bytes on disk. Rank 0 adds those of ``.metadata``.
 * :func:`write_sidecar` stores them in ``__<rank>.checksums.json`` beside DCP's files
-  (format ``dtensor_ema.checksums`` version 2). DCP ignores the file, so plain ``dcp.load``
+  (format ``dtensor_ema.checkpoint.checksums`` version 2). DCP ignores the file, so plain
+  ``dcp.load``
   works.
 * A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
   id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
@@ -25,7 +26,7 @@ also XXH3-64, which a reader with ``xxhash`` checks instead: about 4x faster tha
 ``zlib.crc32`` here (9.4 against 2.2 GB/s of CPU time), which is what keeps a verified load
 of large tensors close to an unverified one (numbers in ``docs/checkpoints.md``).
 
-Verification is on the reading side (:meth:`dtensor_ema.reader.Checkpoint.verify_reads`,
+Verification is on the reading side (:meth:`dtensor_ema.checkpoint.reader.Checkpoint.verify_reads`,
 inside every verified load): one pass over the byte ranges the load reads, before DCP
 deserializes them.
 """

@@ -8,9 +8,9 @@ what plain DCP does not do:
 * :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
   over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
   raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
-  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checksums`); with
+  checksums of every byte range DCP wrote (:mod:`dtensor_ema.checkpoint.checksums`); with
   ``async_=True`` it copies the state and writes in the background
-  (:mod:`dtensor_ema.background`), with the same promises.
+  (:mod:`dtensor_ema.checkpoint.background`), with the same promises.
 * :func:`load_checkpoint` checks the checkpoint against every ``ModelEMA`` it will fill (the
   data files exist and are long enough; the checksums; tensor names, shapes and dtypes; the
   counter and the options that shape the next update) **before** DCP writes into the live
@@ -20,12 +20,12 @@ what plain DCP does not do:
   Then every EMA reads into staging buffers and is swapped in only when every rank read and
   checked everything: whatever fails during the load (a read, a refused entry, an
   out-of-range value), every EMA is exactly as before. It reads the files it verified, as
-  they were when it opened them (:mod:`dtensor_ema.checkpoint_files`): a save committed to
+  they were when it opened them (:mod:`dtensor_ema.checkpoint.files`): a save committed to
   the same path meanwhile gives one save's data or an error naming it, never a mix.
 
 Reading runs no code from the checkpoint: ``.metadata`` is unpickled with a restricted
 unpickler and non-tensor values with ``torch.load(..., weights_only=True)``
-(:mod:`dtensor_ema.reader`, which every reader of the package shares). Plain ``dcp.load``
+(:mod:`dtensor_ema.checkpoint.reader`, which every reader of the package shares). Plain ``dcp.load``
 unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 """
 
@@ -50,7 +50,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtensor_ema import background
 from dtensor_ema._collectives import (
     agree,
     agree_on_call,
@@ -62,11 +61,9 @@ from dtensor_ema._collectives import (
     rank_of,
     reduce_device,
 )
-from dtensor_ema.checksums import RecordingWriter, record_checksums, write_sidecar
-from dtensor_ema.engine import EmaEngine
-from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.multi import MultiModelEMA
-from dtensor_ema.reader import (
+from dtensor_ema.checkpoint import background
+from dtensor_ema.checkpoint.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.reader import (
     PREVIOUS_SUFFIX,
     Checkpoint,
     CheckpointChangedError,
@@ -77,7 +74,10 @@ from dtensor_ema.reader import (
     open_checkpoint,
     verification,
 )
-from dtensor_ema.same_path import agree_on_path
+from dtensor_ema.checkpoint.same_path import agree_on_path
+from dtensor_ema.engine import EmaEngine
+from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.state import (
     EMA_TENSORS,
     TensorSpec,
@@ -196,7 +196,8 @@ def save_checkpoint(
     loading what it wrote and before destroying the process group. Peak extra memory: one
     CPU copy of ``state``'s tensors (for an EMA, its local shards: ``1/W`` of the tracked
     tensors): the staging buffer, kept for the next background save, which copies into it
-    (:func:`dtensor_ema.background.release_staging` frees it). Training is blocked for the
+    (:func:`dtensor_ema.checkpoint.background.release_staging` frees it). Training is blocked for
+    the
     agreement and the copy: 0.09-0.13 of a blocking save for GPT-2 at W=2
     (``benchmarks/async_save.py``).
 
@@ -392,7 +393,8 @@ def load_checkpoint(
     Nothing from the checkpoint is run: ``.metadata`` is read with a restricted unpickler
     that builds only DCP's metadata classes (anything else raises :class:`CheckpointError`
     naming the refused global and the file, before anything else is read) and tensors and
-    non-tensor values with ``torch.load(..., weights_only=True)`` (:mod:`dtensor_ema.reader`;
+    non-tensor values with ``torch.load(..., weights_only=True)``
+    (:mod:`dtensor_ema.checkpoint.reader`;
     an entry whose pickle holds anything else raises :class:`CheckpointError` naming the
     checkpoint and the entry, "not a tensor or plain value"). Every data file ``.metadata``
     names must be a plain file name inside ``path`` (no separator, no ``..``, not absolute,
@@ -432,7 +434,8 @@ def load_checkpoint(
     Where that cannot hold (the committed save deleted a file before this load opened it, a
     file was rewritten in place, the ranks opened different saves: one all-gather of four
     int64s per rank compares them), every rank raises
-    :class:`~dtensor_ema.reader.CheckpointChangedError` naming the saves and the file, never
+    :class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError` naming the saves and the file,
+    never
     "corrupted", with every EMA unchanged.
 
     An EMA that tracks other tensors than the checkpoint's (``ModelEMA(track=...)``,
@@ -448,20 +451,22 @@ def load_checkpoint(
     copy, no extra memory) in DCP's planning step, whose failures DCP gathers to every rank
     before any rank reads. XXH3-64 is checked where it was recorded and ``xxhash`` is
     installed, else the CRC-32. A mismatch raises
-    :class:`~dtensor_ema.reader.ChecksumError` (a :class:`CheckpointError`) naming the file
+    :class:`~dtensor_ema.checkpoint.reader.ChecksumError` (a :class:`CheckpointError`) naming the
+    file
     and the tensor or value ("does not match"; never a digest of the bytes read), with
     nothing written; so does a checksum file of another save (its save id is not
     ``.metadata``'s: files of two saves mixed). The pass deserializes nothing, so a
     verified load costs little more than an unverified one (numbers in
     ``docs/checkpoints.md``); ``verify=False`` skips it. A checkpoint without checksum files
     (plain ``dcp.save``, ``checksums=False``) loads unverified with one
-    :class:`~dtensor_ema.reader.UnverifiedCheckpointWarning` under ``verify=True``, and is
+    :class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning` under ``verify=True``, and
+    is
     refused under ``verify="require"``. A checksum file without a save id (written before
     save ids, or with the id deleted) is refused too: load such a checkpoint with
     ``verify=False``.
 
     Every size read from the checkpoint is checked against its files before anything is
-    allocated or read (:mod:`dtensor_ema.reader`): a ``.metadata`` whose fields hold what
+    allocated or read (:mod:`dtensor_ema.checkpoint.reader`): a ``.metadata`` whose fields hold what
     DCP never writes (other types, more than 64 dims, compressed items, chunks longer than
     their stored bytes, an entry filed under another's name), an item whose archive is
     compressed, a tensor of another dtype or size than ``.metadata`` says, a corrupted item,

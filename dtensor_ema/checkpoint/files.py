@@ -145,7 +145,8 @@ class CheckpointFiles:
     def read_once(self, name: str) -> Iterator[BinaryIO]:
         """A binary stream over the small file ``name`` (``.metadata``, a checksum file),
         positioned at 0, not held: closed after the body. The body reads it within its own
-        bounds (:mod:`dtensor_ema.bounded_json`); afterwards, or when the body raised, the
+        bounds (:mod:`dtensor_ema.checkpoint.bounded_json`); afterwards, or when the body raised,
+        the
         file is checked to be the one first seen, as :meth:`opened` does.
 
         Raises:

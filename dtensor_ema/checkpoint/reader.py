@@ -7,7 +7,8 @@ Every reader of the package opens checkpoints here: :func:`~dtensor_ema.load_che
 Lightning drop-in's and callback's loads of sharded checkpoints.
 
 * :func:`open_checkpoint` reads ``.metadata`` (refused when larger than the data files it
-  could describe, or when its memo indices exceed its size: :mod:`dtensor_ema.pickle_scan`)
+  could describe, or when its memo indices exceed its size:
+  :mod:`dtensor_ema.checkpoint.pickle_scan`)
   with a restricted unpickler. torch's ``FileSystemReader.read_metadata`` calls
   ``pickle.load``, so a crafted ``.metadata`` runs its code in plain ``dcp.load`` before any
   check. Here only the globals DCP's metadata is made of
@@ -15,7 +16,7 @@ Lightning drop-in's and callback's loads of sharded checkpoints.
   :class:`CheckpointError` naming it and the file, before anything else of the checkpoint
   is read.
 * Then, before any data file is opened, every field of the metadata is checked
-  (:func:`~dtensor_ema.metadata_check.check_metadata`: types, at most 64 dims, no
+  (:func:`~dtensor_ema.checkpoint.metadata_check.check_metadata`: types, at most 64 dims, no
   compression transforms, every chunk's storage item at least as long as its elements
   take, ``planner_data`` naming each entry by its own key), every file name it gives is a
   plain name inside the directory (:func:`path_inside`), every data file exists and holds
@@ -29,15 +30,15 @@ Lightning drop-in's and callback's loads of sharded checkpoints.
   chunk (a retyped entry is refused, not cast). A failure names the data file, the entry
   and what is wrong ("is corrupted", "is not a tensor or plain value").
 * :meth:`Checkpoint.verify_metadata`, :meth:`Checkpoint.verify_reads`: the digests recorded
-  by :func:`~dtensor_ema.save_checkpoint` (:mod:`dtensor_ema.checksums`) of ``.metadata``
+  by :func:`~dtensor_ema.save_checkpoint` (:mod:`dtensor_ema.checkpoint.checksums`) of ``.metadata``
   and of every saved item a load reads, checked inside :meth:`Checkpoint.load` on each
   rank's read plan, in one pass over those byte ranges (memory-mapped), before any rank
   reads them. Every checksum file must record the save id of the save that wrote
   ``.metadata`` (:attr:`Checkpoint.save_id`): files of two saves never load together. A
   mismatch names the file and the entry, never a digest of the bytes read. Checksum files
-  are JSON read within bounds (:mod:`dtensor_ema.bounded_json`).
+  are JSON read within bounds (:mod:`dtensor_ema.checkpoint.bounded_json`).
 * Every file is read from the directory :func:`open_checkpoint` opened, as first seen
-  (:class:`~dtensor_ema.checkpoint_files.CheckpointFiles`, :meth:`Checkpoint.opened`): the
+  (:class:`~dtensor_ema.checkpoint.files.CheckpointFiles`, :meth:`Checkpoint.opened`): the
   checks, the checksum pass and the item reads see the same bytes, whatever another save
   commits to the path meanwhile; a file that changed is reported as changed
   (:class:`CheckpointChangedError`), never as corrupted.
@@ -79,9 +80,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from dtensor_ema._collectives import MESSAGE_RANKS, describe, quiet_single_process, same_error
-from dtensor_ema.bounded_json import JsonProblem, read_at_most, read_json
-from dtensor_ema.checkpoint_files import CheckpointFiles
-from dtensor_ema.checksums import (
+from dtensor_ema.checkpoint.bounded_json import JsonProblem, read_at_most, read_json
+from dtensor_ema.checkpoint.checksums import (
     FORMAT,
     METADATA_FILE,
     SIDECAR_GLOB,
@@ -92,9 +92,10 @@ from dtensor_ema.checksums import (
     item_key,
     sidecar_name,
 )
-from dtensor_ema.coverage import coverage_problem
-from dtensor_ema.metadata_check import Facts, MetadataProblem, check_metadata
-from dtensor_ema.pickle_scan import memo_problem
+from dtensor_ema.checkpoint.coverage import coverage_problem
+from dtensor_ema.checkpoint.files import CheckpointFiles
+from dtensor_ema.checkpoint.metadata_check import Facts, MetadataProblem, check_metadata
+from dtensor_ema.checkpoint.pickle_scan import memo_problem
 
 __all__ = [
     "METADATA_GLOBALS",
@@ -256,7 +257,7 @@ class Checkpoint:
     """Checksum files read so far, by name."""
     files: CheckpointFiles | None = None
     """The directory as :func:`open_checkpoint` opened it: every file is read from it, as
-    first seen (:mod:`dtensor_ema.checkpoint_files`)."""
+    first seen (:mod:`dtensor_ema.checkpoint.files`)."""
 
     @property
     def metadata_file(self) -> Path:
@@ -606,7 +607,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     :data:`METADATA_FLOOR_BYTES`): what DCP writes is a fraction of the data it describes.
     It is read once, whole, and unpickled with only :data:`METADATA_GLOBALS` (and torch
     dtypes) allowed. Then, before any other file is opened, every field is checked
-    (:func:`~dtensor_ema.metadata_check.check_metadata`), every data file it names must be
+    (:func:`~dtensor_ema.checkpoint.metadata_check.check_metadata`), every data file it names must
+    be
     a plain file name inside ``path`` (:meth:`Checkpoint.check_paths`), exist and hold its
     items (:meth:`Checkpoint.check_files`), and every tensor's chunks must cover its shape
     exactly once (:meth:`Checkpoint.check_coverage`).
@@ -788,7 +790,7 @@ def path_inside(directory: Path, name: object, what: str) -> Path:
 
 def check_coverage(metadata: Metadata, file: str | Path) -> None:
     """Every tensor of ``metadata`` (read from ``file``) has chunks that cover its shape
-    exactly once (:func:`~dtensor_ema.coverage.coverage_problem`, ``n log n`` in the
+    exactly once (:func:`~dtensor_ema.checkpoint.coverage.coverage_problem`, ``n log n`` in the
     chunks): a load then writes every element of its destination, so no ``torch.empty``
     buffer filled from it keeps unwritten rows. Local.
 

@@ -16,11 +16,12 @@ model whose parameter storage is the EMA itself:
 * **Tensor parallelism** (TP, FSDP2 + TP), and any mesh when the EMA tracks a subset
   (``track=``): the twin's resting parameters are the EMA's own DTensors and the model's
   own untracked tensors, gathered unit by unit into the model's layout just for the
-  forward (:mod:`dtensor_ema.tp_module`); untracked tensors are never sharded in the twin.
+  forward (:mod:`dtensor_ema.materialize.tp_module`); untracked tensors are never sharded in the
+  twin.
   Without a process group the untracked slots are views of the model's storage.
 
 The pieces shared by these twins (structural clone, callables, buffer hooks, shared slots)
-live in :mod:`dtensor_ema.twin`.
+live in :mod:`dtensor_ema.materialize.twin`.
 
 The twin is built from the model's structure on the ``meta`` device (``copy.deepcopy`` with
 every tensor pre-mapped to an empty meta tensor), so no weight is ever copied in full.
@@ -39,12 +40,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_ema.layout import PlanEntry
-from dtensor_ema.materialize import SplitPiece, iter_unsplit
-from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.options import EmaOptions
-from dtensor_ema.plan import EmaPlan
-from dtensor_ema.tp_module import build_tp_twin, needs_tp_twin
-from dtensor_ema.twin import (
+from dtensor_ema.materialize.gather import SplitPiece, iter_unsplit
+from dtensor_ema.materialize.tp_module import build_tp_twin, needs_tp_twin
+from dtensor_ema.materialize.twin import (
     SharedSlots,
     clone_without_fsdp,
     install_forward_hooks,
@@ -52,6 +50,9 @@ from dtensor_ema.twin import (
     slots,
     student_mp_policy,
 )
+from dtensor_ema.model_keys import canonical_fqn
+from dtensor_ema.options import EmaOptions
+from dtensor_ema.plan import EmaPlan
 
 __all__ = [
     "UnitSpec",
@@ -178,7 +179,8 @@ def build_ema_module(
     ``MixedPrecisionPolicy`` (``units`` is then ignored). Models with DTensor parameters
     that FSDP2 alone does not explain (TP, FSDP2 + TP), and every plan with untracked
     tensors on a mesh, get the gathered twin of
-    :func:`~dtensor_ema.tp_module.build_tp_twin` instead: the EMA is not moved, the twin's
+    :func:`~dtensor_ema.materialize.tp_module.build_tp_twin` instead: the EMA is not moved, the
+    twin's
     parameters are its DTensors (and the model's untracked tensors), and each unit (the
     model's FSDP2 units, else ``units`` and the root) gathers them into the model's layout
     around its forward.
@@ -198,7 +200,8 @@ def build_ema_module(
             plain model, or a TP layout the TP twin cannot rebuild (a DTensor buffer, a
             torch whose FSDP2 hides the unsharded layout); each message names the tensor
             and its layout. A callable the twin would share
-            with the model and cannot re-bind (see :func:`~dtensor_ema.twin.rebind_callables`).
+            with the model and cannot re-bind (see
+            :func:`~dtensor_ema.materialize.twin.rebind_callables`).
         ValueError: bad ``units``, or a unit whose parameters mix dtypes with
             ``compute_dtype=None``.
     """

@@ -19,16 +19,16 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mesh_agree
-from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.reader import (
+from dtensor_ema.checkpoint.reader import (
     UnverifiedCheckpointWarning,
     Verify,
     existing_checkpoint,
     open_checkpoint,
     verification,
 )
+from dtensor_ema.export.state_file import SUFFIXES, check_destination, write_state_file
+from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.state import EMA_TENSORS
-from dtensor_ema.state_file import SUFFIXES, check_destination, write_state_file
 
 __all__ = ["DEFAULT_EXPORT_BUCKET_BYTES", "SUFFIXES", "convert_checkpoint", "export_ema"]
 
@@ -48,7 +48,7 @@ def export_ema(
     """Write the full EMA weights to one file for inference. **Collective.**
 
     ``format="peft"``: write the EMA of a PEFT model's adapter as a PEFT adapter directory
-    instead (:func:`dtensor_ema.peft_export.export_peft_adapter`, whose rules apply).
+    instead (:func:`dtensor_ema.export.peft.export_peft_adapter`, whose rules apply).
     Untracked tensors (``ModelEMA(track=...)``) are written from the model, so the file is
     a whole state dict; its safetensors metadata lists them (``dtensor_ema.from_model``).
 
@@ -80,7 +80,7 @@ def export_ema(
     :func:`~dtensor_ema._collectives.agree_on_call` (which call, which EMA, which count).
     """
     if format == "peft":
-        from dtensor_ema.peft_export import export_peft_adapter
+        from dtensor_ema.export.peft import export_peft_adapter
 
         export_peft_adapter(ema, path, bucket_bytes=bucket_bytes)
         return
@@ -146,7 +146,8 @@ def convert_checkpoint(
     ``torch.save`` (``.pt``/``.pth``; other suffixes and missing parent directories are
     refused before anything is read).
 
-    Reads as :func:`~dtensor_ema.load_checkpoint` does (:mod:`dtensor_ema.reader`): no code
+    Reads as :func:`~dtensor_ema.load_checkpoint` does (:mod:`dtensor_ema.checkpoint.reader`): no
+    code
     from the checkpoint runs (restricted ``.metadata``, ``weights_only`` values; an entry
     that is not a tensor or plain value is refused, naming it); every data file must be a
     plain file name inside ``checkpoint_dir``, and every tensor's chunks must cover it
@@ -154,7 +155,7 @@ def convert_checkpoint(
     ``verify=True`` (default) ``.metadata`` and the bytes it reads are checked against the
     checksums :func:`~dtensor_ema.save_checkpoint` recorded, before they are deserialized,
     and a checksum file of another save (or of none) is refused. Without checksum files,
-    ``verify=True`` warns once (:class:`~dtensor_ema.reader.UnverifiedCheckpointWarning`)
+    ``verify=True`` warns once (:class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning`)
     and ``verify="require"`` refuses. What it allocates is bounded by the checkpoint's files:
     every tensor's elements must be stored in its data files (checked from ``.metadata``
     before anything is allocated); an entry filed under another entry's name

@@ -1,6 +1,6 @@
 """What a background save needs: a copy of the state, a worker thread, a group of its own.
 
-``save_checkpoint(..., async_=True)`` (:mod:`dtensor_ema.checkpoint`) blocks training only
+``save_checkpoint(..., async_=True)`` (:mod:`dtensor_ema.checkpoint.save_load`) blocks training only
 while it copies the state; the write runs here:
 
 * :func:`cpu_copy`: every tensor of a (nested) state dict copied to the CPU, a DTensor as a
