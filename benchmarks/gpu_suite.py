@@ -595,6 +595,7 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
     """W = 4 and W = 2 ranks on the one device; fake process group at W = 8, 64."""
     import shutil
 
+    import gpu_checks
     import gpu_ranks
     import gpu_zero3
     from dist_harness import outcomes, spawn_ranks
@@ -643,10 +644,10 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
                     errors.append(failure[-1500:])
         out[f"w{world}_seconds"] = round(time.perf_counter() - start, 1)
     for layout in gpu_ranks.LAYOUTS[4]:
-        for dt in gpu_ranks.DTYPES:
+        for dt in gpu_checks.DTYPES:
             if (ckpt / f"{layout}_{dt}.ref.pt").exists():
-                rows.append(gpu_ranks.load_one_process(layout, dt, device, ckpt))
-    for dt in gpu_ranks.DTYPES:
+                rows.append(gpu_checks.load_one_process(layout, dt, device, ckpt))
+    for dt in gpu_checks.DTYPES:
         if (ckpt / f"zero3_{dt}.ref.pt").exists():
             rows.append(gpu_zero3.load_one_process(dt, device, ckpt))
     shutil.rmtree(ckpt, ignore_errors=True)
