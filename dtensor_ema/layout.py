@@ -68,6 +68,7 @@ __all__ = [
     "model_piece",
     "model_piece_ptr",
     "model_shape",
+    "plain_tensor",
     "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
@@ -797,9 +798,13 @@ class PlanEntry:
         """:func:`model_piece_ptr` of the source, without probing its kind (per update)."""
         if self.layout.flat is not None:
             return self.source.ds_tensor.data_ptr()  # type: ignore[attr-defined]
-        if isinstance(self.source, DTensor):
-            return _dtensor_local_ptr(self.source)
-        return self.source.data_ptr()
+        ptr = (
+            _dtensor_local_ptr(self.source)
+            if isinstance(self.source, DTensor)
+            else self.source.data_ptr()
+        )
+        # 0: empty, or a wrapper subclass with no storage (its plain tensor's, see plain_tensor)
+        return ptr or model_piece(self.source).data_ptr()
 
     def whole_view(self) -> torch.Tensor | None:
         """The model's whole value of a tensor it also holds in pieces, when it holds one
@@ -851,6 +856,14 @@ def make_entry(
     is_copied`). Local."""
     dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
     piece = model_piece(tensor)
+    if type(piece) is not torch.Tensor:
+        kind = f"{type(piece).__module__}.{type(piece).__qualname__}"
+        raise ValueError(
+            f"cannot average {fqn!r}, a {kind}: the EMA holds plain tensors and this tensor "
+            "subclass wraps no plain tensor of its shape and dtype (docs/options.md, tensor "
+            "subclasses); leave it out with track='trainable' if it is frozen, or track=lambda"
+            f" fqn, t: fqn != {fqn!r} (exclude= still stores a copy)"
+        )
     shape = model_shape(tensor)
     plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
     if options.replicate_buffers and plain_buffer:
@@ -911,12 +924,34 @@ def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
 def model_piece(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
     the partition without padding of a ZeRO-3 parameter (1-D), the whole (detached)
-    tensor otherwise."""
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().detach()
+    tensor otherwise; a tensor subclass as the plain tensor it wraps (:func:`plain_tensor`)."""
     if zero_partition.is_partitioned(tensor):
         return zero_partition.partition_piece(tensor)
-    return tensor.detach()
+    return plain_tensor(tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """[Note: tensor subclasses] The plain tensor that holds a subclass's values.
+
+    A wrapper subclass (no storage of its own) is averaged through the one tensor among
+    its ``__tensor_flatten__`` inner tensors that has its shape and dtype, when any others
+    are scalars (a cached scale), unwrapped as often as needed: torchao's float8 weights
+    (``WeightWithDynamicFloat8CastTensor`` under ``enable_fsdp_float8_all_gather``, its
+    precomputed scale included). A subclass with storage of its own is viewed as a plain
+    tensor. Any other kind (torchao's ``NF4Tensor``: codes and scales) comes back unchanged,
+    and :func:`make_entry` refuses it. Local, no copy.
+    """
+    while type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is None:
+            plain = tensor.numel() == 0 or tensor.data_ptr() != 0
+            return tensor.as_subclass(torch.Tensor) if plain else tensor
+        inner = [getattr(tensor, name) for name in flatten()[0]]
+        same = [t for t in inner if (t.shape, t.dtype) == (tensor.shape, tensor.dtype)]
+        if len(same) != 1 or any(t.dim() for t in inner if t is not same[0]):
+            return tensor
+        tensor = same[0]
+    return tensor
 
 
 def model_shape(tensor: torch.Tensor) -> torch.Size:
@@ -932,11 +967,11 @@ def model_piece_ptr(tensor: torch.Tensor) -> int:
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
     it are stale. Local (:meth:`PlanEntry.piece_ptr` is the per-update form)."""
     if isinstance(tensor, DTensor):
-        return _dtensor_local_ptr(tensor)
+        return _dtensor_local_ptr(tensor) or model_piece(tensor).data_ptr()
     ds_tensor = getattr(tensor, "ds_tensor", None)
     if isinstance(ds_tensor, torch.Tensor):
         return ds_tensor.data_ptr()
-    return tensor.data_ptr()
+    return tensor.data_ptr() or model_piece(tensor).data_ptr()
 
 
 def _dtensor_local_ptr(tensor: DTensor) -> int:
