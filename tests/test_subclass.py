@@ -117,6 +117,13 @@ def test_a_wrapper_of_one_plain_tensor_is_averaged_through_it(kind: str) -> None
         reference.update({"weight": inner, "bias": model.bias})
         assert mismatches(ema.get_ema_state_dict(), reference.ema) == [], step
     assert all(type(t) is torch.Tensor for t in ema.ema_tensors().values())
+    # The wrapper now holds another tensor (as FSDP2's module.to() swaps a local tensor):
+    # the EMA follows it (its storage pointer, not the wrapper's null one, is checked).
+    inner = inner + 1.0
+    model.weight.parts[0] = model.weight.p0 = inner
+    ema.update()
+    reference.update({"weight": inner, "bias": model.bias})
+    assert mismatches(ema.get_ema_state_dict(), reference.ema) == []
     raw = inner.clone()
     with ema.average_parameters():
         assert torch.equal(inner, reference.ema["weight"])
