@@ -769,6 +769,9 @@ class PlanEntry:
     """Global shape, dtype and device of the source when the plan was built."""
     averaged: bool = True
     """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
+    inner: tuple[str, ...] = ()
+    """A wrapper subclass's attributes down to the plain tensor the EMA reads
+    (:func:`inner_path`; ``()`` for other tensors)."""
 
     @property
     def is_dtensor_source(self) -> bool:
@@ -798,13 +801,10 @@ class PlanEntry:
         """:func:`model_piece_ptr` of the source, without probing its kind (per update)."""
         if self.layout.flat is not None:
             return self.source.ds_tensor.data_ptr()  # type: ignore[attr-defined]
-        ptr = (
-            _dtensor_local_ptr(self.source)
-            if isinstance(self.source, DTensor)
-            else self.source.data_ptr()
-        )
-        # 0: empty, or a wrapper subclass with no storage (its plain tensor's, see plain_tensor)
-        return ptr or model_piece(self.source).data_ptr()
+        local = _dtensor_local(self.source) if isinstance(self.source, DTensor) else self.source
+        for name in self.inner:  # a wrapper subclass has no storage: its plain tensor's
+            local = getattr(local, name)
+        return local.data_ptr()
 
     def whole_view(self) -> torch.Tensor | None:
         """The model's whole value of a tensor it also holds in pieces, when it holds one
@@ -883,6 +883,7 @@ def make_entry(
         is_parameter=is_parameter,
         signature=(shape, tensor.dtype, tensor.device),
         averaged=not options.is_copied(fqn, tensor, is_parameter),
+        inner=() if layout.flat is not None else inner_path(_local(tensor)),
     )
 
 
@@ -927,31 +928,49 @@ def model_piece(tensor: torch.Tensor) -> torch.Tensor:
     tensor otherwise; a tensor subclass as the plain tensor it wraps (:func:`plain_tensor`)."""
     if zero_partition.is_partitioned(tensor):
         return zero_partition.partition_piece(tensor)
-    return plain_tensor(tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+    return plain_tensor(_local(tensor)).detach()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def inner_path(tensor: torch.Tensor) -> tuple[str, ...]:
+    """[Note: tensor subclasses] The attributes that lead from a wrapper subclass (no storage
+    of its own) to the plain tensor that holds its values, for :func:`plain_tensor`.
+
+    A wrapper is averaged through the one tensor among its ``__tensor_flatten__`` inner
+    tensors that has its shape and dtype, when any others are scalars (a cached scale),
+    unwrapped as often as needed: torchao's float8 weights (``WeightWithDynamicFloat8CastTensor``
+    under ``enable_fsdp_float8_all_gather``, with its precomputed scale or without). Any other
+    wrapper (torchao's ``NF4Tensor``: codes and scales) ends the path. Local, no copy.
+    """
+    path: list[str] = []
+    while type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        names = flatten()[0] if flatten is not None else ()
+        inner = {n: t for n in names if isinstance(t := getattr(tensor, n, None), torch.Tensor)}
+        same = [n for n, t in inner.items() if (t.shape, t.dtype) == (tensor.shape, tensor.dtype)]
+        if (
+            len(same) != 1
+            or len(inner) != len(names)
+            or any(t.dim() for n, t in inner.items() if n != same[0])
+        ):
+            break
+        path.append(same[0])
+        tensor = inner[same[0]]
+    return tuple(path)
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """[Note: tensor subclasses] The plain tensor that holds a subclass's values.
-
-    A wrapper subclass (no storage of its own) is averaged through the one tensor among
-    its ``__tensor_flatten__`` inner tensors that has its shape and dtype, when any others
-    are scalars (a cached scale), unwrapped as often as needed: torchao's float8 weights
-    (``WeightWithDynamicFloat8CastTensor`` under ``enable_fsdp_float8_all_gather``, its
-    precomputed scale included). A subclass with storage of its own is viewed as a plain
-    tensor. Any other kind (torchao's ``NF4Tensor``: codes and scales) comes back unchanged,
-    and :func:`make_entry` refuses it. Local, no copy.
-    """
-    while type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        flatten = getattr(tensor, "__tensor_flatten__", None)
-        if flatten is None:
-            plain = tensor.numel() == 0 or tensor.data_ptr() != 0
-            return tensor.as_subclass(torch.Tensor) if plain else tensor
-        inner = [getattr(tensor, name) for name in flatten()[0]]
-        same = [t for t in inner if (t.shape, t.dtype) == (tensor.shape, tensor.dtype)]
-        if len(same) != 1 or any(t.dim() for t in inner if t is not same[0]):
-            return tensor
-        tensor = same[0]
-    return tensor
+    """The plain tensor that holds a model tensor's values (:func:`inner_path`); a subclass
+    with storage of its own (``as_subclass``) as a plain view. Any other subclass comes back
+    unchanged, and :func:`make_entry` refuses to average it. Local, no copy."""
+    for name in inner_path(tensor):
+        tensor = getattr(tensor, name)
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    return tensor.as_subclass(torch.Tensor) if tensor.numel() == 0 or tensor.data_ptr() else tensor
 
 
 def model_shape(tensor: torch.Tensor) -> torch.Size:
@@ -967,19 +986,19 @@ def model_piece_ptr(tensor: torch.Tensor) -> int:
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
     it are stale. Local (:meth:`PlanEntry.piece_ptr` is the per-update form)."""
     if isinstance(tensor, DTensor):
-        return _dtensor_local_ptr(tensor) or model_piece(tensor).data_ptr()
+        return _dtensor_local(tensor).data_ptr() or model_piece(tensor).data_ptr()
     ds_tensor = getattr(tensor, "ds_tensor", None)
     if isinstance(ds_tensor, torch.Tensor):
         return ds_tensor.data_ptr()
-    return tensor.data_ptr() or model_piece(tensor).data_ptr()
+    return tensor.data_ptr() or model_piece(tensor).data_ptr()  # 0: a wrapper subclass
 
 
-def _dtensor_local_ptr(tensor: DTensor) -> int:
+def _dtensor_local(tensor: DTensor) -> torch.Tensor:
     # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
     # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
     # the public call if a torch release renames it.
     local = getattr(tensor, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
+    return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
 def model_geometry(
