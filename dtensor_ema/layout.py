@@ -68,6 +68,7 @@ __all__ = [
     "model_piece",
     "model_piece_ptr",
     "model_shape",
+    "plain_tensor",
     "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
@@ -768,6 +769,9 @@ class PlanEntry:
     """Global shape, dtype and device of the source when the plan was built."""
     averaged: bool = True
     """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
+    inner: tuple[str, ...] = ()
+    """A wrapper subclass's attributes down to the plain tensor the EMA reads
+    (:func:`inner_path`; ``()`` for other tensors)."""
 
     @property
     def is_dtensor_source(self) -> bool:
@@ -797,9 +801,10 @@ class PlanEntry:
         """:func:`model_piece_ptr` of the source, without probing its kind (per update)."""
         if self.layout.flat is not None:
             return self.source.ds_tensor.data_ptr()  # type: ignore[attr-defined]
-        if isinstance(self.source, DTensor):
-            return _dtensor_local_ptr(self.source)
-        return self.source.data_ptr()
+        local = _dtensor_local(self.source) if isinstance(self.source, DTensor) else self.source
+        for name in self.inner:  # a wrapper subclass has no storage: its plain tensor's
+            local = getattr(local, name)
+        return local.data_ptr()
 
     def whole_view(self) -> torch.Tensor | None:
         """The model's whole value of a tensor it also holds in pieces, when it holds one
@@ -851,6 +856,14 @@ def make_entry(
     is_copied`). Local."""
     dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
     piece = model_piece(tensor)
+    if type(piece) is not torch.Tensor:
+        kind = f"{type(piece).__module__}.{type(piece).__qualname__}"
+        raise ValueError(
+            f"cannot average {fqn!r}, a {kind}: the EMA holds plain tensors and this tensor "
+            "subclass wraps no plain tensor of its shape and dtype (docs/options.md, tensor "
+            "subclasses); leave it out with track='trainable' if it is frozen, or track=lambda"
+            f" fqn, t: fqn != {fqn!r} (exclude= still stores a copy)"
+        )
     shape = model_shape(tensor)
     plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
     if options.replicate_buffers and plain_buffer:
@@ -870,6 +883,7 @@ def make_entry(
         is_parameter=is_parameter,
         signature=(shape, tensor.dtype, tensor.device),
         averaged=not options.is_copied(fqn, tensor, is_parameter),
+        inner=() if layout.flat is not None else inner_path(_local(tensor)),
     )
 
 
@@ -911,12 +925,52 @@ def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
 def model_piece(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
     the partition without padding of a ZeRO-3 parameter (1-D), the whole (detached)
-    tensor otherwise."""
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().detach()
+    tensor otherwise; a tensor subclass as the plain tensor it wraps (:func:`plain_tensor`)."""
     if zero_partition.is_partitioned(tensor):
         return zero_partition.partition_piece(tensor)
-    return tensor.detach()
+    return plain_tensor(_local(tensor)).detach()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def inner_path(tensor: torch.Tensor) -> tuple[str, ...]:
+    """[Note: tensor subclasses] The attributes that lead from a wrapper subclass (no storage
+    of its own) to the plain tensor that holds its values, for :func:`plain_tensor`.
+
+    A wrapper is averaged through the one tensor among its ``__tensor_flatten__`` inner
+    tensors that has its shape and dtype, when any others are scalars (a cached scale),
+    unwrapped as often as needed: torchao's float8 weights (``WeightWithDynamicFloat8CastTensor``
+    under ``enable_fsdp_float8_all_gather``, with its precomputed scale or without). Any other
+    wrapper (torchao's ``NF4Tensor``: codes and scales) ends the path. Local, no copy.
+    """
+    path: list[str] = []
+    while type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        names = flatten()[0] if flatten is not None else ()
+        inner = {n: t for n in names if isinstance(t := getattr(tensor, n, None), torch.Tensor)}
+        same = [n for n, t in inner.items() if (t.shape, t.dtype) == (tensor.shape, tensor.dtype)]
+        if (
+            len(same) != 1
+            or len(inner) != len(names)
+            or any(t.dim() for n, t in inner.items() if n != same[0])
+        ):
+            break
+        path.append(same[0])
+        tensor = inner[same[0]]
+    return tuple(path)
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds a model tensor's values (:func:`inner_path`); a subclass
+    with storage of its own (``as_subclass``) as a plain view. Any other subclass comes back
+    unchanged, and :func:`make_entry` refuses to average it. Local, no copy."""
+    for name in inner_path(tensor):
+        tensor = getattr(tensor, name)
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    return tensor.as_subclass(torch.Tensor) if tensor.numel() == 0 or tensor.data_ptr() else tensor
 
 
 def model_shape(tensor: torch.Tensor) -> torch.Size:
@@ -932,19 +986,19 @@ def model_piece_ptr(tensor: torch.Tensor) -> int:
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
     it are stale. Local (:meth:`PlanEntry.piece_ptr` is the per-update form)."""
     if isinstance(tensor, DTensor):
-        return _dtensor_local_ptr(tensor)
+        return _dtensor_local(tensor).data_ptr() or model_piece(tensor).data_ptr()
     ds_tensor = getattr(tensor, "ds_tensor", None)
     if isinstance(ds_tensor, torch.Tensor):
         return ds_tensor.data_ptr()
-    return tensor.data_ptr()
+    return tensor.data_ptr() or model_piece(tensor).data_ptr()  # 0: a wrapper subclass
 
 
-def _dtensor_local_ptr(tensor: DTensor) -> int:
+def _dtensor_local(tensor: DTensor) -> torch.Tensor:
     # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
     # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
     # the public call if a torch release renames it.
     local = getattr(tensor, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
+    return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
 def model_geometry(

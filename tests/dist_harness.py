@@ -217,11 +217,13 @@ _PRELOAD_GLOO = [
     "timm.utils",
     "torchtitan.trainer",
     "olmo_core.train",
+    "torchao.float8",
 ]
 """On gloo only, the extras' heavy imports (~1-2 s each per rank otherwise: the compat and
 Lightning test modules import them at module level, so every rank does; torchtitan's
 ``Trainer`` ~3 s per rank of the torchtitan tests, which import it in the rank; OLMo-core's
-trainer, also for the worker processes its datasets start from the rank). A missing one is
+trainer, also for the worker processes its datasets start from the rank; torchao's float8,
+~5 s per rank of the tensor-subclass tests). A missing one is
 skipped (the forkserver ignores ImportError). Not on CUDA backends: diffusers' import counts
 CUDA devices, which must not happen in the process the ranks fork from. Nor in a script that
 :func:`run_script` forked (a benchmark spawning its own ranks starts its own server, and

@@ -310,6 +310,33 @@ def test_spawn_ranks_names_and_ends_a_stuck_rank(tmp_path: Path) -> None:
     assert failures[1].startswith("rank 1: exited with code"), failures
 
 
+def test_float8_section_runs_on_cpu_and_skips_without_torchao(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ``float8`` section in this process on CPU: torchao's float8 all-gather under
+    FSDP2 (a one-rank gloo group), every exactness check exact; without torchao it is
+    skipped with the install line."""
+    from dist_harness import require_extra
+
+    require_extra("torchao", "torchao")
+    suite = _suite()
+    assert suite.main(["--device=cpu", "--sections=float8:300", f"--out={tmp_path}"]) == 0
+    (row,) = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["float8"]["result"][
+        "rows"
+    ]
+    assert row["local_type"] == "WeightWithDynamicFloat8CastTensor"
+    assert [row[k] for k in ("eager_differs", "weights", "restored", "ok")] == ["exact"] * 3 + [
+        True
+    ]
+    assert row["graph_differs"] == "skipped: no CUDA"
+    assert "\nfloat8: ok, 1 row(s), exact 4/4 in " in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    assert suite.main(["--device=cpu", "--sections=float8", f"--out={tmp_path}"]) == 0
+    entry = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["float8"]
+    assert entry["skipped"].startswith("torchao not importable (")
+    assert entry["skipped"].endswith("pip install torchao==0.18.0")
+
+
 def test_a_section_out_of_time_keeps_its_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -275,7 +275,21 @@ def gather_full_tensors(
     Returns:
         ``fqn -> full tensor`` of shape ``piece.shape`` and dtype ``piece.out_dtype``,
         contiguous, sharing no memory with the pieces.
+
+    Raises:
+        ValueError: a piece is a tensor subclass (a model tensor the EMA does not hold, such
+            as QLoRA's NF4 weights, see :func:`~dtensor_ema.layout.plain_tensor`), on
+            every rank before any collective.
     """
+    odd = [
+        f"{p.fqn!r} ({type(p.local).__name__})" for p in pieces if type(p.local) is not torch.Tensor
+    ]
+    if odd:
+        raise ValueError(
+            f"cannot copy the model's {', '.join(odd[:3])} into a plain full tensor: a tensor "
+            "subclass the EMA does not hold. Take the tracked tensors only (get_ema_state_dict()"
+            ", export_peft_adapter), or evaluate in the model with ema.average_parameters()"
+        )
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded: list[LocalPiece] = []
