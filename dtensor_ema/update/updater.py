@@ -117,6 +117,13 @@ class Updater(ABC):
 class InlineUpdater(Updater):
     """Applies each step at once: one fused call per group."""
 
+    def run(self, counter: UpdateCounter) -> None:
+        self.ensure_open()
+        call = counter.host_step()
+        if call.step is not None:
+            apply_groups_(self.groups, call.step)
+        counter.record(call.updates, call.decay)
+
     def submit(self, step: float, done: Done | None = None) -> None:
         self.ensure_open()
         apply_groups_(self.groups, step)
