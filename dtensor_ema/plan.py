@@ -130,10 +130,12 @@ class EmaPlan:
     def sync(self, *, check_trainable: bool = True) -> bool:
         """Re-bind the cached views if the model re-registered or re-allocated tensors.
 
-        Local. Cost when nothing changed: one integer compare, one ``data_ptr`` per
-        tensor and one identity check per registered tensor and submodule
-        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals; with
-        ``track="trainable"``, plus one ``requires_grad`` per parameter).
+        Local. Cost when nothing changed: one integer compare and two passes with no Python
+        frame per tensor: one identity check per registered tensor and submodule
+        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals) and one
+        ``data_ptr`` per tracked tensor (:func:`~dtensor_ema.layout.piece_pointers`, which
+        notices ``.data =`` and ``module.to()``); with ``track="trainable"``, plus one
+        ``requires_grad`` per parameter.
         Returns ``True`` when views were re-bound (update groups must be rebuilt).
 
         Raises:

@@ -61,7 +61,7 @@ class Updater(ABC):
 
     checks_sources: bool = True
     """Whether the caller re-binds the plan's views (``EmaEngine.sync_sources``) before
-    each :meth:`run`: one integer compare and one ``data_ptr`` per tensor on the host.
+    each :meth:`run` (:meth:`~dtensor_ema.plan.EmaPlan.sync`: a few C-level passes).
     ``False`` for :class:`CapturableUpdater`, whose ``run`` compiles into one graph."""
 
     def __init__(self, groups: list[UpdateGroup]) -> None:
