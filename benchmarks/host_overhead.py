@@ -1,6 +1,6 @@
 """Host overhead of ``update()``: against a bare fused lerp, the code before a change beside it.
 
-    python benchmarks/host_overhead.py                     # the table (about 4 minutes here)
+    python benchmarks/host_overhead.py                     # the table (about 3 minutes here)
     python benchmarks/host_overhead.py --quick             # smoke run: 10 tensors, 3 blocks
     python benchmarks/host_overhead.py --baseline cee6376  # which commit is "before"
 
@@ -172,23 +172,23 @@ def worker(world: int) -> None:
 
     answers.write(json.dumps({"ready": dtensor_ema.__file__}) + "\n")
     answers.flush()
-    built: dict[Case, tuple[Callable[[], None], Callable[[], None], int]] = {}
+    built: dict[Case, tuple[list[tuple[str, Callable[[], Any], bool]], int]] = {}
     for line in sys.stdin:
         command = json.loads(line)
         case = Case(**command["case"])
         if case not in built:
-            floor, update, _ = build_pair(case, torch.device("cpu"))
+            floor, update, ema = build_pair(case, torch.device("cpu"))
             for _ in range(3):
                 update()
                 with torch.no_grad():
                     floor()
+            impls = [("floor", floor, True), ("update", update, False)]
+            if case.kind != "multi":  # the model check alone (update() runs it first)
+                impls.append(("check", ema.engine.plan.sync, True))
             one = median_block(update, 3, no_grad=False)
-            reps = max(3, min(2000, int(command["block_s"] / one)))
-            built[case] = (floor, update, reps)
-        floor, update, reps = built[case]
-        order = [("floor", floor, True), ("update", update, False)]
-        if command["block"] % 2:
-            order.reverse()
+            built[case] = (impls, max(3, min(2000, int(command["block_s"] / one))))
+        impls, reps = built[case]
+        order = impls if command["block"] % 2 == 0 else impls[::-1]
         clock = time.perf_counter if command["clock"] == "wall" else time.thread_time
         result = {name: median_block(fn, reps, no_grad=ng, clock=clock) for name, fn, ng in order}
         answers.write(json.dumps(result) + "\n")
@@ -274,20 +274,22 @@ def report(rows: list[dict[str, Any]]) -> str:
     if curve:
         lines += [
             "",
-            "Per tensor (fp32 rows): ns per tensor of the floor and of update(), and the "
-            "extra update() costs over the floor.",
+            "Per tensor (fp32 rows): ns per tensor of the floor and of update(), the extra "
+            "update() costs over the floor, and the model check alone (`EmaPlan.sync()`, "
+            "timed by itself: the cache it finds is warmer than inside update()).",
             "",
             "| where | tensors | floor ns/tensor | before: update() | before: extra | "
-            "after: update() | after: extra |",
-            "|" + "---|" * 7,
+            "before: check | after: update() | after: extra | after: check |",
+            "|" + "---|" * 9,
         ]
         for r in curve:
             n, b, a = r["tensors"], r["before"], r["after"]
             lines.append(
                 f"| {'FSDP2 W=2' if r['world'] == 2 else 'one process'} | {n} | "
                 f"{a['floor'] / n * 1e9:.0f} | {b['update'] / n * 1e9:.0f} | "
-                f"{(b['update'] - b['floor']) / n * 1e9:.0f} | {a['update'] / n * 1e9:.0f} | "
-                f"{(a['update'] - a['floor']) / n * 1e9:.0f} |"
+                f"{(b['update'] - b['floor']) / n * 1e9:.0f} | {b['check'] / n * 1e9:.0f} | "
+                f"{a['update'] / n * 1e9:.0f} | {(a['update'] - a['floor']) / n * 1e9:.0f} | "
+                f"{a['check'] / n * 1e9:.0f} |"
             )
     return "\n".join(lines)
 
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"case": case.name, **case.__dict__}
         for label in trees:
             got = samples[label, case]
-            row[label] = {k: statistics.median(s[k] for s in got) for k in ("floor", "update")}
+            row[label] = {k: statistics.median(s[k] for s in got) for k in got[0]}
         row["bound"], row["met"] = bound(case, row["after"]["floor"], row["after"]["update"])
         rows.append(row)
     packages = {f"{label} W={w}": wk.package for (label, w), wk in workers.items()}
