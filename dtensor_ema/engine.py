@@ -54,8 +54,7 @@ from dtensor_ema.update.updater import Updater
 
 __all__ = ["EmaEngine", "make_updater"]
 
-# torch.no_grad() builds three Python objects per call (~1.5 us, a third of update()'s own
-# time on a small model); the C switch it wraps is private: the public one if it moves.
+# torch.no_grad() costs ~1.5 us a call (3 objects); the C switch it wraps is private.
 _set_grad_enabled = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
 
 

@@ -54,6 +54,7 @@ from dtensor_ema.options import EmaOptions
 __all__ = [
     "FlatPartition",
     "LayoutBuilder",
+    "PiecePointers",
     "PlanEntry",
     "ReplicaLevel",
     "TensorLayout",
@@ -69,7 +70,6 @@ __all__ = [
     "model_piece",
     "model_piece_ptr",
     "model_shape",
-    "piece_pointers",
     "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
@@ -924,7 +924,7 @@ def model_shape(tensor: torch.Tensor) -> torch.Size:
 def model_piece_ptr(tensor: torch.Tensor) -> int:
     """Where this rank's piece of a model tensor lives (``data_ptr`` of the DTensor's
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
-    it are stale. Local (:func:`piece_pointers` is the per-update form)."""
+    it are stale. Local (:class:`PiecePointers` is the per-update form)."""
     if isinstance(tensor, DTensor):
         return _dtensor_local(tensor).data_ptr()
     ds_tensor = getattr(tensor, "ds_tensor", None)
@@ -941,26 +941,31 @@ def _dtensor_local(tensor: DTensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else tensor.to_local()
 
 
-def piece_pointers(entries: Sequence[PlanEntry]) -> Callable[[], list[int]]:
-    """A probe returning :func:`model_piece_ptr` of every entry's source (in an order of its
-    own) with no Python frame per tensor: ``update()`` runs it every step. Local. Each
-    source's kind is decided here, once: DTensors are read through their local tensor (FSDP2's
-    ``module.to()`` swaps it inside the same DTensor), ZeRO-3 parameters through their
-    partition (``ds_tensor``; the parameter holds a placeholder or, gathered, its whole value).
-    """
-    ptr = torch.Tensor.data_ptr
-    flat = [e.source for e in entries if e.layout.flat is not None]
-    dtensors = [e.source for e in entries if e.layout.flat is None and e.is_dtensor_source]
-    plain = [e.source for e in entries if not e.is_sharded_source]
-    local: Callable[[Any], torch.Tensor] = operator.attrgetter("_local_tensor")
-    if not all(isinstance(getattr(t, "_local_tensor", None), torch.Tensor) for t in dtensors):
-        local = _dtensor_local
-    ds = operator.attrgetter("ds_tensor")
-    if not (dtensors or flat):  # one kind (the common cases): one list, no concatenation
-        return lambda: list(map(ptr, plain))
-    if not (plain or flat):
-        return lambda: list(map(ptr, map(local, dtensors)))
-    return lambda: [*map(ptr, plain), *map(ptr, map(local, dtensors)), *map(ptr, map(ds, flat))]
+class PiecePointers:
+    """:func:`model_piece_ptr` of every entry's source (in an order of its own) with no Python
+    frame per tensor, for ``update()`` to compare every step. Local. DTensors are read through
+    their local tensor (FSDP2's ``module.to()`` swaps it inside the same DTensor), ZeRO-3
+    parameters through their partition (``ds_tensor``). Lists, no closure: copies follow."""
+
+    __slots__ = ("dtensors", "flat", "local", "plain")
+
+    def __init__(self, entries: Sequence[PlanEntry]) -> None:
+        self.flat = [e.source for e in entries if e.layout.flat is not None]
+        self.dtensors = [e.source for e in entries if e.layout.flat is None and e.is_dtensor_source]
+        self.plain = [e.source for e in entries if not e.is_sharded_source]
+        readable = all(hasattr(t, "_local_tensor") for t in self.dtensors)
+        self.local: Callable[[Any], torch.Tensor] = (
+            operator.attrgetter("_local_tensor") if readable else _dtensor_local
+        )
+
+    def __call__(self) -> list[int]:
+        ptr = torch.Tensor.data_ptr
+        if not (self.dtensors or self.flat):  # one kind (the common cases): one list
+            return list(map(ptr, self.plain))
+        if not (self.plain or self.flat):
+            return list(map(ptr, map(self.local, self.dtensors)))
+        pieces = map(operator.attrgetter("ds_tensor"), self.flat)
+        return [*map(ptr, self.plain), *map(ptr, map(self.local, self.dtensors)), *map(ptr, pieces)]
 
 
 def model_geometry(

@@ -48,6 +48,7 @@ from dtensor_ema import zero_partition
 from dtensor_ema._collectives import mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
+    PiecePointers,
     PlanEntry,
     agree_on_structure,
     local_rows,
@@ -55,7 +56,6 @@ from dtensor_ema.layout import (
     model_piece,
     model_piece_ptr,
     model_shape,
-    piece_pointers,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
@@ -133,7 +133,7 @@ class EmaPlan:
         Local. Cost when nothing changed: one integer compare and two passes with no Python
         frame per tensor: one identity check per registered tensor and submodule
         (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals) and one
-        ``data_ptr`` per tracked tensor (:func:`~dtensor_ema.layout.piece_pointers`, which
+        ``data_ptr`` per tracked tensor (:class:`~dtensor_ema.layout.PiecePointers`, which
         notices ``.data =`` and ``module.to()``); with ``track="trainable"``, plus one
         ``requires_grad`` per parameter.
         Returns ``True`` when views were re-bound (update groups must be rebuilt).
@@ -218,9 +218,8 @@ class EmaPlan:
         return moved
 
     def bind_probe(self) -> None:
-        """Take the pointers that :meth:`sync` compares against on every update, after the
-        views were (re)bound (:func:`~dtensor_ema.layout.piece_pointers`). Local."""
-        self._probe = piece_pointers(self.entries)
+        """Take the pointers :meth:`sync` compares on every update (views just bound). Local."""
+        self._probe = PiecePointers(self.entries)
         self._pointers = self._probe()
 
     def _partition_changes(self, current: Mapping[str, torch.Tensor]) -> list[str]:
