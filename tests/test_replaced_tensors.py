@@ -9,6 +9,9 @@ Each rank runs every case once (one spawn per world size), on a plain replicated
 * replaced with another shape or dtype, or removed (``register_parameter(name, None)``):
   the first update raises the documented ``ValueError`` and writes nothing.
 
+``MultiModelEMA`` checks the model once for all its EMAs; a member re-bound alone since is
+checked again (one process).
+
 The followed cases also run with the check skipped (``EmaPlan.sync`` stubbed out): their
 EMA then averages the stale tensors, so these tests fail if the check stops catching them.
 """
@@ -29,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema import ModelEMA
+from dtensor_ema import ModelEMA, MultiModelEMA
 from dtensor_ema.plan import EmaPlan
 
 pytestmark = pytest.mark.distributed
@@ -188,3 +191,27 @@ def test_a_tensor_replaced_otherwise_is_refused_by_the_first_update(
         assert "the model's tensors changed" in got["error"], (rank, got)
         assert expected in got["error"], (rank, got)
         assert got["unchanged"], (rank, case)
+
+
+def test_multi_checks_again_a_member_rebound_alone() -> None:
+    """``multi["b"].set()`` re-binds ``b`` alone to a replaced tensor; the model then goes
+    back to the storage ``a`` was bound to. The next ``multi.update()`` finds ``a`` current,
+    so only ``b``'s own check can notice that ``b`` holds a tensor the model dropped: ``b``
+    still copies the model (``update_after_step``), which reads ``b``'s own views. (The EMAs
+    are read only after that update: every read checks the model first.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    start = _full(dict(model.named_parameters()))
+    emas = {"a": {"decay": DECAY, "tau": None}, "b": {"decay": DECAY, "update_after_step": 9}}
+    multi = MultiModelEMA(model, emas)
+    multi.update()
+    old = model[0].weight.data
+    model[0].weight.data = torch.full((6, 4), 2.0)
+    multi["b"].set()
+    model[0].weight.data = old
+    with torch.no_grad():
+        old.fill_(3.0)
+    multi.update()
+    now = _full(dict(model.named_parameters()))
+    assert mismatches(_full(multi["a"].ema_tensors()), _reference(start, model)) == []
+    assert mismatches(_full(multi["b"].ema_tensors()), now) == []  # a copy of the model
