@@ -41,9 +41,12 @@ on CUDA to the chunked pipeline (:func:`verdict`).
    under FSDP2 on a one-rank group (NCCL on CUDA), the float8 matmuls on the device: eager
    (and graphed, on CUDA) EMAs against a ``lerp_`` reference every step, the swap's weights
    and forward against an unsharded float8 model, the weights restored.
-6. ``tests``: the test modules whose bodies follow the backend (:data:`TESTS_CUDA`) with
+6. ``host``: the host time of one ``update()`` at 161 and 1000 fp32 tensors, eager and
+   (CUDA only) with graph replay, beside one bare ``_foreach_lerp_`` on the same tensors
+   (``host_overhead.py``'s code).
+7. ``tests``: the test modules whose bodies follow the backend (:data:`TESTS_CUDA`) with
    ``DTENSOR_EMA_TEST_BACKEND=gloo-cuda`` (W = 1-4 ranks on the one GPU).
-7. ``kernels`` (not in the preset): eager vs compiled vs a reference written here for fp32,
+8. ``kernels`` (not in the preset): eager vs compiled vs a reference written here for fp32,
    bf16->fp32, fp16->fp32, mixed groups, channels_last, capturable, multi-EMA.
 
 Writes ``gpu_suite.md`` and ``gpu_suite.json`` under ``--out`` (after every section).
@@ -912,6 +915,48 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "errors": errors}
 
 
+def section_host(args: argparse.Namespace) -> dict[str, Any]:
+    """Host time of one ``update()`` beside one bare ``_foreach_lerp_`` on the same tensors
+    (``host_overhead.py``'s models and floor), at 161 and 1000 fp32 tensors: eager, and on
+    CUDA with graph replay (``cuda_graph=True``). Host time: the device is synchronized
+    before and after each block of calls, never inside it."""
+    from host_overhead import Case, build_pair, median_block
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else None
+    # CPU: one thread and thread CPU time, as in ``speed``; CUDA: the wall clock.
+    clock = time.perf_counter if cuda else time.thread_time
+    if not cuda:
+        torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = args.progress.setdefault("rows", [])
+    for tensors in (161, 1000):
+        case = Case("fp32", tensors)
+        floor, eager, _ = build_pair(case, device, cuda_graph=False)
+        impls = {"floor": (floor, True), "update": (eager, False)}
+        row: dict[str, Any] = {"tensors": tensors}
+        graphed = None
+        if cuda:
+            _, replay, graphed = build_pair(case, device, cuda_graph=True)
+            impls["graph"] = (replay, False)
+        else:
+            row["graph"] = "skipped: no CUDA"
+        for fn, no_grad in impls.values():  # warm-up, and the graph's capture
+            median_block(fn, 5, no_grad=no_grad, sync=sync, clock=clock)
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(9):
+            for name, (fn, no_grad) in impls.items():
+                samples[name].append(median_block(fn, 20, no_grad=no_grad, sync=sync, clock=clock))
+        us = {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+        row.update(floor_us=round(us["floor"], 1), update_us=round(us["update"], 1))
+        row["update_over_floor"] = round(us["update"] / us["floor"], 3)
+        if graphed is not None:
+            row.update(graph_us=round(us["graph"], 1), replays=graphed.engine.graph is not None)
+            row["graph_over_floor"] = round(us["graph"] / us["floor"], 3)
+        rows.append(row)
+    return {"clock": "wall" if cuda else "thread CPU time, one thread", "rows": rows}
+
+
 def make_timm_ema(cls: Any, model: torch.nn.Module) -> tuple[Any, str]:
     """A timm ``ModelEmaV3`` keeping a float32 EMA, with or without its ``dtype=`` argument.
 
@@ -962,17 +1007,18 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "multirank": section_multirank,
     "speed": section_speed,
     "float8": section_float8,
+    "host": section_host,
     "tests": section_tests,
 }
 
-PRESET = "cuda_graph:45,offload:70,multirank:170,speed:110,float8:15,tests:45"
-"""The default sections and their pinned budgets (seconds; 455 in all, inside the default
+PRESET = "cuda_graph:45,offload:70,multirank:165,speed:100,float8:15,host:20,tests:45"
+"""The default sections and their pinned budgets (seconds; 460 in all, the default
 ``--budget-s 460``): the one command a GPU session runs, in at most 8 minutes. Most
 important first: what decides the defaults (``cuda_graph``, ``offload``), then several
-ranks, then speed, then torchao float8 under FSDP2 (one small model), then the test bodies
-on the GPU. Left out to fit (``benchmarks/README.md``
-says why): the ``kernels`` section (proven exact on the H100 run; the compiled kernel is no
-CUDA default), W = 512 in ``speed`` (with the Llama-3-8B blocks it did not fit a 10-minute
+ranks, then speed, torchao float8 under FSDP2 (one small model) and the host time of one
+update, then the test bodies on the GPU. Left out to fit (``benchmarks/README.md`` says
+why): the ``kernels`` section (proven exact on the H100 run; the compiled kernel is no CUDA
+default), W = 512 in ``speed`` (with the Llama-3-8B blocks it did not fit a 10-minute
 call), the compiled kernel everywhere, and the test modules that build their meshes on CPU
 (CI runs them)."""
 BUDGET_S = 460.0

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ from dtensor_ema.options import EmaOptions
 __all__ = [
     "FlatPartition",
     "LayoutBuilder",
+    "PiecePointers",
     "PlanEntry",
     "ReplicaLevel",
     "TensorLayout",
@@ -797,15 +799,6 @@ class PlanEntry:
             return self.ema
         return FlatChunks(self.ema_local, flat.shape, flat.start + self.layout.offset)
 
-    def piece_ptr(self) -> int:
-        """:func:`model_piece_ptr` of the source, without probing its kind (per update)."""
-        if self.layout.flat is not None:
-            return self.source.ds_tensor.data_ptr()  # type: ignore[attr-defined]
-        local = _dtensor_local(self.source) if isinstance(self.source, DTensor) else self.source
-        for name in self.inner:  # a wrapper subclass has no storage: its plain tensor's
-            local = getattr(local, name)
-        return local.data_ptr()
-
     def whole_view(self) -> torch.Tensor | None:
         """The model's whole value of a tensor it also holds in pieces, when it holds one
         now (a ZeRO-3 parameter between a gather and its release: persistent ones after a
@@ -984,7 +977,7 @@ def model_shape(tensor: torch.Tensor) -> torch.Size:
 def model_piece_ptr(tensor: torch.Tensor) -> int:
     """Where this rank's piece of a model tensor lives (``data_ptr`` of the DTensor's
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
-    it are stale. Local (:meth:`PlanEntry.piece_ptr` is the per-update form)."""
+    it are stale. Local (:class:`PiecePointers` is the per-update form)."""
     if isinstance(tensor, DTensor):
         return _dtensor_local(tensor).data_ptr() or model_piece(tensor).data_ptr()
     ds_tensor = getattr(tensor, "ds_tensor", None)
@@ -999,6 +992,46 @@ def _dtensor_local(tensor: DTensor) -> torch.Tensor:
     # the public call if a torch release renames it.
     local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else tensor.to_local()
+
+
+class PiecePointers:
+    """:func:`model_piece_ptr` of every entry's source (in an order of its own) with no Python
+    frame per tensor, for ``update()`` to compare every step. Local. DTensors are read through
+    their local tensor (FSDP2's ``module.to()`` swaps it inside the same DTensor), ZeRO-3
+    parameters through their partition (``ds_tensor``). Lists, no closure: copies follow."""
+
+    __slots__ = ("dtensors", "flat", "local", "plain", "wrapped")
+
+    def __init__(self, entries: Sequence[PlanEntry]) -> None:
+        self.flat = [e.source for e in entries if e.layout.flat is not None]
+        kept = [e for e in entries if e.layout.flat is None and not e.inner]
+        self.dtensors = [e.source for e in kept if e.is_dtensor_source]
+        self.plain = [e.source for e in kept if not e.is_sharded_source]
+        # a wrapper subclass has no storage of its own: its plain tensor's (PlanEntry.inner)
+        self.wrapped = [
+            (e.source, operator.attrgetter(".".join(e.inner))) for e in entries if e.inner
+        ]
+        readable = all(hasattr(t, "_local_tensor") for t in self.dtensors)
+        self.local: Callable[[Any], torch.Tensor] = (
+            operator.attrgetter("_local_tensor") if readable else _dtensor_local
+        )
+
+    def __call__(self) -> list[int]:
+        ptr = torch.Tensor.data_ptr
+        if self.wrapped:
+            local = [_dtensor_local(t) if isinstance(t, DTensor) else t for t, _ in self.wrapped]
+            inners = [inner(t) for t, (_, inner) in zip(local, self.wrapped, strict=True)]
+            return [*self.plain_and_sharded(), *map(ptr, inners)]
+        return self.plain_and_sharded()
+
+    def plain_and_sharded(self) -> list[int]:
+        ptr = torch.Tensor.data_ptr
+        if not (self.dtensors or self.flat):  # one kind (the common cases): one list
+            return list(map(ptr, self.plain))
+        if not (self.plain or self.flat):
+            return list(map(ptr, map(self.local, self.dtensors)))
+        pieces = map(operator.attrgetter("ds_tensor"), self.flat)
+        return [*map(ptr, self.plain), *map(ptr, map(self.local, self.dtensors)), *map(ptr, pieces)]
 
 
 def model_geometry(

@@ -347,7 +347,6 @@ class ModelEMA:
         self.engine.change_tracked(fqns, add=add)
 
     # ------------------------------------------------------------------ update
-    @torch.no_grad()
     def update(self, model: nn.Module | None = None) -> None:
         """Advance the average by one step. Local: **no communication**.
 
@@ -366,7 +365,8 @@ class ModelEMA:
             ValueError: ``model`` is not the tracked model, or the tracked model's tensor
                 names, shapes or dtypes changed since construction (EMA untouched).
         """
-        self.engine.check_model_argument(model)
+        if model is not None:
+            self.engine.check_model_argument(model)
         self.engine.step()
 
     @torch.no_grad()

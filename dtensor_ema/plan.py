@@ -34,7 +34,7 @@ including (with ``track="trainable"``) a trainable set that changed behind the E
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ from dtensor_ema import zero_partition
 from dtensor_ema._collectives import mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
+    PiecePointers,
     PlanEntry,
     agree_on_structure,
     local_rows,
@@ -107,6 +108,7 @@ class EmaPlan:
     (the drop-ins' replica) compare it to re-point theirs."""
     _seen_epoch: int = 0
     _pointers: list[int] = field(default_factory=list)
+    _probe: Callable[[], list[int]] = list
     _signatures: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = field(
         default_factory=dict
     )
@@ -116,16 +118,24 @@ class EmaPlan:
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
 
+    @property
+    def binding(self) -> object:
+        """A token replaced whenever the views are bound again (:meth:`sync`, :meth:`track_`,
+        :meth:`untrack_`): plans of one model checked together stay alike while it holds."""
+        return self._pointers
+
     def by_fqn(self) -> dict[str, PlanEntry]:
         return {e.fqn: e for e in self.entries}
 
     def sync(self, *, check_trainable: bool = True) -> bool:
         """Re-bind the cached views if the model re-registered or re-allocated tensors.
 
-        Local. Cost when nothing changed: one integer compare, one ``data_ptr`` per
-        tensor and one identity check per registered tensor and submodule
-        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals; with
-        ``track="trainable"``, plus one ``requires_grad`` per parameter).
+        Local. Cost when nothing changed: one integer compare and two passes with no Python
+        frame per tensor: one identity check per registered tensor and submodule
+        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals) and one
+        ``data_ptr`` per tracked tensor (:class:`~dtensor_ema.layout.PiecePointers`, which
+        notices ``.data =`` and ``module.to()``); with ``track="trainable"``, plus one
+        ``requires_grad`` per parameter.
         Returns ``True`` when views were re-bound (update groups must be rebuilt).
 
         Raises:
@@ -135,12 +145,12 @@ class EmaPlan:
                 trainable set changed (:meth:`check_trainable`). The EMA is left untouched.
         """
         assert self.watch is not None
-        if check_trainable:
+        if check_trainable and self.trainable is not None:
             self.check_trainable()
         if (
             self.watch.epoch == self._seen_epoch
             and self.watch.intact()
-            and _pointers(self.entries) == self._pointers
+            and self._probe() == self._pointers
         ):
             return False
         current = model_tensors(self.module)
@@ -199,13 +209,18 @@ class EmaPlan:
         for entry in self.entries:
             tensor = current[entry.fqn]
             entry.source = tensor
-            if model_piece_ptr(tensor) == _local_data_ptr_of_piece(entry):
+            if model_piece_ptr(tensor) == entry.source_piece.data_ptr():
                 continue
             moved = True
             entry.source_piece = model_piece(tensor)
             entry.source_local = local_rows(entry.source_piece, entry.layout)
-        self._pointers = _pointers(self.entries)
+        self.bind_probe()
         return moved
+
+    def bind_probe(self) -> None:
+        """Take the pointers :meth:`sync` compares on every update (views just bound). Local."""
+        self._probe = PiecePointers(self.entries)
+        self._pointers = self._probe()
 
     def _partition_changes(self, current: Mapping[str, torch.Tensor]) -> list[str]:
         """ZeRO-3 entries whose partition moved: the layout derived again must be the one
@@ -398,7 +413,7 @@ class EmaPlan:
         self.tracked_version += 1
         if self.options.bucket_view:
             bucket_view_(self.entries)
-        self._pointers = _pointers(self.entries)
+        self.bind_probe()
         if self.trainable is not None:
             self.trainable = {k: p.requires_grad for k, p in self._parameters}
 
@@ -682,7 +697,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     ]
     if options.track == "trainable":
         plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
-    plan._pointers = _pointers(entries)
+    plan.bind_probe()
     return plan
 
 
@@ -776,20 +791,3 @@ def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
                 entry.ema = view
         flats.append(flat)
     return flats
-
-
-def _pointers(entries: list[PlanEntry]) -> list[int]:
-    """Where each tracked tensor's data lives; a change means the cached views are stale.
-
-    FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
-    backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
-    (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
-    registering anything, so DTensor sources are checked through their local tensor, and
-    ZeRO-3 parameters through their partition (``ds_tensor``: the parameter itself holds a
-    placeholder or, gathered, its whole value).
-    """
-    return [e.piece_ptr() for e in entries]
-
-
-def _local_data_ptr_of_piece(entry: PlanEntry) -> int:
-    return entry.source_piece.data_ptr()

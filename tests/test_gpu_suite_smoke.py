@@ -9,6 +9,7 @@ the timm fallback are checked in process."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -167,6 +168,21 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
     }
     for row in fake:
         assert row["local_shapes"] == row["local_values_after_update"] == "exact", row
+
+
+def test_host_section_runs_on_cpu() -> None:
+    """The ``host`` section (issue 48), in process: the floor and ``update()`` timed at 161
+    and 1000 tensors with ``host_overhead.py``'s code; the graph rows skipped without CUDA."""
+    suite = _suite()
+    threads = torch.get_num_threads()
+    try:
+        result = suite.section_host(argparse.Namespace(device="cpu", progress={}))
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["tensors"] for r in result["rows"]] == [161, 1000]
+    for row in result["rows"]:
+        assert row["graph"] == "skipped: no CUDA" and "graph_us" not in row, row
+        assert row["floor_us"] > 0 and row["update_us"] > 0 and row["update_over_floor"] > 0
 
 
 def test_verdict_flips_only_when_every_common_case_is_exact_and_captured() -> None:

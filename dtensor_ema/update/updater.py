@@ -61,7 +61,7 @@ class Updater(ABC):
 
     checks_sources: bool = True
     """Whether the caller re-binds the plan's views (``EmaEngine.sync_sources``) before
-    each :meth:`run`: one integer compare and one ``data_ptr`` per tensor on the host.
+    each :meth:`run` (:meth:`~dtensor_ema.plan.EmaPlan.sync`: a few C-level passes).
     ``False`` for :class:`CapturableUpdater`, whose ``run`` compiles into one graph."""
 
     def __init__(self, groups: list[UpdateGroup]) -> None:
@@ -116,6 +116,13 @@ class Updater(ABC):
 
 class InlineUpdater(Updater):
     """Applies each step at once: one fused call per group."""
+
+    def run(self, counter: UpdateCounter) -> None:
+        self.ensure_open()
+        call = counter.host_step()
+        if call.step is not None:
+            apply_groups_(self.groups, call.step)
+        counter.record(call.updates, call.decay)
 
     def submit(self, step: float, done: Done | None = None) -> None:
         self.ensure_open()
