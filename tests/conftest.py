@@ -4,7 +4,8 @@ The forkserver (``dist_harness``) imports torch, this package and the extras onc
 of one core; collecting the suite imports the same libraries in this process for about as
 long. Started at session start, the two run side by side on two cores instead of one after
 the other. Only when the paths pytest was given hold a test that launches processes through
-the harness (a run of single-process tests starts no server).
+the harness (a run of single-process tests starts no server). What the server's imports
+print goes to ``dtensor-ema-forkserver-<pid>.log`` in the temporary folder.
 
 Also a quiet log: torch's profiler (``torch.profiler.profile``, which several tests use to
 count collectives) runs Kineto, whose C++ logger writes ``USDT: ...
@@ -17,6 +18,13 @@ process and every rank; a value already in the environment is kept. Libraries ov
 with 5 (USDT lines on) when they are imported or set up (``ultralytics.utils``, torchtitan's
 ``init_logger``), and every process launched later copies the overwritten value, so it is
 set again before each test.
+
+And a share of the cores per pytest worker: under ``pytest -n N`` each worker (and what it
+launches: the rank forkserver, scripts, through ``OMP_NUM_THREADS``) gets ``cores // N``
+threads (at least one), unless ``OMP_NUM_THREADS`` is set. torch's default, one OpenMP thread
+per core in every process, puts two threads per core with ``-n 2`` on 2 cores, and each
+parallel region then waits for a thread the OS descheduled: a ResNet-18 test took 32 s
+instead of 3.9 s on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -26,8 +34,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 _KINETO_LOG_LEVEL = os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in xdist's workers
+if _WORKERS:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_CORES or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 _LAUNCHES = re.compile(r"\b(run_ranks|spawn_ranks|run_script|run_torchrun)\(")
 
@@ -45,9 +60,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     args = session.config.args or [str(session.config.rootpath)]
     paths = [Path(session.config.invocation_params.dir, a.split("::")[0]) for a in args]
     if _launches(paths):
+        import tempfile
+
         import dist_harness
 
-        dist_harness.start_forkserver()
+        log = Path(tempfile.gettempdir(), f"dtensor-ema-forkserver-{os.getpid()}.log")
+        dist_harness.start_forkserver(log)
 
 
 @pytest.fixture(autouse=True)
