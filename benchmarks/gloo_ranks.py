@@ -90,9 +90,7 @@ def run_gloo_ranks(
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def _collect(
-    queue: Any, procs: list[Any], timeout_s: float, folder: str
-) -> list[dict[str, Any]]:
+def _collect(queue: Any, procs: list[Any], timeout_s: float, folder: str) -> list[dict[str, Any]]:
     """Every rank's row, checking every second for a rank that raised, died or is late."""
     deadline = time.monotonic() + timeout_s
     rows: list[dict[str, Any]] = []
@@ -118,22 +116,24 @@ def _collect(
 
 def _stacks(procs: list[Any], ranks: list[int], folder: str, wait_s: float = 5.0) -> list[str]:
     """The stacks of ``ranks`` (still running): each is sent :data:`STACK_SIGNAL` and its
-    ``faulthandler`` dump read back once its size stops changing (``wait_s`` at most)."""
+    ``faulthandler`` dump read back once it has been written (``wait_s`` at most)."""
     if STACK_SIGNAL is None:
         return []
     paths = [os.path.join(folder, f"stack{r}") for r in ranks]
     for r in ranks:
         if procs[r].is_alive():
             os.kill(procs[r].pid, STACK_SIGNAL)
-    sizes: list[int] = []
+    last = None
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
         now = [os.path.getsize(p) if os.path.exists(p) else 0 for p in paths]
-        if now == sizes and all(now):
+        if now == last and all(now):
             break
-        sizes = now
-    return [f"\nrank {r}'s stack:\n{_read(p) or '(no dump)'}" for r, p in zip(ranks, paths)]
+        last = now
+    return [
+        f"\nrank {r}'s stack:\n{_read(p) or '(no dump)'}" for r, p in zip(ranks, paths, strict=True)
+    ]
 
 
 def _read(path: str) -> str:

@@ -348,7 +348,7 @@ def _dump_stacks(procs: list[Any], run_dir: Path, wait_s: float = 5.0) -> None:
     while time.monotonic() < deadline:
         time.sleep(0.1)
         now = sizes()
-        if now == last and all(n > b for n, b in zip(now, before)):
+        if now == last and all(n > b for n, b in zip(now, before, strict=True)):
             return
         last = now
 
