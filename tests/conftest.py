@@ -25,12 +25,20 @@ threads (at least one), unless ``OMP_NUM_THREADS`` is set. torch's default, one 
 per core in every process, puts two threads per core with ``-n 2`` on 2 cores, and each
 parallel region then waits for a thread the OS descheduled: a ResNet-18 test took 32 s
 instead of 3.9 s on a busy 2-core machine.
+
+And the longest modules first: with ``--dist loadfile`` xdist hands a worker the next whole
+module when it runs low, in the order the workers collected them (its own reordering, by
+number of tests, is turned off here: it put the two heaviest few-test modules last, and the
+other worker finished minutes earlier). :data:`LONGEST_FIRST` lists the slow modules by
+their measured time; the rest follow, most tests first. A stale list costs time, never a
+result: every module still runs whole on one worker.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -45,6 +53,42 @@ if _WORKERS:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 _LAUNCHES = re.compile(r"\b(run_ranks|spawn_ranks|run_script|run_torchrun)\(")
+
+
+LONGEST_FIRST = (
+    "test_gpu_suite_smoke.py",
+    "test_benchmarks_smoke.py",
+    "test_core_distributed.py",
+    "test_fsdp_distributed.py",
+    "test_model_zoo.py",
+    "test_deepspeed_distributed.py",
+    "test_integration_torchtitan.py",
+    "test_examples_smoke.py",
+    "test_readme.py",
+    "test_compat_upstream.py",
+    "test_checkpoint_distributed.py",
+    "test_integration_deepspeed.py",
+    "test_compat_posthoc.py",
+    "test_ema_module.py",
+    "test_ema_module_tp_distributed.py",
+    "test_checkpoint_trust.py",
+    "test_nd_mesh_distributed.py",
+    "test_fuzz.py",
+)
+"""The modules that take longest under ``-n 2`` (``--durations``, 2 cores), longest first."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False  # xdist keeps the order below
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """:data:`LONGEST_FIRST`, then the other modules, most tests first; a module's tests
+    stay together and in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    count = Counter(item.path for item in items)
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path], item.path))
 
 
 def _launches(paths: list[Path]) -> bool:

@@ -185,11 +185,11 @@ def test_gloo_ranks_reports_a_stuck_rank_with_its_stack(tmp_path: Path) -> None:
     (tmp_path / "failing_body.py").write_text(_STUCK_BODY)
     (tmp_path / "driver.py").write_text(_DRIVER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
-    driver = [str(tmp_path / "driver.py"), "25"]
+    driver = [str(tmp_path / "driver.py"), "20"]
     code, stdout, stderr = run_script(driver, tmp_path, env, timeout_s=120)
     assert code == 3, stdout[-3000:] + stderr[-3000:]
     assert stdout.startswith("TimeoutError after"), stdout
-    assert "rank(s) [0, 1] did not report within 25.0 s" in stdout, stdout
+    assert "rank(s) [0, 1] did not report within 20.0 s" in stdout, stdout
     rank0, rank1 = stdout.split("rank 0's stack:\n", 1)[1].split("rank 1's stack:\n")
     assert 'failing_body.py", line 14 in body' in rank0, rank0  # the barrier
     assert "stuck_here" not in rank0, rank0
