@@ -314,6 +314,8 @@ def _sleep_on_rank_1(rank: int, world_size: int) -> int:
 
 
 def test_spawn_ranks_names_and_ends_a_stuck_rank(tmp_path: Path) -> None:
+    """A rank still running at the deadline is named, ended, and its failure ends with its
+    Python stack (where it was stuck)."""
     from dist_harness import spawn_ranks
 
     start = time.monotonic()
@@ -324,6 +326,8 @@ def test_spawn_ranks_names_and_ends_a_stuck_rank(tmp_path: Path) -> None:
     assert results == [0]
     assert failures[0] == "ranks ['rank1'] still running after the 8 s deadline", failures
     assert failures[1].startswith("rank 1: exited with code"), failures
+    stack = failures[1].split("; its output ends:\n", 1)[1]  # the stuck rank's stack
+    assert 'test_gpu_suite_smoke.py", line' in stack and "in _sleep_on_rank_1" in stack, stack
 
 
 def test_float8_section_runs_on_cpu_and_skips_without_torchao(

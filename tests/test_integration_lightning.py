@@ -371,6 +371,7 @@ def test_w2_fsdp2_model_parallel(runs: dict[str, Any]) -> None:
         assert resumed["weights"] == rank_out["fsdp_full"]["weights"]
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"decay must be in \[0, 1\], got 2"):
         EMACallback(decay=2.0)
@@ -444,6 +445,8 @@ def test_w1_delayed_sparse_updates_and_hand_over(tmp_path: Path) -> None:
     assert _equal(full_state(model), ref.ema)  # copy_to_model_on_train_end
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+@pytest.mark.filterwarnings("ignore:The dirpath has changed from")  # resumed in another folder
 def test_checkpoint_without_ema_state_warns_and_starts_from_restored_weights(
     tmp_path: Path,
 ) -> None:
