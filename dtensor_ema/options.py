@@ -283,6 +283,30 @@ class EmaOptions:
     identical across their replicas (:mod:`dtensor_ema.replicas`). Not part of the
     checkpoint config."""
 
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        decay: float | _Unset = UNSET,
+        tau: float | _Unset | None = UNSET,
+        half_life: float | None = None,
+        schedule: DecaySchedule | Callable[[int], float] | None = None,
+        parameters_as_bucket_view: bool = False,
+        **fields: Any,
+    ) -> EmaOptions:
+        """The options of :class:`~dtensor_ema.ModelEMA`'s keyword arguments, by its names:
+        the schedule from the one way the caller described it (:func:`resolve_schedule`),
+        ``parameters_as_bucket_view`` as :attr:`bucket_view`, every other one by its name.
+
+        Raises:
+            TypeError, ValueError: as :func:`resolve_schedule` and the options' checks.
+        """
+        return cls(
+            schedule=resolve_schedule(decay, tau, half_life, schedule),
+            bucket_view=parameters_as_bucket_view,
+            **fields,
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -34,6 +34,7 @@ including (with ``track="trainable"``) a trainable set that changed behind the E
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import zero_partition
-from dtensor_ema._collectives import mesh_agree
+from dtensor_ema._collectives import entering, mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
     PlanEntry,
@@ -55,6 +56,7 @@ from dtensor_ema.layout import (
     model_piece,
     model_piece_ptr,
     model_shape,
+    resolve_world_mesh,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
@@ -69,7 +71,6 @@ __all__ = [
     "canonical_fqn",
     "check_live",
     "is_averageable",
-    "model_device",
     "model_tensors",
     "refuse_fsdp1",
     "reshard_fsdp",
@@ -83,6 +84,9 @@ class EmaPlan:
 
     module: nn.Module
     world: DeviceMesh | None
+    """The mesh whose ranks share the EMA (:func:`~dtensor_ema.layout.resolve_world_mesh`)."""
+    device: torch.device
+    """The model's device (its first tensor's)."""
     entries: list[PlanEntry]
     keys: list[str]
     """Every canonical fqn of the model's live tensors, in state-dict order (averaged,
@@ -226,7 +230,8 @@ class EmaPlan:
                     )
                 continue
             try:
-                layout = self._builder.layout(entry.fqn, tensor, model_piece(tensor).shape)
+                partition = zero_partition.read_partition(entry.fqn, tensor, self.world)
+                _, _, layout = self._builder.place(entry.fqn, tensor, partition)
             except ValueError as e:
                 problems.append(f"{entry.fqn}: {e}")
                 continue
@@ -309,16 +314,13 @@ class EmaPlan:
         reshard_fsdp(self.module)
         assert self.options is not None and self._builder is not None
         parameter_ids = {id(p) for p in self.module.parameters()}
-        new = [
-            make_entry(
-                fqn,
-                self.untracked[fqn],
-                self._builder,
-                self.options,
-                id(self.untracked[fqn]) in parameter_ids,
-            )
-            for fqn in names
-        ]
+        new = []
+        for fqn in names:
+            tensor = self.untracked[fqn]
+            partition = zero_partition.read_partition(fqn, tensor, self.world)
+            is_parameter = id(tensor) in parameter_ids
+            options, builder = self.options, self._builder
+            new.append(make_entry(fqn, tensor, builder, options, is_parameter, partition))
         check_live(self.module, new)
         structure = _structure(model_tensors(self.module), set(self.untracked) - set(names))
         agree_on_structure(self.world, structure, self.options.agreement())
@@ -453,9 +455,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
             continue
-        engine_module = zero_partition.unwrap_engine(model)
-        if engine_module is not None:
-            model = engine_module
+        inner = _deepspeed_engine_module(model)  # its state-dict keys carry "module."
+        if inner is not None:
+            model = inner
             continue
         # torch.compile's OptimizedModule keeps the user's module here; there is no public
         # accessor, and without unwrapping every key would carry an "_orig_mod." prefix.
@@ -464,6 +466,19 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = inner
             continue
         return model
+
+
+def _deepspeed_engine_module(model: nn.Module) -> nn.Module | None:
+    """``model.module`` when ``model`` is a ``deepspeed.DeepSpeedEngine``, else ``None``.
+    Looks DeepSpeed up only if it is imported."""
+    if "deepspeed" not in sys.modules:
+        return None
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed without its engine module
+        return None
+    inner = getattr(model, "module", None)
+    return inner if isinstance(model, DeepSpeedEngine) and isinstance(inner, nn.Module) else None
 
 
 def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -521,18 +536,6 @@ def refuse_fsdp1(module: nn.Module) -> None:
         )
 
 
-def model_device(module: nn.Module) -> torch.device:
-    """The device of the module's first parameter or buffer (where the EMA's counter
-    lives). Local.
-
-    Raises:
-        ValueError: the module has no parameters or buffers.
-    """
-    for tensor in model_tensors(module).values():
-        return tensor.device
-    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
-
-
 def reshard_fsdp(module: nn.Module) -> None:
     """Register FSDP2's sharded parameters again (a forward without backward leaves the
     root, and modules with ``reshard_after_forward=False``, unsharded). Local."""
@@ -570,14 +573,18 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         )
 
 
-def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
-    """Create the EMA tensors for ``module`` (already unwrapped).
+def build_plan(model: nn.Module, mesh: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
+    """Bind an EMA to ``model``: unwrap it (:func:`unwrap_model`), find the ranks that
+    share the EMA (:func:`~dtensor_ema.layout.resolve_world_mesh`: ``plan.world``) and
+    create the EMA tensors.
 
-    The EMA binds to ``module``'s live tensors (:func:`model_tensors`) and refuses any
-    entry that is not one (:func:`check_live`). Each entry is made in one call
-    (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
+    The EMA binds to the model's live tensors (:func:`model_tensors`, FSDP2 modules
+    resharded first) and refuses any entry that is not one (:func:`check_live`). Each
+    ZeRO-3 parameter is read once (:func:`~dtensor_ema.zero_partition.read_partition`,
+    which refuses what the EMA cannot follow, tracked or not) and each entry made in one
+    call (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
 
-    **Collective** when ``world`` has a dim of size > 1, so every rank of ``world`` must
+    **Collective** when the world has a dim of size > 1, so every rank of it must
     build its plan together: one all-gather of one integer per world mesh dim
     (:func:`~dtensor_ema.layout.agree_on_structure`), then one all-gather of one int64 per
     replicated parameter over each replica group and one flag all-reduce per world mesh dim
@@ -585,10 +592,10 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     once). Peak extra memory: the EMA shards themselves.
 
     Args:
-        module: the unwrapped model; FSDP2 modules must be resharded by the caller.
-        world: the mesh whose ranks share the EMA (see
-            :func:`~dtensor_ema.layout.resolve_world_mesh`), or ``None`` for plain,
-            unsharded EMA tensors.
+        model: the model (DDP, DeepSpeed and ``torch.compile`` wrappers are stripped).
+        mesh: the user's ``mesh=`` (``None``: the default, see
+            :func:`~dtensor_ema.layout.resolve_world_mesh`; no process group: plain,
+            unsharded EMA tensors).
         options: the EMA's options; the plan reads ``track`` (which floating-point
             tensors get an entry, decided once per tensor, tied ones by their first name;
             the others go to ``untracked``, and the ranks' tracked sets are part of the
@@ -604,12 +611,16 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             where the first update is known to copy the model).
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``mesh`` not a ``DeviceMesh``.
         ValueError: the model has no tracked floating-point state, has tensors on the meta
-            device, a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks
+            device, a DTensor uses a placement the EMA cannot mirror, the world's ranks
             track different models, or replicated parameters differ across their replicas.
     """
+    module = unwrap_model(model)
     refuse_fsdp1(module)
     tensors = model_tensors(module)
+    if not tensors:
+        raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
     if on_meta:
         raise ValueError(
@@ -617,6 +628,21 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             "materialize the model (module.to_empty(device=...) and initialize it) before "
             "creating its EMA"
         )
+    device = next(iter(tensors.values())).device
+    world = resolve_world_mesh(mesh, tensors.values(), device)
+    with entering("ModelEMA", mesh=world):  # its collectives, named after the user's call
+        return _bind(module, tensors, world, device, options)
+
+
+def _bind(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    world: DeviceMesh | None,
+    device: torch.device,
+    options: EmaOptions,
+) -> EmaPlan:
+    """:func:`build_plan` over the resolved world: the entries, the checks the ranks share
+    (collective), the plan."""
     entries: list[PlanEntry] = []
     parameter_ids = {id(p) for p in module.parameters()}
     followed = {k: t for k, t in tensors.items() if not is_averageable(t, id(t) in parameter_ids)}
@@ -633,13 +659,15 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             continue
         seen[id(tensor)] = fqn
         is_parameter = id(tensor) in parameter_ids
-        if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
+        tracked = options.track == "all" or options.tracks(fqn, tensor, is_parameter)
+        # Asked of every tensor: whole-model outputs read the untracked ones too.
+        partition = zero_partition.read_partition(fqn, tensor, world)
+        if not tracked:
             untracked[fqn] = tensor
-            builder.refuse_unfollowable(fqn, tensor)
         elif tensor.is_complex():
             complex_tracked.append(f"{fqn} ({tensor.dtype})")
         else:
-            entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
+            entries.append(make_entry(fqn, tensor, builder, options, is_parameter, partition))
     if complex_tracked:
         raise ValueError(_complex_refusal(complex_tracked))
     if not entries:
@@ -656,6 +684,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         )
     check_live(module, entries)
     structure = _structure(tensors, set(untracked))
+    signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
     agree_on_structure(world, structure, options.agreement())
     if options.verify_replicas:
         check_replicas(entries, world)
@@ -665,6 +694,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     plan = EmaPlan(
         module=module,
         world=world,
+        device=device,
         entries=entries,
         keys=list(tensors),
         followed=followed,
@@ -674,7 +704,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         options=options,
     )
     plan._builder = builder
-    plan._signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
+    plan._signatures = signatures
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()

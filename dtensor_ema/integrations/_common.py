@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.options import UNSET, EmaOptions, resolve_schedule
+from dtensor_ema.options import EmaOptions
 from dtensor_ema.state import EMA_TENSORS
 from dtensor_ema.zero_partition import is_partitioned, partition_piece, whole_view
 
@@ -54,14 +54,7 @@ def check_ema_options(options: dict[str, Any]) -> None:
     updates = given.pop("updates", 0)
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
         raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-    bucket_view = given.pop("parameters_as_bucket_view", False)  # EmaOptions' bucket_view
-    schedule = resolve_schedule(
-        given.pop("decay", UNSET),
-        given.pop("tau", UNSET),
-        given.pop("half_life", None),
-        given.pop("schedule", None),
-    )
-    EmaOptions(schedule=schedule, bucket_view=bucket_view, **given)
+    EmaOptions.from_arguments(**given)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
