@@ -617,17 +617,9 @@ def build_plan(model: nn.Module, mesh: DeviceMesh | None, options: EmaOptions) -
             track different models, or replicated parameters differ across their replicas.
     """
     module = unwrap_model(model)
-    refuse_fsdp1(module)
     tensors = model_tensors(module)
     if not tensors:
         raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
-    on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
-    if on_meta:
-        raise ValueError(
-            f"{type(module).__name__} has tensors on the meta device ({on_meta[:5]}): "
-            "materialize the model (module.to_empty(device=...) and initialize it) before "
-            "creating its EMA"
-        )
     device = next(iter(tensors.values())).device
     world = resolve_world_mesh(mesh, tensors.values(), device)
     with entering("ModelEMA", mesh=world):  # its collectives, named after the user's call
@@ -643,6 +635,14 @@ def _bind(
 ) -> EmaPlan:
     """:func:`build_plan` over the resolved world: the entries, the checks the ranks share
     (collective), the plan."""
+    refuse_fsdp1(module)
+    on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
+    if on_meta:
+        raise ValueError(
+            f"{type(module).__name__} has tensors on the meta device ({on_meta[:5]}): "
+            "materialize the model (module.to_empty(device=...) and initialize it) before "
+            "creating its EMA"
+        )
     entries: list[PlanEntry] = []
     parameter_ids = {id(p) for p in module.parameters()}
     followed = {k: t for k, t in tensors.items() if not is_averageable(t, id(t) in parameter_ids)}
