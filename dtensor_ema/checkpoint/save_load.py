@@ -41,7 +41,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,43 +94,8 @@ __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 PARTIAL_SUFFIX = ".partial"
 """``<path>.partial``: where :func:`save_checkpoint` writes before it commits."""
 
-_EMA_TENSORS = EMA_TENSORS
-
 
 # ---------------------------------------------------------------------------------- save
-@overload
-def save_checkpoint(
-    state: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    checksums: bool = True,
-    async_: Literal[False] = False,
-) -> None: ...
-
-
-@overload
-def save_checkpoint(
-    state: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    checksums: bool = True,
-    async_: Literal[True],
-) -> concurrent.futures.Future[None]: ...
-
-
-@overload
-def save_checkpoint(
-    state: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    checksums: bool = True,
-    async_: bool,
-) -> concurrent.futures.Future[None] | None: ...
-
-
 def save_checkpoint(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -744,11 +709,11 @@ def _other_stages(
     entries are the other stages' extra tensors. **Collective** over ``group``: one
     all-reduce of one byte per saved tensor (every rank reads the same metadata, so the
     same list). A saved tensor no rank holds stays unexpected."""
-    prefix = f"{'.'.join(where)}.{_EMA_TENSORS}."
+    prefix = f"{'.'.join(where)}.{EMA_TENSORS}."
     names = sorted(
         k[len(prefix) :] for k in checkpoint.entries_under(where) if k.startswith(prefix)
     )
-    ours = set(ema.state_dict()[_EMA_TENSORS])
+    ours = set(ema.state_dict()[EMA_TENSORS])
     if group is None or not names:
         return frozenset()
     held = torch.tensor([n in ours for n in names], dtype=torch.uint8, device=reduce_device(group))
@@ -807,18 +772,18 @@ def _judge_saved_values(
     load when the tracked sets differ (``common_subset``), else ``None``. ``others``, the
     tensors of other pipeline stages, are left out."""
     key = ".".join(where)
-    prefix = f"{key}.{_EMA_TENSORS}."
+    prefix = f"{key}.{EMA_TENSORS}."
     tensors = {
         k[len(prefix) :]: _spec(md)
         for k, md in checkpoint.entries_under(where).items()
         if k.startswith(prefix) and k[len(prefix) :] not in others
     }
-    candidate = {**saved, _EMA_TENSORS: tensors}
+    candidate = {**saved, EMA_TENSORS: tensors}
     ours = ema.state_dict()
     diff = tracked_difference(tensors, saved.get("config"), ours)
     problems = compare_tensors(
         {k: v for k, v in tensors.items() if k not in diff.only_saved},
-        {k: v for k, v in ours[_EMA_TENSORS].items() if k not in diff.only_ours},
+        {k: v for k, v in ours[EMA_TENSORS].items() if k not in diff.only_ours},
     )
     if problems:
         raise ValueError(
@@ -860,7 +825,7 @@ def _without_tensors(value: Any) -> Any:
 
 def _short(dcp_key: str, key: str) -> str:
     """``ema.ema.blocks.0.w`` -> ``blocks.0.w``; ``ema.updates`` -> ``updates``."""
-    for prefix in (f"{key}.{_EMA_TENSORS}.", f"{key}."):
+    for prefix in (f"{key}.{EMA_TENSORS}.", f"{key}."):
         if dcp_key.startswith(prefix):
             return dcp_key[len(prefix) :]
     return dcp_key

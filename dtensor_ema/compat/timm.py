@@ -14,23 +14,14 @@ ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)
   (``replicate_buffers=True``): each rank's EMA buffers are what timm's replica on that
   rank holds, so ``timm.utils.distribute_bn(model_ema, world, reduce)`` gives timm's values.
 
-``.module`` has the model's structure; its parameters are gathered once per evaluation
-(``eval()`` or ``gather_for_save()``; **collective**: every rank validates, as timm's
-``train.py`` does) and freed by the next ``update()`` or ``set()`` (``train()`` keeps
-them). A forward or ``.module.state_dict()`` after an update, before that gather, raises
-at once naming it: no hidden collective. In between, each rank holds ``1/W`` of the
-parameters. Peak while gathered: one full copy
-of the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
-(keyword) evaluates through the engine's FSDP2 module instead (one unit gathered per
-forward: peak about the largest unit, 1.4-1.8x the replica's time per batch on ResNet-50;
-see ``benchmarks/compat_eval.py``). The rank-0 save
-(``unwrap_model(model_ema).state_dict()``) works after ``eval()`` or ``gather_for_save()``
-on every rank, and refuses naming that fix otherwise; see
-:mod:`dtensor_ema.compat._replica`.
-
-``pickle``/``torch.save(model_ema)``/``copy.deepcopy`` work without a process group
-(load with ``torch.load(path, weights_only=False)``; a copy averages its own copy of the
-model) and raise at W > 1, naming what to save instead.
+``.module`` has the model's structure; evaluation and the rank-0 save
+(``unwrap_model(model_ema).state_dict()``) follow the drop-ins' shared rules
+(:mod:`dtensor_ema.compat._replica`): ``eval()`` or ``gather_for_save()`` gathers its
+parameters once per evaluation (**collective**: every rank validates, as timm's
+``train.py`` does; peak one full copy per rank, what timm's replica keeps always) until
+the next ``update()`` or ``set()``; without it a forward or save raises naming it.
+``evaluation="sharded"`` evaluates through the engine's FSDP2 module instead. Pickling
+works without a process group and raises at W > 1, naming what to save instead.
 
 Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
 EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
@@ -53,13 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dtensor_ema.compat._replica import (
-    EmaReplica,
-    facade_getstate,
-    facade_setstate,
-    fix_message,
-    keeps_buffers_whole,
-)
+from dtensor_ema.compat._replica import ReplicaFacade, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
 
@@ -68,7 +53,7 @@ __all__ = ["ModelEmaV2", "ModelEmaV3"]
 _FIX = fix_message("model_ema", also="`model_ema.eval()`, as timm's validate() calls it")
 
 
-class ModelEmaV3(nn.Module):
+class ModelEmaV3(ReplicaFacade):
     """timm ``ModelEmaV3`` with its EMA sharded across ranks (see the module docstring).
 
     Construction is **collective** over the default group when one is initialized (the
@@ -81,6 +66,7 @@ class ModelEmaV3(nn.Module):
     """
 
     _FORMULA: Literal["lerp", "weighted_sum"] = "lerp"  # timm's _foreach_lerp_
+    ALWAYS_REGISTERED = True
 
     def __init__(
         self,
@@ -101,8 +87,7 @@ class ModelEmaV3(nn.Module):
         evaluation: Literal["replica", "sharded"] = "replica",
     ) -> None:
         super().__init__()
-        if evaluation not in ("replica", "sharded"):
-            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
+        self.check_evaluation(evaluation)
         if device is not None and torch.device(device) != next(model.parameters()).device:
             raise NotImplementedError(
                 f"device={device!r} (an EMA on another device than the model) is not "
@@ -142,23 +127,7 @@ class ModelEmaV3(nn.Module):
         self.stochastic_rounding = stochastic_rounding
         self.stochastic_rounding_seed = stochastic_rounding_seed
         self.exclude_buffers = exclude_buffers
-        self.evaluation = evaluation
-        self._replica = EmaReplica(engine, _FIX, sharded=evaluation == "sharded")
-        self.module = self._replica.module
-        self._engine = engine
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
-        replica's module is rebuilt on load around the unpickled engine."""
-        return facade_getstate(self, "module")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        facade_setstate(self, state, "module", always=True)
-
-    @property
-    def engine(self) -> ModelEMA:
-        """The sharded :class:`~dtensor_ema.ModelEMA` doing the work."""
-        return self._engine
+        self.attach(engine, _FIX, evaluation)
 
     def get_decay(self, step: int | None = None) -> float:
         """timm's decay for ``step`` (``decay`` when ``step`` is None), from the engine."""
@@ -186,40 +155,12 @@ class ModelEmaV3(nn.Module):
             raise ValueError(f"step must be an int >= 1, got {step!r}")
         else:
             engine.updates = step - 1
-        self._replica.release()  # before the update: the full copy is stale from here on
-        engine.update(model)
-        self._replica.changed()
+        self._change(lambda: engine.update(model))
 
     @torch.no_grad()
     def set(self, model: nn.Module) -> None:
         """Copy ``model`` into the EMA. Local."""
-        self._replica.release()
-        self._engine.set(model)
-        self._replica.changed()
-
-    def materialize(self) -> None:
-        """Gather the full EMA for evaluation and a rank-0 save until the next update.
-        **Collective** (every rank). Peak: one full copy of the parameters per rank
-        (``evaluation="sharded"``: one full CPU copy on rank 0 only)."""
-        self._replica.materialize()
-
-    def gather_for_save(self) -> None:
-        """The same as :meth:`materialize`: call it on every rank before rank 0 alone saves
-        ``unwrap_model(model_ema).state_dict()`` (``eval()`` does it too). **Collective**."""
-        self._replica.materialize()
-
-    def train(self, mode: bool = True) -> ModelEmaV3:
-        """``eval()`` gathers the parameters (**collective**, replica only); ``train()`` is
-        local and keeps them until the next update."""
-        if not mode:
-            self._replica.prepare_eval()
-        return super().train(mode)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The EMA module's forward. Local (replica): after an update, on the copy gathered
-        by ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
-        with ``evaluation="sharded"`` collective per call, as an FSDP2 model's forward."""
-        return self._replica.forward_module()(*args, **kwargs)
+        self._change(lambda: self._engine.set(model))
 
 
 class ModelEmaV2(ModelEmaV3):

@@ -324,8 +324,6 @@ def _fsdp_hook(hook: Any) -> bool:
 
 
 # ------------------------------------------------------------------------- callables
-# Per-instance attributes that hold callables a clone would otherwise share with the model.
-_CALLABLE_SLOTS = ("forward", *_HOOK_DICTS[:5])
 
 
 def rebind_callables(model: nn.Module, twin: nn.Module) -> None:
