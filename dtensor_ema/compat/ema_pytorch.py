@@ -1,38 +1,23 @@
 """ema-pytorch's ``EMA``, sharded: ``from dtensor_ema.compat.ema_pytorch import EMA``.
 
 Same constructor (defaults ``beta=0.9999, update_after_step=100, update_every=10``),
-attributes and methods (``ema_model``, ``__call__``, ``update()``,
-``copy_params_from_model_to_ema``, ``get_current_decay``, ``state_dict``); the numbers come
-from :class:`~dtensor_ema.ModelEMA` with :class:`~dtensor_ema.decay.EmaPytorchDecay`, which
-rounds the warmup in float32 as ema-pytorch does. ema-pytorch's ``update_every=N`` counts
-steps and averages on steps ``0, N, 2N, ...`` with the plain decay (no ``** N``): mapped
-onto ``ModelEMA(update_every=N, updates=N - 1, update_after_step=N + update_after_step - 1)``
-with a schedule that does not raise the decay to ``N``. Bit for bit equal to ema-pytorch
-0.8.3 (``tests/test_compat.py``).
+attributes and methods; the numbers come from :class:`~dtensor_ema.ModelEMA` with
+:class:`~dtensor_ema.decay.EmaPytorchDecay` (the warmup rounded in float32, as ema-pytorch
+does). ema-pytorch's ``update_every=N`` averages on steps ``0, N, 2N, ...`` with the plain
+decay: mapped onto ``ModelEMA(update_every=N, updates=N - 1, update_after_step=N +
+update_after_step - 1)`` with a schedule that does not raise the decay to ``N``.
+``ignore_names``/``ignore_startswith_names`` map onto ``track=`` (ignored tensors are not
+stored), ``param_or_buffer_names_no_ema`` onto ``exclude=``; ``ema_model``,
+``update_model_with_ema_every``, ``forward_method_names`` and ``lazy_init_ema`` are refused.
 
 Evaluation (``ema(x)``, ``ema.eval()``, ``forward_eval``) runs on ``ema_model`` and the
 rank-0 save ``torch.save(ema.state_dict())`` reads it, by the drop-ins' shared rules
-(:mod:`dtensor_ema.compat._replica`): ``ema.eval()`` or ``ema.gather_for_save()``
-all-gathers the full parameters once per validation pass (**collective**: every rank; peak
-one full copy per rank, what ema-pytorch keeps always) until the next ``update()``,
-``copy_params_from_model_to_ema()`` or load; without it a forward or save raises naming
-it. Float buffers are kept whole on every rank, each averaging its own model's, as
-ema-pytorch's replica does. ``evaluation="sharded"`` evaluates through the engine's FSDP2
-module instead (FSDP2/TP models always do). Pickling works without a process group and
-raises at W > 1, naming what to save instead.
-
-``ignore_names``/``ignore_startswith_names`` map onto ``ModelEMA(track=...)``: ignored
-tensors are not stored at all (a LoRA run that ignores the frozen base holds the adapters'
-bytes only, ``1/W`` per rank); ``param_or_buffer_names_no_ema`` maps onto ``exclude=``
-(copied, within the tracked set; a name both ignored and listed is ignored, as in
-ema-pytorch).
-
-Deliberate differences: integer buffers (``num_batches_tracked``) follow the model
-(ema-pytorch leaves them at their construction value); ignored tensors are the model's own
-in ``ema_model`` (ema-pytorch's copy keeps their value from its last full copy, at
-construction and during ``update_after_step``: the same for frozen tensors); ``ema_model``,
-``update_model_with_ema_every``, ``forward_method_names`` and ``lazy_init_ema`` are refused
-(``ValueError``).
+(:class:`~dtensor_ema.compat._replica.ReplicaFacade`): ``ema.eval()`` or
+``ema.gather_for_save()`` all-gathers the full parameters (**collective**: every rank; peak
+one full copy per rank, what ema-pytorch keeps always) until the next change.
+``evaluation="sharded"`` evaluates through the engine's FSDP2 module instead (FSDP2/TP
+models always do). The guide, with the numbers checked against ema-pytorch 0.8.3 and what
+differs: ``docs/migration-ema-pytorch.md``.
 """
 
 from __future__ import annotations

@@ -5,42 +5,22 @@ Same constructor, ``update_parameters(model)``, ``n_averaged``, ``use_buffers``,
 ``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`; the names
 torch's tests import (``get_ema_multi_avg_fn``, ``get_ema_avg_fn``, ``get_swa_multi_avg_fn``,
 ``get_swa_avg_fn``, ``update_bn``) are here too. The first ``update_parameters`` copies the
-model (``n_averaged == 0``), the next ones average, with any averaging function
-(:func:`averaging_of`):
-
-* torch's factories keep the fused path: ``get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``,
-  lerp (torch's kernel); ``get_ema_avg_fn(d)``: ``formula="weighted_sum"`` (``d * ema +
-  (1 - d) * model``, as torch rounds it); ``get_swa_multi_avg_fn()``:
-  :class:`~dtensor_ema.decay.RunningMeanDecay`, lerp; ``get_swa_avg_fn()``:
-  ``formula="divide"`` (``a + (b - a) / (n + 1)``); no function: ``formula="swa"``,
-  torch's device rule (foreach lerp on CUDA, the division on CPU);
-* any other callable, ``avg_fn(averaged, current, num_averaged)`` or
-  ``multi_avg_fn(averaged_list, current_list, num_averaged)`` as torch defines them
-  (a user's ``decay * p_avg + (1 - decay) * p``, Lightning's picklable function objects),
-  runs on the eager path, applied to each rank's local pieces with torch's
-  ``num_averaged``: :class:`~dtensor_ema.options.AveragingFunction`. The contract: the
-  function must be elementwise; construction checks it on a probe and raises
-  ``ValueError`` naming the function otherwise.
-* ``use_buffers=False`` copies the buffers from the model on every call
-  (``buffers="copy"``), ``True`` averages the float buffers.
-
-Bit for bit equal to torch's ``AveragedModel`` for all of these
-(``tests/test_compat_upstream.py``), except integer buffers (``num_batches_tracked``): they
-follow the model, where torch with ``use_buffers=True`` pushes them through the function
-too (its ``get_swa_multi_avg_fn`` then raises). ``device`` must be the model's device or
-``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``) and each
-rank averages its own model's, as torch's replica on that rank does.
+model (``n_averaged == 0``), the next ones average with any averaging function
+(:func:`averaging_of`: torch's factories on the fused path, any other elementwise callable
+on each rank's pieces); ``use_buffers=False`` copies the buffers on every call. Bit for bit
+equal to torch's ``AveragedModel`` (``tests/test_compat_upstream.py``), except integer
+buffers, which follow the model. ``device`` must be the model's device or ``None``. Float
+buffers are kept whole on every rank, each averaging its own model's, as torch's replica on
+that rank does.
 
 Evaluation (``.module``, forward) and the rank-0 save ``torch.save(swa_model.state_dict())``
-follow the drop-ins' shared rules (:mod:`dtensor_ema.compat._replica`,
-:class:`~dtensor_ema.compat._replica.ReplicaFacade`): ``eval()`` or ``gather_for_save()``
-all-gathers the full parameters once per validation pass (**collective**: every rank; peak
-one full copy per rank, what torch's replica keeps always) until the next
+follow the drop-ins' shared rules (:class:`~dtensor_ema.compat._replica.ReplicaFacade`):
+``eval()`` or ``gather_for_save()`` all-gathers the full parameters (**collective**: every
+rank; peak one full copy per rank, what torch's replica keeps always) until the next
 ``update_parameters`` or load (``train()`` keeps them: ``update_bn(loader, swa_model)``
-recomputes the average's own BatchNorm statistics, each rank its own, as torch); without
-that gather a forward or save raises naming it. ``evaluation="sharded"`` evaluates through
-the engine's FSDP2 module instead (FSDP2/TP models always do). Pickling works without a
-process group and raises at W > 1, naming what to save instead.
+recomputes the average's own BatchNorm statistics, each rank its own, as torch).
+``evaluation="sharded"`` evaluates through the engine's FSDP2 module instead (FSDP2/TP
+models always do). The guide: ``docs/migration-swa-utils.md``.
 """
 
 from __future__ import annotations

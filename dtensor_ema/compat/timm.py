@@ -1,40 +1,26 @@
-"""timm's ``ModelEmaV3``/``ModelEmaV2`` over a sharded :class:`~dtensor_ema.ModelEMA`.
+"""timm's ``ModelEmaV3``/``ModelEmaV2`` over a sharded :class:`~dtensor_ema.ModelEMA`:
+``from dtensor_ema.compat.timm import ModelEmaV3``.
 
-Swap ``from timm.utils import ModelEmaV3`` for ``from dtensor_ema.compat.timm import
-ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)``,
-``set``, ``get_decay``, ``forward``, ``.module``); every number comes from the engine:
-
-* ``use_warmup``: :class:`~dtensor_ema.WarmupDecay` (``warmup_gamma``, ``warmup_power``,
-  ``min_decay``) with ``update_after_step``; without it :class:`~dtensor_ema.ConstantDecay`
-  with ``update_after_step + 1``, since timm copies the model on the first step past
-  ``update_after_step`` (``get_decay`` returns 0 there). ``update(model, step=s)`` sets the
-  engine's counter to ``s - 1`` first, so a resumed run that passes its global step lands
-  on the same curve; ``step=None`` means timm's constant ``decay``.
-* ``exclude_buffers``: ``buffers="copy"``. Buffers are replicated
-  (``replicate_buffers=True``): each rank's EMA buffers are what timm's replica on that
-  rank holds, so ``timm.utils.distribute_bn(model_ema, world, reduce)`` gives timm's values.
+Same constructor, attributes and verbs (``update(model, step=None)``, ``set``,
+``get_decay``, ``forward``, ``.module``); every number comes from the engine: ``use_warmup``
+is :class:`~dtensor_ema.WarmupDecay` with ``update_after_step``, without it
+:class:`~dtensor_ema.ConstantDecay` with ``update_after_step + 1`` (timm copies the model on
+the first step past it); ``update(model, step=s)`` sets the engine's counter to ``s - 1``
+first, so a resumed run lands on the same curve. ``exclude_buffers`` is ``buffers="copy"``;
+buffers are whole on every rank (each rank's are what timm's replica holds there, so
+``timm.utils.distribute_bn`` gives timm's values). Construction does not check that the
+ranks' weights agree (timm's ``train.py`` builds the EMA before DDP broadcasts): the first
+``update(model, step=1)`` copies the model.
 
 ``.module`` has the model's structure; evaluation and the rank-0 save
 (``unwrap_model(model_ema).state_dict()``) follow the drop-ins' shared rules
-(:mod:`dtensor_ema.compat._replica`): ``eval()`` or ``gather_for_save()`` gathers its
-parameters once per evaluation (**collective**: every rank validates, as timm's
-``train.py`` does; peak one full copy per rank, what timm's replica keeps always) until
-the next ``update()`` or ``set()``; without it a forward or save raises naming it.
-``evaluation="sharded"`` evaluates through the engine's FSDP2 module instead. Pickling
-works without a process group and raises at W > 1, naming what to save instead.
-
-Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
-EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
-the model. Seed every rank alike, or build after DDP, when calling ``update(model)``
-without ``step=`` (its first call averages, as timm's does, each rank its own rows).
-
-Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
-with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
-stochastic rounding are not supported. With an FSDP2 model ``.module`` is the engine's
-sharded module, whose ``state_dict()`` holds DTensors, as a real timm EMA of an FSDP2 model
-does: save with DCP. With ``evaluation="sharded"`` on a plain/DDP model, ``.module`` is that
-sharded module too, but its ``state_dict()`` follows the rank-0 rule above (full tensors on
-rank 0 after ``gather_for_save()`` on every rank, else a ``RuntimeError`` naming it).
+(:class:`~dtensor_ema.compat._replica.ReplicaFacade`): ``eval()`` or ``gather_for_save()``
+gathers its parameters (**collective**: every rank validates, as timm's ``train.py`` does;
+peak one full copy per rank, what timm's replica keeps always) until the next ``update()``
+or ``set()``. ``evaluation="sharded"`` (and any FSDP2 model) evaluates through the engine's
+FSDP2 module instead, whose ``state_dict()`` holds DTensors. The guide, with what differs
+(a tied weight averaged once; no ``device=``, no bf16 stochastic rounding):
+``docs/migration-timm.md``.
 """
 
 from __future__ import annotations
