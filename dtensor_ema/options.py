@@ -20,6 +20,7 @@ __all__ = [
     "AveragingFunction",
     "EmaOptions",
     "TrackSpec",
+    "check_int",
     "resolve_schedule",
 ]
 
@@ -44,6 +45,17 @@ FORMULA_NAMES = ("lerp", "weighted_sum", "subtract", "subtract_alpha", "divide",
 
 _COUNTED_FORMULAS = ("divide", "swa")
 """Formulas that read the averaging step (``n``), not only the decay."""
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    """``value``, if it is an ``int`` (not a ``bool``) ``>= low``.
+
+    Raises:
+        ValueError: naming ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
 
 
 class _Unset:
@@ -320,11 +332,8 @@ class EmaOptions:
             object.__setattr__(self, f.name, values.get(f.name, f.default))
 
     def __post_init__(self) -> None:
-        for name in ("update_every", "update_after_step"):
-            value = getattr(self, name)
-            low = 1 if name == "update_every" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("update_every", self.update_every, 1)
+        check_int("update_after_step", self.update_after_step, 0)
         if self.buffers not in ("average", "copy"):
             raise ValueError(f"buffers must be 'average' or 'copy', got {self.buffers!r}")
         if self.ema_dtype is not None and not (

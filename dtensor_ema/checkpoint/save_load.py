@@ -89,7 +89,13 @@ from dtensor_ema.state import (
     validate_state,
 )
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "commit_partial",
+    "load_checkpoint",
+    "save_checkpoint",
+    "tidy_interrupted",
+]
 
 PARTIAL_SUFFIX = ".partial"
 """``<path>.partial``: where :func:`save_checkpoint` writes before it commits."""
@@ -217,7 +223,7 @@ def _prepare(path: Path, group: dist.ProcessGroup | None) -> None:
         try:
             if path.exists() and not path.is_dir():
                 raise ValueError(f"checkpoint path {path} exists and is not a directory")
-            _tidy_after_interrupted_save(path, partial, previous)
+            tidy_interrupted(path, partial, previous)
             partial.parent.mkdir(parents=True, exist_ok=True)
         except (OSError, ValueError) as e:
             error = e
@@ -256,7 +262,7 @@ def _write_and_commit(
         agree(group, error, f"writing the checksums of {partial}")
     if rank_of(group) == 0:
         try:
-            _commit(partial, path, previous)
+            commit_partial(partial, path, previous)
         except OSError as e:
             error = e
     agree(group, error, f"committing {partial} to {path}")
@@ -276,8 +282,9 @@ def _siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + PARTIAL_SUFFIX), path.with_name(path.name + PREVIOUS_SUFFIX)
 
 
-def _tidy_after_interrupted_save(path: Path, partial: Path, previous: Path) -> None:
-    """Undo what an interrupted save left behind (rank 0 only)."""
+def tidy_interrupted(path: Path, partial: Path, previous: Path) -> None:
+    """Undo what an interrupted save of the directory ``path`` left behind: its
+    ``partial`` deleted, its ``previous`` copy deleted or put back. Local (one process)."""
     if partial.exists():
         shutil.rmtree(partial)
     if previous.exists():
@@ -287,8 +294,10 @@ def _tidy_after_interrupted_save(path: Path, partial: Path, previous: Path) -> N
             os.rename(previous, path)
 
 
-def _commit(partial: Path, path: Path, previous: Path) -> None:
-    """Swap the finished checkpoint in (rank 0 only). DCP already fsynced the files."""
+def commit_partial(partial: Path, path: Path, previous: Path) -> None:
+    """Swap the finished directory ``partial`` in at ``path`` (an existing one goes to
+    ``previous`` until the rename is durable, then is deleted). Local (one process); DCP
+    already fsynced the files."""
     if path.exists():
         os.rename(path, previous)
     os.rename(partial, path)

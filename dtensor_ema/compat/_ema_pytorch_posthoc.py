@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema._collectives import group_of
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.options import TrackSpec
+from dtensor_ema.options import TrackSpec, check_int
 from dtensor_ema.posthoc import PostHocEMA as _Engine
 from dtensor_ema.posthoc import Term, list_snapshots
 from dtensor_ema.posthoc.phema_math import profile_inner
@@ -164,8 +164,7 @@ class PostHocEMA(nn.Module):
             )
         if len(set(gammas)) != len(gammas):
             raise ValueError(f"gammas must be unique, got {gammas}")
-        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-            raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+        check_int("update_every", update_every, 1)
         every = checkpoint_every_num_steps
         bad = isinstance(every, bool) or not isinstance(every, int) or every < 1
         if every != "manual" and bad:

@@ -35,18 +35,12 @@ are the EMA's own; nothing to gather, every save works). FSDP2/TP models take th
 module on a one-rank mesh too (FSDP2 modules refuse ``deepcopy``, so no replica can be
 built); its parameters are the EMA's own there.
 
-The rules, the same in every facade:
-
-1. No hidden collective: a call that needs other ranks' pieces and that a library's
-   habit makes on one rank alone (the facade's ``state_dict()``, ``save_pretrained()``,
-   diffusers' ``copy_to``, ``module.state_dict()`` of a replica, or of the sharded module
-   of a plain model, and the replica's forward) reads the full tensors when unsharded or
-   after a ``materialize()`` that every rank reached since the last change; otherwise it
-   raises a ``RuntimeError`` at once naming the one-line fix (``<owner>.gather_for_save()``
-   on every rank). It never waits for other ranks and never returns one rank's piece.
-   ``materialize()`` itself (``gather_for_save()``, ``eval()``) is the one collective.
-2. Loading full tensors on every rank (the facade's ``load_state_dict`` or the replica's
-   ``module.load_state_dict``) restores each rank's piece of the engine. Local.
+The rules, the same in every facade (``docs/migration.md``, "one rule for every drop-in"):
+no hidden collective (a call a library's habit makes on one rank alone reads the full
+tensors only when unsharded or after a ``materialize()`` every rank reached since the last
+change, else raises a ``RuntimeError`` naming ``<owner>.gather_for_save()``; it never waits
+for other ranks nor returns one rank's piece), and loading full tensors on every rank
+restores each rank's piece (local).
 
 The module's hooks are module-level objects so that the module (or a ``deepcopy`` of it)
 still pickles. An :class:`EmaReplica` pickles as its engine and options and rebuilds its

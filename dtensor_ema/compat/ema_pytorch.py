@@ -33,6 +33,7 @@ from dtensor_ema.compat._replica import ReplicaFacade, fix_message, keeps_buffer
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import check_int
 
 __all__ = ["EMA", "PostHocEMA"]
 
@@ -102,8 +103,7 @@ class EMA(ReplicaFacade):
                 )
             # ema-pytorch skips them in every average: here they are not stored at all.
             engine["track"] = kept
-        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-            raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+        check_int("update_every", update_every, 1)
         self.check_evaluation(evaluation)
         engine.setdefault("replicate_buffers", keeps_buffers_whole(model, evaluation))
         self.beta, self.inv_gamma, self.power, self.min_value = beta, inv_gamma, power, min_value

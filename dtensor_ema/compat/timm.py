@@ -33,6 +33,7 @@ from torch import nn
 from dtensor_ema.compat._replica import ReplicaFacade, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import check_int
 
 __all__ = ["ModelEmaV2", "ModelEmaV3"]
 
@@ -137,10 +138,8 @@ class ModelEmaV3(ReplicaFacade):
                     "warmup; pass step= (the global step) or use_warmup=False"
                 )
             engine.updates = max(engine.updates, engine.options.update_after_step)
-        elif isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"step must be an int >= 1, got {step!r}")
         else:
-            engine.updates = step - 1
+            engine.updates = check_int("step", step, 1) - 1
         self._change(lambda: engine.update(model))
 
     @torch.no_grad()

@@ -47,7 +47,6 @@ import math
 import os
 import re
 import reprlib
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,7 @@ import torch
 
 from dtensor_ema.checkpoint.bounded_json import JsonProblem, read_json
 from dtensor_ema.checkpoint.metadata_check import MAX_DIMS, MAX_ELEMENTS
+from dtensor_ema.checkpoint.save_load import commit_partial, tidy_interrupted
 
 __all__ = [
     "FORMAT",
@@ -193,16 +193,8 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 def prepare(snapshot_dir: Path, name: str) -> Path:
     """Rank 0, before a snapshot: tidy leftovers of a crashed one; return the partial path."""
     snapshot_dir.mkdir(parents=True, exist_ok=True)
-    final = snapshot_dir / name
     partial = snapshot_dir / (name + PARTIAL_SUFFIX)
-    old = snapshot_dir / (name + OLD_SUFFIX)
-    if partial.exists():
-        shutil.rmtree(partial)
-    if old.exists():
-        if final.exists():
-            shutil.rmtree(old)
-        else:  # died while replacing a snapshot of the same step: put the old one back
-            os.rename(old, final)
+    tidy_interrupted(snapshot_dir / name, partial, snapshot_dir / (name + OLD_SUFFIX))
     return partial
 
 
@@ -210,28 +202,10 @@ def commit(snapshot_dir: Path, name: str, manifest: dict[str, Any]) -> Path:
     """Rank 0, after every rank wrote: add the manifest, rename ``.partial`` into place."""
     final = snapshot_dir / name
     partial = snapshot_dir / (name + PARTIAL_SUFFIX)
-    old = snapshot_dir / (name + OLD_SUFFIX)
     write_manifest(partial, manifest)
-    if final.exists():  # the same step again (a resumed run): replace it
-        os.rename(final, old)
-    os.rename(partial, final)
-    _fsync_dir(snapshot_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    # The same step again (a resumed run) replaces it.
+    commit_partial(partial, final, snapshot_dir / (name + OLD_SUFFIX))
     return final
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- reading

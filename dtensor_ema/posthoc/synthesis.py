@@ -50,6 +50,7 @@ from dtensor_ema.checkpoint.reader import (
 from dtensor_ema.checkpoint.save_load import save_checkpoint
 from dtensor_ema.export.state_file import check_destination, write_state_file
 from dtensor_ema.layout import chunk_range
+from dtensor_ema.options import check_int
 from dtensor_ema.posthoc.phema_math import (
     DEFAULT_MAX_CONDITION,
     check_sigma_rel,
@@ -192,9 +193,7 @@ def merge_terms(
         raise ValueError("pass exactly one of last=K (uniform average) or weights={step: w}")
     available = list_snapshots(snapshot_dir)
     if last is not None:
-        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
-            raise ValueError(f"last must be an int >= 1, got {last!r}")
-        if last > len(available):
+        if check_int("last", last, 1) > len(available):
             raise ValueError(
                 f"last={last} but {snapshot_dir} holds only {len(available)} snapshots"
             )

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dtensor_ema.options import check_int
 from dtensor_ema.update.counter import DeviceStep, UpdateCounter
 from dtensor_ema.update.fused_update import UpdateGroup, apply_groups_, lerp_step_
 
@@ -271,8 +272,7 @@ def offload_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[Slice]]
     Raises:
         ValueError: ``chunk_numel < 1`` or a negative numel.
     """
-    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
-        raise ValueError(f"chunk_numel must be an int >= 1, got {chunk_numel!r}")
+    check_int("chunk_numel", chunk_numel, 1)
     chunks: list[list[Slice]] = []
     current: list[Slice] = []
     used = 0
@@ -347,9 +347,7 @@ class ChunkedOffloadUpdater(Updater):
 
     def __init__(self, groups: list[UpdateGroup], chunk_bytes: int = OFFLOAD_CHUNK_BYTES) -> None:
         super().__init__(groups)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         self._done: Any = None
         self._hook: Any = None
         self._stage(groups)
