@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ __all__ = [
     "canonical_fqn",
     "check_live",
     "is_averageable",
+    "listed",
     "model_tensors",
     "refuse_fsdp1",
     "reshard_fsdp",
@@ -276,13 +277,13 @@ class EmaPlan:
         parts = []
         if now:
             parts.append(
-                f"now trainable {_listed(now)} (call ema.add_tensors("
-                f"{_listed([k for k in now if k not in tracked], 3)}) to average them)"
+                f"now trainable {listed(now)} (call ema.add_tensors("
+                f"{listed([k for k in now if k not in tracked], 3)}) to average them)"
             )
         if frozen:
             parts.append(
-                f"frozen {_listed(frozen)} (call ema.drop_tensors("
-                f"{_listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
+                f"frozen {listed(frozen)} (call ema.drop_tensors("
+                f"{listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
             )
         raise ValueError(
             "ModelEMA(track='trainable'): the model's trainable parameters changed since the "
@@ -503,7 +504,7 @@ def is_averageable(tensor: torch.Tensor, is_parameter: bool) -> bool:
 
 def _complex_refusal(names: list[str]) -> str:
     return (
-        f"the EMA averages real floating-point tensors; {_listed(names)} are complex. "
+        f"the EMA averages real floating-point tensors; {listed(names)} are complex. "
         "Leave them out of the tracked set, e.g. track=lambda fqn, t: not t.is_complex(): "
         "untracked tensors are read from the model wherever a whole model is needed"
     )
@@ -527,7 +528,7 @@ def refuse_fsdp1(module: nn.Module) -> None:
     if wrapped:
         raise ValueError(
             f"the model is wrapped with FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, "
-            f"at {_listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
+            f"at {listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
             "the model's tensors. Shard it with FSDP2 instead: "
             "torch.distributed.fsdp.fully_shard(module) per block, then the root; with "
             "accelerate, set fsdp_version: 2 in the FSDP config; with Lightning, use "
@@ -725,9 +726,10 @@ def _structure(tensors: Mapping[str, torch.Tensor], untracked: set[str]) -> dict
     }
 
 
-def _listed(names: list[str], limit: int = 5) -> str:
+def listed(names: Sequence[str], limit: int = 5) -> str:
+    """The first ``limit`` names and how many more, for error messages."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
+    return f"{list(names[:limit])}{more}"
 
 
 def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
