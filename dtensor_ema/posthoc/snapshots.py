@@ -21,22 +21,13 @@ Inside the checkpoint, profile ``i``'s tensors live under ``p<i>`` (``{"p0": {fq
 ...}``) and, when every float tensor of the model is tracked, the integer buffers the EMA
 does not average (BatchNorm's ``num_batches_tracked``) under ``followed``.
 
-A snapshot is bound like a checkpoint of :func:`~dtensor_ema.save_checkpoint`: all ranks
-agree on one save id when it starts, DCP records it in ``.metadata``, every rank's checksum
-file records it with the digests of the bytes it wrote, and the manifest names it
-(``save_id``). A reader refuses a folder whose data, checksums and manifest are not of one
-save (step 8's data file copied into step 12's folder, another run's data), and verifies
-every byte it reads.
-
-Reading is strict (:func:`read_manifest`): a snapshot folder must be a plain
-``step-<12 digits>`` entry of the directory being read (a symlink may not lead out of it,
-nor may ``manifest.json`` or ``.metadata`` lead out of the snapshot folder), its manifest
-(at most :data:`MAX_MANIFEST_BYTES`, read by :mod:`dtensor_ema.checkpoint.bounded_json`) must match
-:data:`FORMAT`'s schema field by field (ints within int64, at most :data:`MAX_PROFILES`
-profiles, shapes of at most 64 dims), name the folder's own step, and carry the SHA-256 of
-its content (``checksum``), so a hand-edited ``t`` or profile is refused. Every problem
-raises :class:`SnapshotError` (``"<file>: <what is wrong>"``) before any tensor is read,
-in time linear in the manifest's size.
+A snapshot is bound like a checkpoint of :func:`~dtensor_ema.save_checkpoint` (one save id
+in ``.metadata``, every rank's checksum file and the manifest), so a reader refuses a folder
+whose data, checksums and manifest are not of one save, and verifies every byte it reads.
+Reading is strict (:func:`read_manifest`): a plain ``step-<12 digits>`` entry of the
+directory read, no link leading out, a manifest of :data:`FORMAT`'s schema (at most
+:data:`MAX_MANIFEST_BYTES`, read within bounds) naming its own step and carrying the SHA-256
+of its content; every problem raises :class:`SnapshotError` before any tensor is read.
 """
 
 from __future__ import annotations
