@@ -366,17 +366,9 @@ class EmaEngine:
     def build_module(
         self, mesh: DeviceMesh | None, units: UnitSpec, compute_dtype: torch.dtype | None
     ) -> nn.Module:
-        """Build the EMA module once (``ModelEMA.build_module``): a twin of the model whose
-        parameters are the EMA (:func:`~dtensor_ema.materialize.ema_module.build_ema_module`,
-        which may move the local shards into the twin: the update groups are rebuilt). A
-        twin with untracked tensors refuses to load them
-        (:func:`~dtensor_ema.materialize.twin.guard_untracked_loads`). Local.
-
-        Raises:
-            RuntimeError: already built.
-            NotImplementedError, ValueError: as ``build_ema_module`` and
-                :func:`~dtensor_ema.materialize.ema_module.refuse_unmirrored_options`.
-        """
+        """Build ``ModelEMA.module`` once (:func:`~dtensor_ema.materialize.ema_module.
+        build_ema_module`, which may move the local shards into the twin: the update groups
+        are rebuilt). Local; raises as ``ModelEMA.build_module``."""
         if self._module is not None:
             raise RuntimeError(
                 "ema.module was already built (build_module() runs once, before the first "

@@ -204,7 +204,7 @@ class EmaPlan:
         for entry in self.entries:
             tensor = current[entry.fqn]
             entry.source = tensor
-            if model_piece_ptr(tensor) == _local_data_ptr_of_piece(entry):
+            if model_piece_ptr(tensor) == entry.source_piece.data_ptr():
                 continue
             moved = True
             entry.source_piece = model_piece(tensor)
@@ -821,7 +821,3 @@ def _pointers(entries: list[PlanEntry]) -> list[int]:
     placeholder or, gathered, its whole value).
     """
     return [e.piece_ptr() for e in entries]
-
-
-def _local_data_ptr_of_piece(entry: PlanEntry) -> int:
-    return entry.source_piece.data_ptr()

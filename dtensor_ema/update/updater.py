@@ -87,9 +87,14 @@ class Updater(ABC):
         """Block until every submitted step has been applied; raise a failed one's error."""
 
     def rebind(self, groups: list[UpdateGroup]) -> None:
-        """Work on new groups from now on (the model re-allocated its tensors)."""
+        """Work on new groups from now on (the model re-allocated its tensors), with the
+        updater's own buffers for them (:meth:`_stage`)."""
         self.wait()
         self.groups = groups
+        self._stage(groups)
+
+    def _stage(self, groups: list[UpdateGroup]) -> None:  # noqa: B027 (most keep no buffers)
+        """Make the updater's buffers for ``groups``."""
 
     def invalidate(self) -> None:  # noqa: B027 (only a captured graph holds state to drop)
         """Forget state derived from the EMA's values (a load wrote them in place)."""
@@ -235,12 +240,6 @@ class OffloadUpdater(Updater):
             ) from e
         if done is not None:
             done()
-
-    def rebind(self, groups: list[UpdateGroup]) -> None:
-        """New groups, new staging buffers; the same worker thread."""
-        self.wait()
-        self.groups = groups
-        self._stage(groups)
 
     def close(self) -> None:
         """Join the pending step and shut the worker thread down. Idempotent; raises a
@@ -474,12 +473,6 @@ class ChunkedOffloadUpdater(Updater):
         done, self._done = self._done, None
         if done is not None:
             done.synchronize()
-
-    def rebind(self, groups: list[UpdateGroup]) -> None:
-        """New groups, new chunk plans (scratch reused where large enough)."""
-        self.wait()
-        self.groups = groups
-        self._stage(groups)
 
     def close(self) -> None:
         """Finish the pending step and remove the optimizer hook. Idempotent."""
