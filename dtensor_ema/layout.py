@@ -405,8 +405,6 @@ class LayoutBuilder:
                 computes differently.
         """
         world = self.world
-        if zero_partition.is_partitioned(tensor):
-            return self._partition_layout(fqn, tensor)
         if world is None:
             return TensorLayout(None, (), 0, piece_shape[0] if piece_shape else 0, ())
         pmesh: DeviceMesh | None = None
@@ -503,45 +501,28 @@ class LayoutBuilder:
         _check_with_torch(fqn, tensor.shape, layout, piece_shape)
         return layout
 
-    def refuse_unfollowable(self, fqn: str, tensor: torch.Tensor) -> None:
-        """Refuse a model tensor whose layout the EMA cannot follow even untracked (whole
-        model outputs read it): a ZeRO-3 parameter with a DeepSpeed setting the EMA cannot
-        follow (:func:`~dtensor_ema.zero_partition.refusal`). Local.
+    def place(
+        self, fqn: str, tensor: torch.Tensor, partition: zero_partition.ZeroPartition | None
+    ) -> tuple[torch.Tensor, torch.Size, TensorLayout]:
+        """``(piece, shape, layout)`` of a model tensor: this rank's local piece of it (a
+        view), its real global shape, and its layout. ``partition``: what
+        :func:`~dtensor_ema.zero_partition.read_partition` read of it (``None``: not a
+        ZeRO-3 parameter), whose flat range is ``Shard(0)`` of the flattened tensor over the
+        world mesh (checked there to be DeepSpeed's group, in its order). Local.
 
         Raises:
-            ValueError: naming the tensor, the setting and the way out.
+            ValueError: as :meth:`layout`.
         """
-        if zero_partition.is_partitioned(tensor):
-            self._check_partition(fqn, tensor)
-
-    def _check_partition(self, fqn: str, tensor: torch.Tensor) -> DeviceMesh:
-        world = self.world
-        if world is None or world.ndim != 1:
-            raise ValueError(
-                f"cannot average {fqn!r}, a ZeRO-3 parameter: its partitions are 1-D over "
-                "DeepSpeed's data-parallel group, so the EMA's mesh must be that group "
-                f"(mesh=None does it); got {'no mesh' if world is None else tuple(world.shape)}"
+        if partition is not None:
+            flat = FlatPartition(partition.shape, partition.start)
+            length = partition.piece.numel()
+            return (
+                partition.piece,
+                partition.shape,
+                TensorLayout(self.world, (Shard(0),), 0, length, (), flat),
             )
-        why = zero_partition.refusal(fqn, tensor, world.mesh.tolist(), world.device_type)
-        if why is not None:
-            raise ValueError(f"cannot average {why}")
-        return world
-
-    def _partition_layout(self, fqn: str, tensor: torch.Tensor) -> TensorLayout:
-        """A ZeRO-3 parameter: ``Shard(0)`` of the flattened tensor over the world mesh
-        (checked to be DeepSpeed's partition group, in its order), this rank's piece the
-        partition without padding."""
-        world = self._check_partition(fqn, tensor)
-        numel = int(tensor.ds_numel)  # type: ignore[attr-defined]
-        start, length = zero_partition.partition_range(tensor)
-        if (start, length) != chunk_range(numel, world.size(), world.get_local_rank()):
-            raise ValueError(
-                f"cannot average {fqn!r}: its ZeRO-3 partition [{start}, {start + length}) is "
-                f"not Shard(0) of its {numel} elements over {world.size()} ranks; please "
-                "report this DeepSpeed version"
-            )
-        flat = FlatPartition(zero_partition.real_shape(tensor), start)
-        return TensorLayout(world, (Shard(0),), 0, length, (), flat)
+        piece = plain_tensor(_local(tensor)).detach()  # a wrapper subclass: its plain tensor
+        return piece, tensor.shape, self.layout(fqn, tensor, piece.shape)
 
     def _ema_mesh(
         self,
@@ -843,26 +824,26 @@ def make_entry(
     builder: LayoutBuilder,
     options: EmaOptions,
     is_parameter: bool,
+    partition: zero_partition.ZeroPartition | None = None,
 ) -> PlanEntry:
-    """One entry: this rank's layout of ``tensor``, a fresh EMA shard of its current value,
-    and whether it is averaged or copied (:meth:`~dtensor_ema.options.EmaOptions.
-    is_copied`). Local."""
+    """One entry: this rank's layout of ``tensor`` (:meth:`LayoutBuilder.place`; a ZeRO-3
+    parameter's from ``partition``, the plan's one reading of it), a fresh EMA shard of its
+    current value, and whether it is averaged or copied (:meth:`~dtensor_ema.options.
+    EmaOptions.is_copied`). Local."""
     dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
-    piece = model_piece(tensor)
-    if type(piece) is not torch.Tensor:
-        kind = f"{type(piece).__module__}.{type(piece).__qualname__}"
+    if partition is None and type(plain := plain_tensor(_local(tensor))) is not torch.Tensor:
+        kind = f"{type(plain).__module__}.{type(plain).__qualname__}"
         raise ValueError(
             f"cannot average {fqn!r}, a {kind}: the EMA holds plain tensors and this tensor "
             "subclass wraps no plain tensor of its shape and dtype (docs/options.md, tensor "
             "subclasses); leave it out with track='trainable' if it is frozen, or track=lambda"
             f" fqn, t: fqn != {fqn!r} (exclude= still stores a copy)"
         )
-    shape = model_shape(tensor)
-    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
-    if options.replicate_buffers and plain_buffer:
+    if options.replicate_buffers and not is_parameter and not isinstance(tensor, DTensor):
+        piece, shape = plain_tensor(tensor).detach(), tensor.shape
         layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
     else:
-        layout = builder.layout(fqn, tensor, piece.shape)
+        piece, shape, layout = builder.place(fqn, tensor, partition)
     source_local = local_rows(piece, layout)
     ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
     return PlanEntry(

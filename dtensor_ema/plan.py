@@ -34,7 +34,8 @@ including (with ``track="trainable"``) a trainable set that changed behind the E
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import zero_partition
-from dtensor_ema._collectives import mesh_agree
+from dtensor_ema._collectives import entering, mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
     PiecePointers,
@@ -56,6 +57,7 @@ from dtensor_ema.layout import (
     model_piece,
     model_piece_ptr,
     model_shape,
+    resolve_world_mesh,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
@@ -70,7 +72,7 @@ __all__ = [
     "canonical_fqn",
     "check_live",
     "is_averageable",
-    "model_device",
+    "listed",
     "model_tensors",
     "refuse_fsdp1",
     "reshard_fsdp",
@@ -84,6 +86,9 @@ class EmaPlan:
 
     module: nn.Module
     world: DeviceMesh | None
+    """The mesh whose ranks share the EMA (:func:`~dtensor_ema.layout.resolve_world_mesh`)."""
+    device: torch.device
+    """The model's device (its first tensor's)."""
     entries: list[PlanEntry]
     keys: list[str]
     """Every canonical fqn of the model's live tensors, in state-dict order (averaged,
@@ -241,7 +246,8 @@ class EmaPlan:
                     )
                 continue
             try:
-                layout = self._builder.layout(entry.fqn, tensor, model_piece(tensor).shape)
+                partition = zero_partition.read_partition(entry.fqn, tensor, self.world)
+                _, _, layout = self._builder.place(entry.fqn, tensor, partition)
             except ValueError as e:
                 problems.append(f"{entry.fqn}: {e}")
                 continue
@@ -286,13 +292,13 @@ class EmaPlan:
         parts = []
         if now:
             parts.append(
-                f"now trainable {_listed(now)} (call ema.add_tensors("
-                f"{_listed([k for k in now if k not in tracked], 3)}) to average them)"
+                f"now trainable {listed(now)} (call ema.add_tensors("
+                f"{listed([k for k in now if k not in tracked], 3)}) to average them)"
             )
         if frozen:
             parts.append(
-                f"frozen {_listed(frozen)} (call ema.drop_tensors("
-                f"{_listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
+                f"frozen {listed(frozen)} (call ema.drop_tensors("
+                f"{listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
             )
         raise ValueError(
             "ModelEMA(track='trainable'): the model's trainable parameters changed since the "
@@ -324,16 +330,13 @@ class EmaPlan:
         reshard_fsdp(self.module)
         assert self.options is not None and self._builder is not None
         parameter_ids = {id(p) for p in self.module.parameters()}
-        new = [
-            make_entry(
-                fqn,
-                self.untracked[fqn],
-                self._builder,
-                self.options,
-                id(self.untracked[fqn]) in parameter_ids,
-            )
-            for fqn in names
-        ]
+        new = []
+        for fqn in names:
+            tensor = self.untracked[fqn]
+            partition = zero_partition.read_partition(fqn, tensor, self.world)
+            is_parameter = id(tensor) in parameter_ids
+            options, builder = self.options, self._builder
+            new.append(make_entry(fqn, tensor, builder, options, is_parameter, partition))
         check_live(self.module, new)
         structure = _structure(model_tensors(self.module), set(self.untracked) - set(names))
         agree_on_structure(self.world, structure, self.options.agreement())
@@ -468,9 +471,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
             continue
-        engine_module = zero_partition.unwrap_engine(model)
-        if engine_module is not None:
-            model = engine_module
+        inner = _deepspeed_engine_module(model)  # its state-dict keys carry "module."
+        if inner is not None:
+            model = inner
             continue
         # torch.compile's OptimizedModule keeps the user's module here; there is no public
         # accessor, and without unwrapping every key would carry an "_orig_mod." prefix.
@@ -479,6 +482,19 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = inner
             continue
         return model
+
+
+def _deepspeed_engine_module(model: nn.Module) -> nn.Module | None:
+    """``model.module`` when ``model`` is a ``deepspeed.DeepSpeedEngine``, else ``None``.
+    Looks DeepSpeed up only if it is imported."""
+    if "deepspeed" not in sys.modules:
+        return None
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed without its engine module
+        return None
+    inner = getattr(model, "module", None)
+    return inner if isinstance(model, DeepSpeedEngine) and isinstance(inner, nn.Module) else None
 
 
 def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -503,7 +519,7 @@ def is_averageable(tensor: torch.Tensor, is_parameter: bool) -> bool:
 
 def _complex_refusal(names: list[str]) -> str:
     return (
-        f"the EMA averages real floating-point tensors; {_listed(names)} are complex. "
+        f"the EMA averages real floating-point tensors; {listed(names)} are complex. "
         "Leave them out of the tracked set, e.g. track=lambda fqn, t: not t.is_complex(): "
         "untracked tensors are read from the model wherever a whole model is needed"
     )
@@ -527,25 +543,13 @@ def refuse_fsdp1(module: nn.Module) -> None:
     if wrapped:
         raise ValueError(
             f"the model is wrapped with FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, "
-            f"at {_listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
+            f"at {listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
             "the model's tensors. Shard it with FSDP2 instead: "
             "torch.distributed.fsdp.fully_shard(module) per block, then the root; with "
             "accelerate, set fsdp_version: 2 in the FSDP config; with Lightning, use "
             "ModelParallelStrategy (FSDPStrategy is FSDP1) and fully_shard in "
             "configure_model"
         )
-
-
-def model_device(module: nn.Module) -> torch.device:
-    """The device of the module's first parameter or buffer (where the EMA's counter
-    lives). Local.
-
-    Raises:
-        ValueError: the module has no parameters or buffers.
-    """
-    for tensor in model_tensors(module).values():
-        return tensor.device
-    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
 
 
 def reshard_fsdp(module: nn.Module) -> None:
@@ -585,14 +589,18 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         )
 
 
-def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
-    """Create the EMA tensors for ``module`` (already unwrapped).
+def build_plan(model: nn.Module, mesh: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
+    """Bind an EMA to ``model``: unwrap it (:func:`unwrap_model`), find the ranks that
+    share the EMA (:func:`~dtensor_ema.layout.resolve_world_mesh`: ``plan.world``) and
+    create the EMA tensors.
 
-    The EMA binds to ``module``'s live tensors (:func:`model_tensors`) and refuses any
-    entry that is not one (:func:`check_live`). Each entry is made in one call
-    (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
+    The EMA binds to the model's live tensors (:func:`model_tensors`, FSDP2 modules
+    resharded first) and refuses any entry that is not one (:func:`check_live`). Each
+    ZeRO-3 parameter is read once (:func:`~dtensor_ema.zero_partition.read_partition`,
+    which refuses what the EMA cannot follow, tracked or not) and each entry made in one
+    call (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
 
-    **Collective** when ``world`` has a dim of size > 1, so every rank of ``world`` must
+    **Collective** when the world has a dim of size > 1, so every rank of it must
     build its plan together: one all-gather of one integer per world mesh dim
     (:func:`~dtensor_ema.layout.agree_on_structure`), then one all-gather of one int64 per
     replicated parameter over each replica group and one flag all-reduce per world mesh dim
@@ -600,10 +608,10 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     once). Peak extra memory: the EMA shards themselves.
 
     Args:
-        module: the unwrapped model; FSDP2 modules must be resharded by the caller.
-        world: the mesh whose ranks share the EMA (see
-            :func:`~dtensor_ema.layout.resolve_world_mesh`), or ``None`` for plain,
-            unsharded EMA tensors.
+        model: the model (DDP, DeepSpeed and ``torch.compile`` wrappers are stripped).
+        mesh: the user's ``mesh=`` (``None``: the default, see
+            :func:`~dtensor_ema.layout.resolve_world_mesh`; no process group: plain,
+            unsharded EMA tensors).
         options: the EMA's options; the plan reads ``track`` (which floating-point
             tensors get an entry, decided once per tensor, tied ones by their first name;
             the others go to ``untracked``, and the ranks' tracked sets are part of the
@@ -619,12 +627,31 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             where the first update is known to copy the model).
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``mesh`` not a ``DeviceMesh``.
         ValueError: the model has no tracked floating-point state, has tensors on the meta
-            device, a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks
+            device, a DTensor uses a placement the EMA cannot mirror, the world's ranks
             track different models, or replicated parameters differ across their replicas.
     """
-    refuse_fsdp1(module)
+    module = unwrap_model(model)
     tensors = model_tensors(module)
+    if not tensors:
+        raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
+    device = next(iter(tensors.values())).device
+    world = resolve_world_mesh(mesh, tensors.values(), device)
+    with entering("ModelEMA", mesh=world):  # its collectives, named after the user's call
+        return _bind(module, tensors, world, device, options)
+
+
+def _bind(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    world: DeviceMesh | None,
+    device: torch.device,
+    options: EmaOptions,
+) -> EmaPlan:
+    """:func:`build_plan` over the resolved world: the entries, the checks the ranks share
+    (collective), the plan."""
+    refuse_fsdp1(module)
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
     if on_meta:
         raise ValueError(
@@ -648,13 +675,15 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             continue
         seen[id(tensor)] = fqn
         is_parameter = id(tensor) in parameter_ids
-        if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
+        tracked = options.track == "all" or options.tracks(fqn, tensor, is_parameter)
+        # Asked of every tensor: whole-model outputs read the untracked ones too.
+        partition = zero_partition.read_partition(fqn, tensor, world)
+        if not tracked:
             untracked[fqn] = tensor
-            builder.refuse_unfollowable(fqn, tensor)
         elif tensor.is_complex():
             complex_tracked.append(f"{fqn} ({tensor.dtype})")
         else:
-            entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
+            entries.append(make_entry(fqn, tensor, builder, options, is_parameter, partition))
     if complex_tracked:
         raise ValueError(_complex_refusal(complex_tracked))
     if not entries:
@@ -671,6 +700,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         )
     check_live(module, entries)
     structure = _structure(tensors, set(untracked))
+    signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
     agree_on_structure(world, structure, options.agreement())
     if options.verify_replicas:
         check_replicas(entries, world)
@@ -680,6 +710,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     plan = EmaPlan(
         module=module,
         world=world,
+        device=device,
         entries=entries,
         keys=list(tensors),
         followed=followed,
@@ -689,7 +720,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         options=options,
     )
     plan._builder = builder
-    plan._signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
+    plan._signatures = signatures
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()
@@ -710,9 +741,10 @@ def _structure(tensors: Mapping[str, torch.Tensor], untracked: set[str]) -> dict
     }
 
 
-def _listed(names: list[str], limit: int = 5) -> str:
+def listed(names: Sequence[str], limit: int = 5) -> str:
+    """The first ``limit`` names and how many more, for error messages."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
+    return f"{list(names[:limit])}{more}"
 
 
 def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:

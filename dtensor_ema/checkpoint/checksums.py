@@ -2,33 +2,19 @@
 
 DCP checks that its files exist and are long enough, but not what they hold: a flipped byte
 inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte in
-``.metadata`` may change a shape or an offset. Here:
+``.metadata`` may change a shape or an offset. :class:`RecordingWriter` (DCP's writer,
+remembering where each item went and carrying the save's one id), then
+:func:`record_checksums` (the digests of those byte ranges, in the memory-mapped files just
+written; rank 0 adds ``.metadata``'s), then :func:`write_sidecar`
+(``__<rank>.checksums.json`` beside DCP's files, which DCP ignores) are the save side, all
+local; the reading side is :meth:`dtensor_ema.checkpoint.reader.Checkpoint.verify_reads`.
+Every checksum file records the save id, so files of two saves never load together.
 
-* :class:`RecordingWriter` is DCP's ``FileSystemWriter`` that remembers where it wrote each
-  item: its data file, offset and length (DCP's own ``WriteResult``\\ s). Local.
-* :func:`record_checksums` then computes the digests of those byte ranges in place, in the
-  memory-mapped files (in the page cache, just written): every item this rank wrote, each
-  tensor chunk (its local shard; a replicated tensor only on the rank DCP picked to write
-  it) and each non-tensor value, as the bytes on disk. Rank 0 adds those of ``.metadata``.
-* :func:`write_sidecar` stores them in ``__<rank>.checksums.json`` beside DCP's files
-  (format ``dtensor_ema.checkpoint.checksums`` version 2). DCP ignores the file, so plain
-  ``dcp.load``
-  works.
-* A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
-  id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
-  ``.metadata``) and every checksum file records it (``"save_id"``), so a reader refuses
-  files of two saves mixed in one directory, and a checksum file without a save id (written
-  before save ids, or edited): deleting the ids must not let two saves load together.
-
-Digests (:data:`ALGORITHMS`): always the CRC-32 (``zlib.crc32``: the standard library,
-verifiable anywhere); and, when the optional ``xxhash`` package is installed when saving,
-also XXH3-64, which a reader with ``xxhash`` checks instead: about 4x faster than
-``zlib.crc32`` here (9.4 against 2.2 GB/s of CPU time), which is what keeps a verified load
-of large tensors close to an unverified one (numbers in ``docs/checkpoints.md``).
-
-Verification is on the reading side (:meth:`dtensor_ema.checkpoint.reader.Checkpoint.verify_reads`,
-inside every verified load): one pass over the byte ranges the load reads, before DCP
-deserializes them.
+Digests (:data:`ALGORITHMS`): always the CRC-32 (``zlib.crc32``: verifiable anywhere); and,
+when the optional ``xxhash`` package is installed when saving, also XXH3-64, which a reader
+with ``xxhash`` checks instead: about 4x faster here (9.4 against 2.2 GB/s of CPU time),
+which keeps a verified load of large tensors close to an unverified one (numbers in
+``docs/checkpoints.md``).
 """
 
 from __future__ import annotations

@@ -1,43 +1,22 @@
-"""An OLMo-core ``Callback`` that keeps sharded EMAs of the model's weights.
-
-One line on OLMo-core's own ``Trainer``::
-
-    from dtensor_ema.integrations.olmo_core import EMACallback
+"""An OLMo-core ``Callback`` that keeps sharded EMAs of the model's weights::
 
     trainer_config = TrainerConfig(...).with_callback("ema", EMACallback(decays=[0.999, 0.9999]))
 
-* **Update**: in ``post_train_batch``, after every optimizer step (``optim_step`` and the
-  model's ``post_optim_step`` are done), at priority 2: OLMo-core runs callbacks highest
-  priority first and its ``CheckpointerCallback`` (priority 1) saves in the same event, so
-  a checkpoint holds the EMA of the step it saves (a lower priority would save it one
-  update behind). Steps the trainer skips (``steps_to_skip``) are not averaged. One
-  :class:`~dtensor_ema.MultiModelEMA` holds every decay; each rank holds ``1/W`` of each
-  EMA; the update is local.
-* **Evaluation**: whenever one of the trainer's ``EvaluatorCallback`` s evaluates (its
-  ``eval_interval``, ``fixed_steps``, ``eval_on_startup``, ``eval_on_finish``), each EMA is
-  swapped into the model (:meth:`~dtensor_ema.ModelEMA.average_parameters`) and evaluated
-  by the same callback's ``perform_eval(prefix="eval/ema/<name>")``, as OLMo-core's
-  ``ModelMergeCallback`` evaluates under ``eval/merged``: metrics such as
-  ``eval/ema/decay_0_9999/lm/CE loss`` beside ``eval/lm/CE loss``. The swap reshards every
-  FSDP2 module before it writes and again before it restores, so modules OLMo-core leaves
-  unsharded after a forward (``lm_head``, ``reshard_after_forward=False``) come back with
-  the training weights exactly.
-* **Checkpoints**: OLMo-core keeps callback state in ``<checkpoint>/train/rank{N}.pt``
-  (``torch.save`` per rank; a resume at another world size reads ``rank0.pt`` on every
-  rank), which cannot hold a sharded EMA. The EMA goes to ``<checkpoint>/ema/`` instead,
-  beside ``model_and_optim/``, with :func:`~dtensor_ema.save_checkpoint` (DCP, sharded,
-  checksummed): written when the trainer asks the callbacks for their state, i.e. when it
-  starts a checkpoint, synchronously, at the step saved, also when the model itself is
-  saved asynchronously; it is staged under ``<save_folder>/.ema-staging/step<N>`` (the
-  checkpoint folder must be empty when OLMo-core starts it) and moved into the checkpoint
-  folder once OLMo-core reports the checkpoint saved. The per-rank pickles hold only which
-  step and EMAs were saved. A resume (``load_checkpoint`` with the trainer state) loads the
-  EMA with :func:`~dtensor_ema.load_checkpoint`, at any world size; a load without trainer
-  state (fine-tuning from a checkpoint), or of a checkpoint saved without this callback,
-  restarts every EMA from the loaded weights.
+* **Update**: in ``post_train_batch`` after every optimizer step, at priority 2 (before
+  OLMo-core's ``CheckpointerCallback``, so a checkpoint holds the EMA of the step it
+  saves), through one :class:`~dtensor_ema.MultiModelEMA` for every decay: local, each rank
+  holding ``1/W`` of each EMA.
+* **Evaluation**: whenever an ``EvaluatorCallback`` evaluates, each EMA is swapped into the
+  model (:meth:`~dtensor_ema.ModelEMA.average_parameters`, collective) and evaluated by the
+  same callback under ``eval/ema/<name>``.
+* **Checkpoints**: OLMo-core's per-rank callback pickles cannot hold a sharded EMA, so it
+  goes to ``<checkpoint>/ema/`` with :func:`~dtensor_ema.save_checkpoint` (collective, DCP),
+  staged under ``<save_folder>/.ema-staging/step<N>`` and moved in once OLMo-core reports
+  the checkpoint saved; a resume with trainer state loads it at any world size, any other
+  load restarts the EMAs from the loaded weights.
 
-Local (shared) filesystem save folders only: the EMA is written with DCP's file system
-writer. Requires ``ai2-olmo-core`` 2.x (``pip install "dtensor_ema[olmo]"``).
+Local (shared) filesystem save folders only. Requires ``ai2-olmo-core`` 2.x. The guide:
+``docs/trainers.md#olmo-core``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -31,7 +31,6 @@ from dtensor_ema.update.compiled_lerp import (
 
 __all__ = [
     "FOREACH_DEVICE_TYPES",
-    "KERNELS",
     "CountedStep",
     "UpdateGroup",
     "apply_groups_",
@@ -41,8 +40,6 @@ __all__ = [
     "update_groups",
 ]
 
-Kernel = Literal["eager", "compiled", "auto"]
-KERNELS = ("eager", "compiled", "auto")
 
 COMPILED_BY_DEFAULT: frozenset[str] = frozenset()
 """Device types on which ``kernel="auto"`` picks the compiled kernel: those where it was
