@@ -831,7 +831,10 @@ def make_entry(
     current value, and whether it is averaged or copied (:meth:`~dtensor_ema.options.
     EmaOptions.is_copied`). Local."""
     dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
-    if partition is None and type(plain := plain_tensor(_local(tensor))) is not torch.Tensor:
+    if (
+        partition is None
+        and type(plain := plain_tensor(_local(tensor)).detach()) is not torch.Tensor
+    ):
         kind = f"{type(plain).__module__}.{type(plain).__qualname__}"
         raise ValueError(
             f"cannot average {fqn!r}, a {kind}: the EMA holds plain tensors and this tensor "
