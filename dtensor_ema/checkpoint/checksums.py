@@ -5,15 +5,16 @@ inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte 
 ``.metadata`` may change a shape or an offset. Here:
 
 * :class:`RecordingWriter` is DCP's ``FileSystemWriter`` that remembers where it wrote each
-  item: its data file, offset and length (DCP's own ``WriteResult``\\ s). Local.
-* :func:`record_checksums` then computes the digests of those byte ranges in place, in the
-  memory-mapped files (in the page cache, just written): every item this rank wrote, each
-  tensor chunk (its local shard; a replicated tensor only on the rank DCP picked to write
-  it) and each non-tensor value, as the bytes on disk. Rank 0 adds those of ``.metadata``.
-* :func:`write_sidecar` stores them in ``__<rank>.checksums.json`` beside DCP's files
-  (format ``dtensor_ema.checkpoint.checksums`` version 2). DCP ignores the file, so plain
-  ``dcp.load``
-  works.
+  item: its data file, offset and length (DCP's own ``WriteResult``\\ s). Local. The object
+  store's writer (:class:`dtensor_ema.checkpoint.storage.ObjectWriter`) records the same
+  (:class:`Recording`) and digests each item while it streams it out.
+* :func:`write_checksums` then takes the digests of those byte ranges (a local writer
+  computes them in place, in the memory-mapped files: in the page cache, just written):
+  every item this rank wrote, each tensor chunk (its local shard; a replicated tensor only
+  on the rank DCP picked to write it) and each non-tensor value, as the bytes stored. Rank 0
+  adds those of ``.metadata``. It stores them in ``__<rank>.checksums.json`` beside DCP's
+  files (format ``dtensor_ema.checkpoint.checksums`` version 2). DCP ignores the file, so
+  plain ``dcp.load`` works.
 * A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
   id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
   ``.metadata``) and every checksum file records it (``"save_id"``), so a reader refuses
@@ -38,7 +39,7 @@ import json
 import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -47,6 +48,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from dtensor_ema.checkpoint.files import Url
 
 _xxhash: Any
 try:
@@ -59,14 +62,15 @@ __all__ = [
     "FORMAT",
     "SIDECAR_GLOB",
     "VERSION",
+    "Digests",
+    "Recording",
     "RecordingWriter",
     "available",
     "digests",
     "digests_of_ranges",
     "item_key",
-    "record_checksums",
     "sidecar_name",
-    "write_sidecar",
+    "write_checksums",
 ]
 
 SIDECAR_GLOB = "__*.checksums.json"
@@ -95,6 +99,26 @@ def digests(data: Any) -> dict[str, int]:
     return {name: fn(data) for name, fn in ALGORITHMS.items()}
 
 
+class Digests:
+    """Every available algorithm's digest of bytes given piece by piece (:meth:`update`):
+    equal to :func:`digests` of them all at once."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+        self._xxh = None if _xxhash is None else _xxhash.xxh3_64()
+
+    def update(self, data: Any) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+        if self._xxh is not None:
+            self._xxh.update(data)
+
+    def value(self) -> dict[str, int]:
+        found = {"crc32": self._crc}
+        if self._xxh is not None:
+            found["xxh3_64"] = self._xxh.intdigest()
+        return found
+
+
 def sidecar_name(rank: int) -> str:
     return f"__{rank}.checksums.json"
 
@@ -106,7 +130,7 @@ def item_key(index: MetadataIndex) -> str:
 
 
 def digests_of_ranges(
-    path: Path,
+    path: Path | Url,
     ranges: Sequence[tuple[int, int]],
     algorithms: Sequence[str],
     *,
@@ -117,7 +141,8 @@ def digests_of_ranges(
     digest}, ...]``.
 
     The file is memory-mapped and each range digested in place: no copy, no extra memory
-    beyond the page cache.
+    beyond the page cache. A ``file`` with no descriptor (an object in a store) is read one
+    range at a time (peak extra memory: the largest range).
 
     Raises:
         EOFError: a range ends past the end of the file.
@@ -126,11 +151,25 @@ def digests_of_ranges(
     with contextlib.ExitStack() as stack:
         if file is None:
             file = stack.enter_context(open(path, "rb"))
-        return _digests_of_ranges(file.fileno(), path, ranges, algorithms)
+        try:
+            fd = file.fileno()
+        except (OSError, AttributeError):  # io.UnsupportedOperation is an OSError
+            return [_digests_of_range(file, path, o, n, algorithms) for o, n in ranges]
+        return _digests_of_ranges(fd, path, ranges, algorithms)
+
+
+def _digests_of_range(
+    file: BinaryIO, path: Any, offset: int, length: int, algorithms: Sequence[str]
+) -> dict[str, int]:
+    file.seek(offset)
+    data = file.read(length)
+    if len(data) != length:
+        raise EOFError(f"{path}: a range ends at {offset + length}, past the end of the file")
+    return {name: ALGORITHMS[name](data) for name in algorithms}
 
 
 def _digests_of_ranges(
-    fd: int, path: Path, ranges: Sequence[tuple[int, int]], algorithms: Sequence[str]
+    fd: int, path: Path | Url, ranges: Sequence[tuple[int, int]], algorithms: Sequence[str]
 ) -> list[dict[str, int]]:
     functions = [(name, ALGORITHMS[name]) for name in algorithms]
     size = os.fstat(fd).st_size
@@ -146,51 +185,62 @@ def _digests_of_ranges(
             return [{name: fn(view[o : o + n]) for name, fn in functions} for o, n in ranges]
 
 
-class RecordingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that keeps this rank's ``WriteResult``\\ s (where each item
-    went: data file, offset, length) in ``results``, and, given ``save_id``, uses it as
-    the save's id (DCP's ``save_id``, which ``.metadata`` records) instead of a fresh random
-    one per rank. Writes exactly what it would."""
+class Recording:
+    """What a DCP ``FileSystemWriter`` (or a subclass) records for :func:`write_checksums`:
+    this rank's ``WriteResult``\\ s (where each item went: data file, offset, length) in
+    ``results``; given ``save_id``, the save's id (DCP's ``save_id``, which ``.metadata``
+    records) instead of a fresh random one per rank. Writes exactly what DCP would. A mixin:
+    put it before the writer class."""
 
-    def __init__(self, path: str | Path, *, save_id: str | None = None, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
+    save_id: str
+
+    def __init__(self, path: Any, *, save_id: str | None = None, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)  # type: ignore[call-arg]
         self.results: list[WriteResult] = []
         self._save_id = save_id
         if save_id is not None:
             self.save_id = save_id
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        super().reset(checkpoint_id)  # draws a new random save_id
+        super().reset(checkpoint_id)  # type: ignore[misc]  # draws a new random save_id
         if self._save_id is not None:
             self.save_id = self._save_id
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        future = super().write_data(plan, planner)
+        future: Future[list[WriteResult]] = super().write_data(plan, planner)  # type: ignore[misc]
         self.results = list(future.wait())  # FileSystemWriter writes before it returns
         return future
 
 
-def record_checksums(
-    directory: Path,
-    results: Iterable[WriteResult],
-    *,
-    metadata: bool,
-    save_id: str | None = None,
-) -> dict[str, Any]:
-    """The digests (every algorithm of :data:`ALGORITHMS`) of every item in ``results`` (the
-    bytes on disk), and of ``.metadata`` if ``metadata``, with the save's id: the payload
-    :func:`write_sidecar` writes. Local: one pass over this rank's own ranges, one file at
-    a time."""
-    algorithms = list(ALGORITHMS)
+class RecordingWriter(Recording, FileSystemWriter):
+    """DCP's ``FileSystemWriter`` that records (:class:`Recording`) for
+    :func:`write_checksums`, into a local folder."""
+
+    def digests_of(self, relative: str, places: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
+        """The digests of each ``(offset, length)`` written to data file ``relative``."""
+        return digests_of_ranges(Path(self.path) / relative, places, list(ALGORITHMS))
+
+    def read_file(self, name: str) -> bytes:
+        return (Path(self.path) / name).read_bytes()
+
+    def write_file(self, name: str, data: bytes) -> None:
+        (Path(self.path) / name).write_bytes(data)
+
+
+def write_checksums(writer: Any, rank: int, *, save_id: str | None = None) -> None:
+    """Write ``__<rank>.checksums.json`` beside DCP's files: the digests (every algorithm of
+    :data:`ALGORITHMS`) of every item ``writer`` wrote (a :class:`Recording` writer, with
+    ``digests_of``, ``read_file`` and ``write_file``), and rank 0 those of ``.metadata``,
+    with the save's id (about a hundred bytes per item). Local: one pass over this rank's
+    own ranges, one file at a time."""
     by_file: dict[str, list[WriteResult]] = {}
-    for result in results:
+    for result in writer.results:
         by_file.setdefault(result.storage_data.relative_path, []).append(result)
     items: dict[str, dict[str, Any]] = {}
     for relative, written in sorted(by_file.items()):
         written.sort(key=lambda r: r.storage_data.offset)
         places = [(r.storage_data.offset, r.storage_data.length) for r in written]
-        found = digests_of_ranges(directory / relative, places, algorithms)
-        for result, digest in zip(written, found, strict=True):
+        for result, digest in zip(written, writer.digests_of(relative, places), strict=True):
             info = result.storage_data
             items[item_key(result.index)] = {
                 "file": relative,
@@ -201,16 +251,11 @@ def record_checksums(
     payload: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "algorithms": algorithms,
+        "algorithms": list(ALGORITHMS),
         "items": dict(sorted(items.items())),
     }
     if save_id is not None:
         payload["save_id"] = save_id
-    if metadata:
-        payload["metadata"] = digests((directory / METADATA_FILE).read_bytes())
-    return payload
-
-
-def write_sidecar(directory: Path, rank: int, payload: Mapping[str, Any]) -> None:
-    """Write this rank's checksums beside DCP's files (about a hundred bytes per item)."""
-    (directory / sidecar_name(rank)).write_text(json.dumps(payload))
+    if rank == 0:
+        payload["metadata"] = digests(writer.read_file(METADATA_FILE))
+    writer.write_file(sidecar_name(rank), json.dumps(payload).encode())

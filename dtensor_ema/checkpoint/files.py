@@ -27,6 +27,10 @@ checksum files) are read once, within the bounds their reader sets, and closed.
 
 Local: nothing here communicates. Where the platform cannot open files relative to a
 directory descriptor (Windows), files are opened by path with the same checks.
+
+:class:`Files` is what a reader asks of a checkpoint's files: :class:`CheckpointFiles` for a
+folder, :class:`dtensor_ema.checkpoint.storage.ObjectFiles` for a save in an object store
+(whose location is a :class:`Url`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
-__all__ = ["HELD_DIRECTORIES", "HELD_FILES", "CheckpointFiles"]
+__all__ = ["HELD_DIRECTORIES", "HELD_FILES", "CheckpointFiles", "Files", "Url"]
 
 HELD_FILES = 128
 """How many data files all loads of this process keep open at once (the most recently
@@ -58,6 +62,32 @@ _held_files: collections.OrderedDict[tuple[int, str], tuple[CheckpointFiles, Bin
     collections.OrderedDict()
 )
 _held_directories: collections.OrderedDict[int, CheckpointFiles] = collections.OrderedDict()
+
+
+class Url(str):
+    """A URL that joins like a path: ``Url("s3://b/x") / "y"`` is ``"s3://b/x/y"``."""
+
+    def __truediv__(self, name: str) -> Url:
+        return Url(f"{self}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.rsplit("/", 1)[-1]
+
+
+class Files(Protocol):
+    """One checkpoint's files as a load first saw them (see the module docstring)."""
+
+    changed: Callable[[str], Exception]
+
+    @property
+    def path(self) -> Path | Url: ...
+
+    def names(self) -> list[str]: ...
+    def size(self, name: str) -> int | None: ...
+    def read_once(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
+    def opened(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
+    def close(self) -> None: ...
 
 
 def _identity(st: os.stat_result) -> Identity:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_ema._collectives import MESSAGE_BYTES, MESSAGE_RANKS, all_reduce, reduce_device
+from dtensor_ema.checkpoint.files import Url
 
 __all__ = ["Agreed", "agree_on_path"]
 
@@ -28,13 +29,13 @@ _DIGEST_BYTES = 16
 class Agreed:
     """What the ranks agreed on."""
 
-    resolved: Path
-    """The path every rank resolved (absolute, links followed)."""
+    resolved: Path | Url
+    """The path every rank resolved (absolute, links followed), or the URL."""
     save_id: str
     """An id drawn by rank 0 for this call, the same on every rank (a UUID)."""
 
 
-def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agreed:
+def agree_on_path(group: dist.ProcessGroup | None, path: Path | Url, call: str) -> Agreed:
     """Check that every rank of ``group`` resolves ``path`` to the same directory.
 
     **Collective** over ``group`` (``None``: one process, no communication): one all-reduce
@@ -44,7 +45,7 @@ def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agr
 
     Args:
         group: the process group of the call.
-        path: this rank's path (resolved here: ``Path.resolve()``).
+        path: this rank's path (resolved here: ``Path.resolve()``), or URL (as given).
         call: the public call, for the message (``"save_checkpoint"``).
 
     Returns:
@@ -54,7 +55,7 @@ def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agr
         ValueError: on every rank, when some rank's resolved path differs from rank 0's,
             naming rank 0's path and those of the first differing ranks.
     """
-    resolved = Path(path).resolve()
+    resolved = path.resolve() if isinstance(path, Path) else path
     drawn = uuid.uuid4()
     if group is None or dist.get_world_size(group) == 1:
         return Agreed(resolved, str(drawn))

@@ -35,12 +35,10 @@ import concurrent.futures
 import contextlib
 import functools
 import os
-import shutil
 import uuid
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
@@ -62,19 +60,19 @@ from dtensor_ema._collectives import (
     reduce_device,
 )
 from dtensor_ema.checkpoint import background
-from dtensor_ema.checkpoint.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.checksums import write_checksums
 from dtensor_ema.checkpoint.reader import (
-    PREVIOUS_SUFFIX,
     Checkpoint,
     CheckpointChangedError,
     CheckpointError,
     UnverifiedCheckpointWarning,
     Verify,
-    existing_checkpoint,
+    one_line,
     open_checkpoint,
     verification,
 )
 from dtensor_ema.checkpoint.same_path import agree_on_path
+from dtensor_ema.checkpoint.storage import LocalStorage, ObjectStorage, storage_for
 from dtensor_ema.engine import EmaEngine
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
@@ -90,9 +88,6 @@ from dtensor_ema.state import (
 )
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
-
-PARTIAL_SUFFIX = ".partial"
-"""``<path>.partial``: where :func:`save_checkpoint` writes before it commits."""
 
 _EMA_TENSORS = EMA_TENSORS
 
@@ -212,56 +207,47 @@ def save_checkpoint(
     group = group_of(process_group)
     background.wait_pending()
     with entering("save_checkpoint", group=group):
-        agreed = agree_on_path(group, Path(path), "save_checkpoint")
+        storage = _storage(group, path, "save_checkpoint")
+        agreed = agree_on_path(group, storage.root, "save_checkpoint")
         _agree_on_emas("save_checkpoint", state, group, counted=True)
-        if async_:
-            return _save_in_background(state, Path(path), group, checksums, agreed.save_id)
-        _save(state, Path(path), group, checksums, agreed.save_id)
-        return None
+        _prepare(storage, group)
+        path = storage.root
+        error: Exception | None = None
+        staged: dict[str, Any] = {}
+        try:
+            staged = _state_dicts(state)
+            if async_:
+                staged = background.cpu_copy(staged)
+        except (Exception, CheckpointException) as e:
+            error = _ordinary(e, f"collecting the state to save to {path}")
+        agree(group, error, f"collecting the state to save to {path}")
+        if not async_:
+            _write_and_commit(staged, storage, group, checksums, agreed.save_id)
+            return None
+        writer_group = background.background_group(group)
+        # No quiet_single_process() there: warnings.catch_warnings is not thread-safe.
+        return background.submit(
+            functools.partial(
+                _write_and_commit, staged, storage, writer_group, checksums, agreed.save_id,
+                quiet=False,
+            )
+        )  # fmt: skip
 
 
-def _save(
-    state: Mapping[str, Any],
-    path: Path,
-    group: dist.ProcessGroup | None,
-    checksums: bool,
-    save_id: str,
-) -> None:
-    _prepare(path, group)
+def _storage(
+    group: dist.ProcessGroup | None, path: str | os.PathLike[str], call: str
+) -> LocalStorage | ObjectStorage:
+    """The storage of ``path`` (:func:`~dtensor_ema.checkpoint.storage.storage_for`); the
+    ranks agree that every one found it (a URL needs its fsspec package on every rank)."""
     error: Exception | None = None
+    storage = None
     try:
-        staged = _state_dicts(state)
-    except (Exception, CheckpointException) as e:
-        error = _ordinary(e, f"collecting the state to save to {path}")
-    agree(group, error, f"collecting the state to save to {path}")
-    _write_and_commit(staged, path, group, checksums, save_id)
-
-
-def _save_in_background(
-    state: Mapping[str, Any],
-    path: Path,
-    group: dist.ProcessGroup | None,
-    checksums: bool,
-    save_id: str,
-) -> concurrent.futures.Future[None]:
-    """Copy the state now, write and commit it on the background writer."""
-    error: Exception | None = None
-    staged: dict[str, Any] = {}
-    try:
-        if rank_of(group) == 0 and path.exists() and not path.is_dir():
-            raise ValueError(f"checkpoint path {path} exists and is not a directory")
-        staged = background.cpu_copy(_state_dicts(state))
-    except (Exception, CheckpointException) as e:
-        error = _ordinary(e, f"collecting the state to save to {path}")
-    agree(group, error, f"collecting the state to save to {path}")
-    writer_group = background.background_group(group)
-
-    def write() -> None:
-        _prepare(path, writer_group)
-        # No quiet_single_process() here: warnings.catch_warnings is not thread-safe.
-        _write_and_commit(staged, path, writer_group, checksums, save_id, quiet=False)
-
-    return background.submit(write)
+        storage = storage_for(path)
+    except (ImportError, ValueError) as e:
+        error = e
+    agree(group, error, f"{call}() of {os.fspath(path)!r}")
+    assert storage is not None
+    return storage
 
 
 def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -270,58 +256,54 @@ def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
-def _prepare(path: Path, group: dist.ProcessGroup | None) -> None:
-    """Rank 0 refuses a path that is a file, tidies what an interrupted save left and makes
-    the parent folder; the ranks agree."""
-    partial, previous = _siblings(path)
+def _prepare(storage: LocalStorage | ObjectStorage, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 refuses a path that is a file and tidies what an interrupted save left; the
+    ranks agree."""
     error: Exception | None = None
     if rank_of(group) == 0:
         try:
-            if path.exists() and not path.is_dir():
-                raise ValueError(f"checkpoint path {path} exists and is not a directory")
-            _tidy_after_interrupted_save(path, partial, previous)
-            partial.parent.mkdir(parents=True, exist_ok=True)
-        except (OSError, ValueError) as e:
+            storage.prepare()
+        except Exception as e:  # an object store's client raises its own types
             error = e
-    agree(group, error, f"preparing to save {path}")
+    agree(group, error, f"preparing to save {storage.root}")
 
 
 def _write_and_commit(
     staged: dict[str, Any],
-    path: Path,
+    storage: LocalStorage | ObjectStorage,
     group: dist.ProcessGroup | None,
     checksums: bool,
     save_id: str,
     *,
     quiet: bool = True,
 ) -> None:
-    """DCP writes ``staged`` into ``<path>.partial``; every rank records its checksums; rank
-    0 commits once every rank succeeded. **Collective** over ``group``. ``quiet``: hide
-    DCP's warning that one process saves alone (the foreground only)."""
-    partial, previous = _siblings(path)
+    """DCP writes ``staged`` through the storage's writer; every rank records its
+    checksums; rank 0 commits once every rank succeeded. **Collective** over ``group``.
+    ``quiet``: hide DCP's warning that one process saves alone (the foreground only)."""
+    path = storage.root
     error: Exception | None = None
-    writer = RecordingWriter(partial, save_id=save_id)
+    writer = storage.writer(save_id)
     try:
         with quiet_single_process() if quiet else contextlib.nullcontext():
             dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
-    except CheckpointException as e:  # a BaseException: make it an ordinary error
+    except CheckpointException as e:  # a BaseException: one line of each rank's failure
+        failures = sorted(e.failures.items())
         raise CheckpointError(
-            f"saving {path} failed, the checkpoint there is unchanged: {e}"
+            f"saving {path} failed, the checkpoint there is unchanged: "
+            + "; ".join(f"rank {r}: {one_line(exc)}" for r, (exc, _) in failures[:4])
         ) from e
     if checksums:
         try:
-            rank = rank_of(group)
-            payload = record_checksums(partial, writer.results, metadata=rank == 0, save_id=save_id)
-            write_sidecar(partial, rank, payload)
-        except OSError as e:
+            write_checksums(writer, rank_of(group), save_id=save_id)
+        except Exception as e:
             error = e
-        agree(group, error, f"writing the checksums of {partial}")
+        agree(group, error, f"writing the checksums of {writer.path}")
     if rank_of(group) == 0:
         try:
-            _commit(partial, path, previous)
-        except OSError as e:
+            storage.commit(save_id)
+        except Exception as e:
             error = e
-    agree(group, error, f"committing {partial} to {path}")
+    agree(group, error, f"committing {writer.path} to {path}")
 
 
 def _ordinary(error: BaseException, what: str) -> Exception:
@@ -332,41 +314,6 @@ def _ordinary(error: BaseException, what: str) -> Exception:
     wrapped = CheckpointError(f"{what} failed: {error}")
     wrapped.__cause__ = error
     return wrapped
-
-
-def _siblings(path: Path) -> tuple[Path, Path]:
-    return path.with_name(path.name + PARTIAL_SUFFIX), path.with_name(path.name + PREVIOUS_SUFFIX)
-
-
-def _tidy_after_interrupted_save(path: Path, partial: Path, previous: Path) -> None:
-    """Undo what an interrupted save left behind (rank 0 only)."""
-    if partial.exists():
-        shutil.rmtree(partial)
-    if previous.exists():
-        if path.exists():  # the commit finished; only deleting the old copy did not
-            shutil.rmtree(previous)
-        else:  # died between the two renames: the last good checkpoint goes back
-            os.rename(previous, path)
-
-
-def _commit(partial: Path, path: Path, previous: Path) -> None:
-    """Swap the finished checkpoint in (rank 0 only). DCP already fsynced the files."""
-    if path.exists():
-        os.rename(path, previous)
-    os.rename(partial, path)
-    _fsync_dir(path.parent)
-    if previous.exists():
-        shutil.rmtree(previous)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the renames durable; not every platform can open a directory."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ---------------------------------------------------------------------------------- load
@@ -495,25 +442,27 @@ def load_checkpoint(
     """
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
-        agree_on_path(group, Path(path), "load_checkpoint")
+        storage = _storage(group, path, "load_checkpoint")
+        agree_on_path(group, storage.root, "load_checkpoint")
         _agree_on_emas("load_checkpoint", state, group, counted=False)
-        _load(state, Path(path), group, verify, common_subset)
+        _load(state, storage, group, verify, common_subset)
 
 
 def _load(
     state: dict[str, Any],
-    path: Path,
+    storage: LocalStorage | ObjectStorage,
     group: dist.ProcessGroup | None,
     verify: Verify,
     common_subset: bool = False,
 ) -> None:
+    path = storage.root
     emas = _emas_in(state)
     error: Exception | None = None
     checkpoint: Checkpoint | None = None
     unverified: str | None = None
     check = False
     try:
-        checkpoint = open_checkpoint(existing_checkpoint(path))
+        checkpoint = open_checkpoint(storage.committed())
         check, unverified = verification(checkpoint, verify)
         if check:  # first: a corrupted .metadata must not pass for another model
             checkpoint.verify_metadata()

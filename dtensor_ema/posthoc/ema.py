@@ -33,7 +33,7 @@ from dtensor_ema._collectives import agree_on_call
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema._collectives import rank_of as _rank
-from dtensor_ema.checkpoint.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.checksums import RecordingWriter, write_checksums
 from dtensor_ema.checkpoint.same_path import agree_on_path
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
@@ -421,10 +421,7 @@ class PostHocEMA:
         error: Exception | None = None
         rank = _rank(group)
         try:
-            payload = record_checksums(
-                partial, writer.results, metadata=rank == 0, save_id=manifest["save_id"]
-            )
-            write_sidecar(partial, rank, payload)
+            write_checksums(writer, rank, save_id=manifest["save_id"])
         except OSError as e:
             error = e
         _agree(group, error, f"writing the checksums of snapshot {partial}")

@@ -1,0 +1,415 @@
+"""Where a checkpoint's bytes go: a local folder or an object store, behind one interface.
+
+:func:`storage_for` picks the storage from the path a call was given (as DCP's
+``validate_checkpoint_id`` picks a writer). :mod:`~dtensor_ema.checkpoint.save_load` drives
+either through the same steps, and the readers read either through the same
+:class:`~dtensor_ema.checkpoint.files.Files`: ``prepare()`` (rank 0, before a save: tidy
+what an interrupted save left), ``writer(save_id)`` (DCP's writer for this save, recording
+what each rank wrote for :func:`~dtensor_ema.checkpoint.checksums.write_checksums`),
+``commit(save_id)`` (rank 0, once every rank wrote: make the save current), ``committed()``
+(what a load reads).
+
+**A local folder** (:class:`LocalStorage`, any path that is not a URL): DCP writes into
+``<path>.partial``; the commit renames ``path -> <path>.previous``, ``<path>.partial ->
+path``, then deletes ``<path>.previous``. A load reads ``path``, or ``<path>.previous``
+when a save died between the two renames.
+
+**An object store** (:class:`ObjectStorage`, a ``<protocol>://`` URL with an fsspec
+implementation: ``s3://`` through ``s3fs``, ``gs://`` through ``gcsfs``, ``az://``,
+``file://``, ``memory://`` ...). A store cannot rename a folder, so each save writes under
+its own prefix ``<url>/save-<save id>/`` (DCP's files and the checksum files) and is made
+current by one small object written last, ``<url>/current.json``, naming its save id: one
+PUT, which the store shows whole or not at all. A load reads the save that object names and
+nothing else (its ``.metadata`` and checksum files must carry that id). A save that failed
+or whose ranks died never wrote it, so the previous save stays current; the next save
+deletes every other ``save-*`` prefix before it writes, and a commit deletes the save it
+replaced (a load still reading that one raises
+:class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError`: it never mixes two saves).
+Objects are read by byte range (:class:`ObjectFiles`) and digested while they are written
+(:class:`ObjectWriter`): a save reads back only ``.metadata``.
+
+A path that only looks like a URL (``s3:/bucket/x``, what ``pathlib.Path("s3://bucket/x")``
+makes) is refused, never written as a local folder of that name; so is a URL whose protocol
+has no fsspec implementation installed (the message names the package). Credentials,
+endpoints and timeouts are the fsspec implementation's settings (for ``s3fs``: botocore's
+``AWS_*`` variables and files, and ``fsspec.config``). Request counts and costs:
+``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from dtensor_ema.checkpoint.bounded_json import JsonProblem, parse_json
+from dtensor_ema.checkpoint.checksums import (
+    METADATA_FILE,
+    Digests,
+    Recording,
+    RecordingWriter,
+    digests,
+)
+from dtensor_ema.checkpoint.files import Url
+from dtensor_ema.checkpoint.reader import (
+    PREVIOUS_SUFFIX,
+    CheckpointChangedError,
+    CheckpointError,
+    existing_checkpoint,
+)
+
+__all__ = ["POINTER", "LocalStorage", "ObjectFiles", "ObjectStorage", "ObjectWriter", "storage_for"]
+
+PARTIAL_SUFFIX = ".partial"
+"""``<path>.partial``: where a save to a local folder writes before it commits."""
+POINTER = "current.json"
+"""``<url>/current.json``: the object that makes a save in an object store current."""
+SAVE_PREFIX = "save-"
+READ_BLOCK = 1 << 20
+"""Bytes an object read fetches beyond what it asks (small items come in one request)."""
+_POINTER_FORMAT = "dtensor_ema.current"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+_LOOKS_LIKE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
+
+
+def storage_for(path: str | os.PathLike[str]) -> LocalStorage | ObjectStorage:
+    """The storage of ``path``: an :class:`ObjectStorage` for a ``<protocol>://`` URL, else a
+    :class:`LocalStorage`. Local; opens nothing but the fsspec implementation.
+
+    Raises:
+        ValueError: ``path`` looks like a URL with one slash (``s3:/b/x``), or fsspec knows
+            no implementation of its protocol.
+        ImportError: fsspec, or the package of the URL's protocol, is not installed.
+    """
+    text = os.fspath(path)
+    if _URL.match(text):
+        return ObjectStorage(text)
+    if _LOOKS_LIKE_URL.match(text):
+        raise ValueError(
+            f"checkpoint path {text!r} looks like a URL with one slash after its protocol "
+            "(pathlib.Path('s3://b/x') makes 's3:/b/x'): pass the URL as a string, with '//'; "
+            "nothing was written to a local folder of that name"
+        )
+    return LocalStorage(Path(path))
+
+
+class LocalStorage:
+    """A checkpoint folder on a file system every rank sees (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.root = path
+        self.partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        self.previous = path.with_name(path.name + PREVIOUS_SUFFIX)
+
+    def prepare(self) -> None:
+        """Refuse a path that is a file, undo what an interrupted save left, make the parent
+        folder. Rank 0."""
+        path, partial, previous = self.root, self.partial, self.previous
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"checkpoint path {path} exists and is not a directory")
+        if partial.exists():
+            shutil.rmtree(partial)
+        if previous.exists():
+            if path.exists():  # the commit finished; only deleting the old copy did not
+                shutil.rmtree(previous)
+            else:  # died between the two renames: the last good checkpoint goes back
+                os.rename(previous, path)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def writer(self, save_id: str) -> RecordingWriter:
+        return RecordingWriter(self.partial, save_id=save_id)
+
+    def commit(self, save_id: str) -> None:
+        """Swap the finished checkpoint in. Rank 0. DCP already fsynced the files."""
+        if self.root.exists():
+            os.rename(self.root, self.previous)
+        os.rename(self.partial, self.root)
+        with contextlib.suppress(OSError):  # make the renames durable, where a folder opens
+            fd = os.open(self.root.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if self.previous.exists():
+            shutil.rmtree(self.previous)
+
+    def committed(self) -> Path:
+        return existing_checkpoint(self.root)
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def move_to(self, target: LocalStorage) -> None:
+        """Move this checkpoint to ``target``, replacing what is there. Rank 0."""
+        if target.root.exists():
+            shutil.rmtree(target.root)
+        os.replace(self.root, target.root)
+
+
+class ObjectStorage:
+    """A checkpoint in an object store, any fsspec URL (see the module docstring)."""
+
+    def __init__(self, url: str) -> None:
+        self.root = Url(url.rstrip("/"))
+        try:
+            from fsspec.core import url_to_fs
+        except ImportError:
+            raise ImportError(
+                f"checkpoint path {url!r} is a URL, which needs fsspec and the package of its "
+                "protocol: pip install 'dtensor_ema[object_storage]' (fsspec, s3fs)"
+            ) from None
+        try:
+            self.fs, self.path = url_to_fs(self.root)
+        except ImportError as e:  # fsspec knows the protocol, its package is missing
+            raise ImportError(
+                f"checkpoint path {url!r}: {e} (pip install 'dtensor_ema[object_storage]' "
+                "installs s3fs)"
+            ) from None
+        except ValueError as e:
+            raise ValueError(
+                f"checkpoint path {url!r}: fsspec has no implementation of its protocol ({e}): "
+                "install the package that provides one"
+            ) from None
+
+    def prepare(self) -> None:
+        """Delete every save but the current one (what failed saves left). Rank 0."""
+        self._keep_only(self._current())
+
+    def writer(self, save_id: str) -> ObjectWriter:
+        return ObjectWriter(self.root / f"{SAVE_PREFIX}{save_id}", self.fs, save_id=save_id)
+
+    def commit(self, save_id: str) -> None:
+        """Write ``current.json`` naming ``save_id`` (the commit), then delete the save it
+        replaced. Rank 0."""
+        pointer = {"format": _POINTER_FORMAT, "version": 1, "save_id": save_id}
+        self.fs.pipe_file(f"{self.path}/{POINTER}", json.dumps(pointer).encode())
+        try:
+            self._keep_only(save_id)
+        except Exception as e:  # committed: what is left is the next save's to delete
+            warnings.warn(
+                f"{self.root}: save {save_id} is committed, but deleting the save it replaced "
+                f"failed ({type(e).__name__}: {e}); the next save deletes it",
+                stacklevel=2,
+            )
+
+    def committed(self) -> ObjectFiles:
+        """The objects of the save ``current.json`` names (or of a plain ``dcp.save`` at
+        the URL itself), listed now."""
+        save_id = self._current()
+        if save_id is not None:
+            name = f"{SAVE_PREFIX}{save_id}"
+            return ObjectFiles(self.fs, f"{self.path}/{name}", self.root / name)
+        files = ObjectFiles(self.fs, self.path, self.root)
+        if files.size(METADATA_FILE) is None:
+            raise FileNotFoundError(
+                f"no checkpoint at {self.root}: it has no {POINTER} (no save_checkpoint() "
+                f"committed there) and no {METADATA_FILE}"
+            )
+        return files
+
+    def exists(self) -> bool:
+        return self._current() is not None
+
+    def move_to(self, target: ObjectStorage) -> None:
+        """Copy the current save to ``target`` (in the store), commit it there, delete this
+        one. Rank 0."""
+        save_id = self._current()
+        if save_id is None:
+            return
+        source = f"{self.path}/{SAVE_PREFIX}{save_id}"
+        found = self.fs.find(source)
+        self.fs.copy(found, [f"{target.path}/{f[len(self.path) + 1 :]}" for f in found])
+        target.commit(save_id)
+        self.fs.rm(self.path, recursive=True)
+
+    def _current(self) -> str | None:
+        """The save id ``current.json`` names (``None``: there is none), read in one bounded
+        request and checked."""
+        where = self.root / POINTER
+        try:
+            data = self.fs.cat_file(f"{self.path}/{POINTER}", start=0, end=4097)
+            payload = parse_json(data) if len(data) <= 4096 else None
+        except FileNotFoundError:
+            return None
+        except JsonProblem as e:
+            raise CheckpointError(f"{where}: not a pointer dtensor_ema writes: {e}") from None
+        if not (
+            isinstance(payload, dict)
+            and payload.get("format") == _POINTER_FORMAT
+            and _is_uuid(payload.get("save_id"))
+        ):
+            raise CheckpointError(f"{where}: not a pointer dtensor_ema writes (no save id)")
+        return str(payload["save_id"])
+
+    def _keep_only(self, save_id: str | None) -> None:
+        try:
+            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self._listing()]
+        except FileNotFoundError:
+            return
+        keep = f"{SAVE_PREFIX}{save_id}"
+        stale = [f"{self.path}/{n}" for n in names if n.startswith(SAVE_PREFIX) and n != keep]
+        if stale:
+            self.fs.rm(stale, recursive=True)
+
+    def _listing(self) -> list[str]:
+        return self.fs.ls(self.path, detail=False, refresh=True)
+
+
+def _is_uuid(value: object) -> bool:
+    try:
+        return isinstance(value, str) and str(uuid.UUID(value)) == value
+    except ValueError:
+        return False
+
+
+class ObjectFiles:
+    """One save's objects as listed when a load opened it: the
+    :class:`~dtensor_ema.checkpoint.files.Files` a reader reads from an object store.
+
+    Each object is read by byte range, with a read-ahead of :data:`READ_BLOCK` bytes. A
+    save's objects are never rewritten (a crafted rewrite fails its checksum), so the size
+    listed stands for the object; one deleted since (a later save committed) raises
+    ``changed``. Local (the store's requests)."""
+
+    def __init__(self, fs: Any, path: str, location: Url) -> None:
+        self.fs, self._path, self.path = fs, path, location
+        self.changed: Callable[[str], Exception] = lambda detail: CheckpointChangedError(
+            f"{location}: {detail}"
+        )
+        try:
+            listed = fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            listed = []
+        self._sizes = {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"])
+            for e in listed
+            if e.get("type") == "file"
+        }
+
+    def names(self) -> list[str]:
+        return list(self._sizes)
+
+    def size(self, name: str) -> int | None:
+        return self._sizes.get(name)
+
+    def read_once(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.opened(name)
+
+    @contextlib.contextmanager
+    def opened(self, name: str) -> Iterator[BinaryIO]:
+        size = self._sizes.get(name)
+        if size is None:
+            raise FileNotFoundError(f"{self.path / name} does not exist")
+        try:
+            with self.fs.open(
+                f"{self._path}/{name}", "rb", block_size=READ_BLOCK, cache_type="readahead",
+                size=size,
+            ) as f:  # fmt: skip
+                yield f
+        except FileNotFoundError:
+            raise self.changed(f"{name} was deleted after this load first saw it") from None
+
+    def close(self) -> None:
+        """Nothing is held between reads."""
+
+
+def _fsspec_file_system() -> type:
+    # DCP's fsspec file system lives in a private module in torch 2.14 (not re-exported).
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    return FileSystem
+
+
+class ObjectWriter(Recording, FileSystemWriter):
+    """DCP's file system writer streaming to an object store (DCP's ``FsspecWriter``, with
+    the fsspec file system given): digests each item as it streams out, for
+    :func:`~dtensor_ema.checkpoint.checksums.write_checksums`. DCP asks a data file's
+    position before and after each item, so the bytes between two asks are one item; an
+    item seen otherwise is read back. ``.metadata`` is read back (rank 0, one request)."""
+
+    def __init__(self, url: Url, fs: Any, *, save_id: str) -> None:
+        super().__init__(url, save_id=save_id, sync_files=False)  # objects have no fsync
+        self.store = fs
+        self.found: dict[tuple[str, int, int], dict[str, int]] = {}
+        self.fs = _streams(fs, self.found)
+        self.path = str(url)  # .metadata records it: a plain str
+
+    def digests_of(self, relative: str, places: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
+        return [
+            self.found.get((relative, o, o + n))
+            or digests(self.store.cat_file(f"{self.path}/{relative}", start=o, end=o + n))
+            for o, n in places
+        ]
+
+    def read_file(self, name: str) -> bytes:
+        return self.store.cat_file(f"{self.path}/{name}")
+
+    def write_file(self, name: str, data: bytes) -> None:
+        self.store.pipe_file(f"{self.path}/{name}", data)
+
+
+def _streams(fs: Any, found: dict[tuple[str, int, int], dict[str, int]]) -> Any:
+    """DCP's fsspec file system over ``fs`` whose write streams digest what they write
+    (:class:`_Digesting`). A store has no folders to make, and a save's fresh prefix holds
+    no earlier ``.metadata``: nothing to ask for either."""
+
+    class Streams(_fsspec_file_system()):  # type: ignore[misc]
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                yield _Digesting(stream, os.path.basename(path), found) if "w" in mode else stream
+
+        def mkdir(self, path: Any) -> None:
+            pass
+
+        def exists(self, path: Any) -> bool:
+            return False
+
+    streams = Streams()
+    streams.fs = fs
+    return streams
+
+
+class _Digesting(io.RawIOBase):
+    """A file being written that digests its bytes between consecutive ``tell()`` calls into
+    ``found[(name, start, end)]``."""
+
+    def __init__(self, raw: Any, name: str, found: dict[tuple[str, int, int], Any]) -> None:
+        super().__init__()
+        self.raw, self.name, self.found = raw, name, found
+        self.start = self.position = 0
+        self.digests = Digests()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.digests.update(view)
+        self.position += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        if self.position > self.start:
+            self.found[(self.name, self.start, self.position)] = self.digests.value()
+            self.start, self.digests = self.position, Digests()
+        return self.position
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self.raw.close()
