@@ -79,6 +79,8 @@ class Files(Protocol):
     """One checkpoint's files as a load first saw them (see the module docstring)."""
 
     changed: Callable[[str], Exception]
+    save_id: str | None
+    """The save the storage says these files are (an object store's ``current.json``)."""
 
     @property
     def path(self) -> Path | Url: ...
@@ -104,6 +106,8 @@ class CheckpointFiles:
 
     Use as a context manager, or call :meth:`close`. Local; one load at a time.
     """
+
+    save_id: str | None = None
 
     def __init__(self, path: Path, changed: Callable[[str], Exception]) -> None:
         self.path = Path(path)

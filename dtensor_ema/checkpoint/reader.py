@@ -678,6 +678,11 @@ def open_checkpoint(path: str | Path | Files) -> Checkpoint:
         )
         checkpoint.files = files
         files.changed = checkpoint.changed
+        if files.save_id is not None and checkpoint.save_id != files.save_id:
+            raise ChecksumError(
+                f"{file}: written by save {checkpoint.save_id!r}, but {path} holds save "
+                f"{files.save_id!r}: refused (files of two saves)"
+            )
         checkpoint.check_paths()
         checkpoint.check_files()
         checkpoint.check_coverage()

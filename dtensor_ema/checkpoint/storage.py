@@ -66,6 +66,7 @@ from dtensor_ema.checkpoint.reader import (
     CheckpointChangedError,
     CheckpointError,
     existing_checkpoint,
+    one_line,
 )
 
 __all__ = ["POINTER", "LocalStorage", "ObjectFiles", "ObjectStorage", "ObjectWriter", "storage_for"]
@@ -192,7 +193,8 @@ class ObjectStorage:
         """Write ``current.json`` naming ``save_id`` (the commit), then delete the save it
         replaced. Rank 0."""
         pointer = {"format": _POINTER_FORMAT, "version": 1, "save_id": save_id}
-        self.fs.pipe_file(f"{self.path}/{POINTER}", json.dumps(pointer).encode())
+        with _asking(self.root, f"writing {POINTER}"):
+            self.fs.pipe_file(f"{self.path}/{POINTER}", json.dumps(pointer).encode())
         try:
             self._keep_only(save_id)
         except Exception as e:  # committed: what is left is the next save's to delete
@@ -208,8 +210,8 @@ class ObjectStorage:
         save_id = self._current()
         if save_id is not None:
             name = f"{SAVE_PREFIX}{save_id}"
-            return ObjectFiles(self.fs, f"{self.path}/{name}", self.root / name)
-        files = ObjectFiles(self.fs, self.path, self.root)
+            return ObjectFiles(self.fs, f"{self.path}/{name}", self.root / name, save_id)
+        files = ObjectFiles(self.fs, self.path, self.root, None)
         if files.size(METADATA_FILE) is None:
             raise FileNotFoundError(
                 f"no checkpoint at {self.root}: it has no {POINTER} (no save_checkpoint() "
@@ -237,7 +239,8 @@ class ObjectStorage:
         request and checked."""
         where = self.root / POINTER
         try:
-            data = self.fs.cat_file(f"{self.path}/{POINTER}", start=0, end=4097)
+            with _asking(self.root, f"reading {POINTER}"):
+                data = self.fs.cat_file(f"{self.path}/{POINTER}", start=0, end=4097)
             payload = parse_json(data) if len(data) <= 4096 else None
         except FileNotFoundError:
             return None
@@ -252,17 +255,28 @@ class ObjectStorage:
         return str(payload["save_id"])
 
     def _keep_only(self, save_id: str | None) -> None:
-        try:
-            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self._listing()]
-        except FileNotFoundError:
-            return
-        keep = f"{SAVE_PREFIX}{save_id}"
-        stale = [f"{self.path}/{n}" for n in names if n.startswith(SAVE_PREFIX) and n != keep]
-        if stale:
-            self.fs.rm(stale, recursive=True)
+        with _asking(self.root, "deleting the saves not current"):
+            try:
+                listed = self.fs.ls(self.path, detail=False, refresh=True)
+            except FileNotFoundError:
+                return
+            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in listed]
+            keep = f"{SAVE_PREFIX}{save_id}"
+            stale = [f"{self.path}/{n}" for n in names if n.startswith(SAVE_PREFIX) and n != keep]
+            if stale:
+                self.fs.rm(stale, recursive=True)
 
-    def _listing(self) -> list[str]:
-        return self.fs.ls(self.path, detail=False, refresh=True)
+
+@contextlib.contextmanager
+def _asking(root: Url, what: str) -> Iterator[None]:
+    """The store's client errors in one line naming the checkpoint (an ``OSError``; a
+    missing object and our own errors pass as they are)."""
+    try:
+        yield
+    except (FileNotFoundError, CheckpointError):
+        raise
+    except Exception as e:
+        raise OSError(f"{root}: {what} failed: {one_line(e)}") from e
 
 
 def _is_uuid(value: object) -> bool:
@@ -281,13 +295,14 @@ class ObjectFiles:
     listed stands for the object; one deleted since (a later save committed) raises
     ``changed``. Local (the store's requests)."""
 
-    def __init__(self, fs: Any, path: str, location: Url) -> None:
-        self.fs, self._path, self.path = fs, path, location
+    def __init__(self, fs: Any, path: str, location: Url, save_id: str | None) -> None:
+        self.fs, self._path, self.path, self.save_id = fs, path, location, save_id
         self.changed: Callable[[str], Exception] = lambda detail: CheckpointChangedError(
             f"{location}: {detail}"
         )
         try:
-            listed = fs.ls(path, detail=True, refresh=True)
+            with _asking(location, "listing its objects"):
+                listed = fs.ls(path, detail=True, refresh=True)
         except FileNotFoundError:
             listed = []
         self._sizes = {
@@ -352,10 +367,12 @@ class ObjectWriter(Recording, FileSystemWriter):
         ]
 
     def read_file(self, name: str) -> bytes:
-        return self.store.cat_file(f"{self.path}/{name}")
+        with _asking(Url(self.path), f"reading {name}"):
+            return bytes(self.store.cat_file(f"{self.path}/{name}"))
 
     def write_file(self, name: str, data: bytes) -> None:
-        self.store.pipe_file(f"{self.path}/{name}", data)
+        with _asking(Url(self.path), f"writing {name}"):
+            self.store.pipe_file(f"{self.path}/{name}", data)
 
 
 def _streams(fs: Any, found: dict[tuple[str, int, int], dict[str, int]]) -> Any:
