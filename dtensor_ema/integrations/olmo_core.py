@@ -26,35 +26,42 @@ One line on OLMo-core's own ``Trainer``::
   (``torch.save`` per rank; a resume at another world size reads ``rank0.pt`` on every
   rank), which cannot hold a sharded EMA. The EMA goes to ``<checkpoint>/ema/`` instead,
   beside ``model_and_optim/``, with :func:`~dtensor_ema.save_checkpoint` (DCP, sharded,
-  checksummed): written when the trainer asks the callbacks for their state, i.e. when it
-  starts a checkpoint, synchronously, at the step saved, also when the model itself is
-  saved asynchronously; it is staged under ``<save_folder>/.ema-staging/step<N>`` (the
-  checkpoint folder must be empty when OLMo-core starts it) and moved into the checkpoint
-  folder once OLMo-core reports the checkpoint saved. The per-rank pickles hold only which
-  step and EMAs were saved. A resume (``load_checkpoint`` with the trainer state) loads the
-  EMA with :func:`~dtensor_ema.load_checkpoint`, at any world size; a load without trainer
-  state (fine-tuning from a checkpoint), or of a checkpoint saved without this callback,
-  restarts every EMA from the loaded weights.
+  checksummed): started when the trainer asks the callbacks for their state, i.e. when it
+  starts a checkpoint, at the step saved; in the background (``async_=True``: the EMA is
+  copied, then written while training goes on) when OLMo-core's checkpointer saves
+  asynchronously. It is staged under ``<save_folder>/.ema-staging/step<N>`` (the checkpoint
+  folder must be empty when OLMo-core starts it) and moved into the checkpoint folder once
+  OLMo-core reports the checkpoint saved and the EMA's write finished. The per-rank pickles
+  hold only which step and EMAs were saved. A resume (``load_checkpoint`` with the trainer
+  state) loads the EMA with :func:`~dtensor_ema.load_checkpoint`, at any world size; a load
+  without trainer state (fine-tuning from a checkpoint), or of a checkpoint saved without
+  this callback, restarts every EMA from the loaded weights.
 
-Local (shared) filesystem save folders only: the EMA is written with DCP's file system
-writer. Requires ``ai2-olmo-core`` 2.x (``pip install "dtensor_ema[olmo]"``).
+A URL ``save_folder`` (``s3://``, ``gs://``: OLMo-core's cloud folders) keeps the EMA beside
+OLMo-core's checkpoint in the same bucket, through fsspec
+(:mod:`dtensor_ema.checkpoint.storage`: each save under its own prefix, committed by one
+small object; the move into the checkpoint folder is a copy inside the store). Paths are
+joined and completed checkpoints recognised with OLMo-core's own I/O (``join_path``,
+``Checkpointer.dir_is_checkpoint``). Requires ``ai2-olmo-core`` 2.x (``pip install
+"dtensor_ema[olmo]"``; ``[object_storage]`` for URLs).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-import os
-import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from olmo_core.io import is_url
-from olmo_core.train.callbacks import Callback, EvaluatorCallback
+from olmo_core.io import get_parent, join_path
+from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
 
+from dtensor_ema.checkpoint.background import release_staging
 from dtensor_ema.checkpoint.save_load import load_checkpoint, save_checkpoint
+from dtensor_ema.checkpoint.storage import storage_for
 from dtensor_ema.integrations._common import StepGate, decay_name, is_rank0
 from dtensor_ema.multi import MultiModelEMA
 
@@ -116,7 +123,9 @@ class EMACallback(Callback):
     _emas: MultiModelEMA | None = field(default=None, init=False, repr=False, compare=False)
     _started: bool = field(default=False, init=False, repr=False, compare=False)
     _resumed: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
-    _staged: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _staged: dict[str, tuple[str, concurrent.futures.Future[None] | None]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.decays:
@@ -152,11 +161,6 @@ class EMACallback(Callback):
     def pre_train(self) -> None:
         if not self.enabled:
             return
-        if not self.trainer.no_checkpoints and is_url(self.trainer.save_folder):
-            raise NotImplementedError(
-                f"EMACallback saves the EMA with DCP's file system writer; save_folder "
-                f"{self.trainer.save_folder} is a URL: use a local or shared file system folder"
-            )
         self._build()
         self._evaluate_if(lambda cb: cb.eval_on_startup)
 
@@ -191,16 +195,21 @@ class EMACallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Called by the trainer on every rank when it starts a checkpoint: writes the EMA
-        (staged, see the module docstring; collective) and returns what the per-rank
-        pickle keeps: the step and the EMAs' names."""
+        (staged, in the background when the checkpointer saves asynchronously: see the
+        module docstring; collective) and returns what the per-rank pickle keeps: the step
+        and the EMAs' names."""
         if not self.enabled:
             return {}
         step = self.trainer.global_step
         folder = self.trainer.checkpointer.checkpoint_dirname(step)
-        checkpoint = Path(self.trainer.save_folder, folder)
-        staged = checkpoint.parent / STAGING / checkpoint.name
-        save_checkpoint(self._state(step), staged)
-        self._staged[str(checkpoint)] = str(staged)
+        checkpoint = str(join_path(self.trainer.save_folder, folder))
+        staged = str(join_path(self.trainer.save_folder, STAGING, folder))
+        checkpointers = self.trainer.callbacks.values()
+        in_background = any(
+            isinstance(cb, CheckpointerCallback) and cb.save_async for cb in checkpointers
+        )
+        future = save_checkpoint(self._state(step), staged, async_=in_background)
+        self._staged[checkpoint] = (staged, future)
         return {"step": step, "names": self.names, "folder": EMA_FOLDER}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -209,14 +218,14 @@ class EMACallback(Callback):
     def post_checkpoint_saved(self, path: Any) -> None:
         staged = self._staged.pop(str(path), None)
         if staged is not None:
-            _commit(Path(staged), Path(path))
+            _commit(*staged, str(path))
 
     def post_checkpoint_loaded(self, path: Any) -> None:
         if not self.enabled:
             return
         emas = self._build()
         resumed, self._resumed = self._resumed, None
-        checkpoint = Path(str(path))
+        checkpoint = str(path)
         found = _find(checkpoint)
         if resumed is None:  # no trainer state of ours: a fine-tune, or a run without EMA
             for ema in emas.values():
@@ -231,8 +240,8 @@ class EMACallback(Callback):
         if found is None:
             raise FileNotFoundError(
                 f"checkpoint {checkpoint}: its trainer state says the EMA of step "
-                f"{resumed.get('step')} was saved in {checkpoint / EMA_FOLDER}, which does not "
-                "exist (nor a staged copy)"
+                f"{resumed.get('step')} was saved in {join_path(checkpoint, EMA_FOLDER)}, which "
+                "does not exist (nor a staged copy)"
             )
         state = self._state(-1)
         load_checkpoint(state, found)  # names, shapes, options checked before anything is written
@@ -252,9 +261,11 @@ class EMACallback(Callback):
 
     def close(self) -> None:
         for checkpoint, staged in list(self._staged.items()):
-            if Path(checkpoint).is_dir():  # the trainer finished it; the report may be late
+            # The trainer finished it (OLMo-core's check); the report may be late.
+            if self.trainer.checkpointer.dir_is_checkpoint(checkpoint):
                 self._staged.pop(checkpoint, None)
-                _commit(Path(staged), Path(checkpoint))
+                _commit(*staged, checkpoint)
+        release_staging()  # waits for a background write, frees its CPU copy
 
     # ------------------------------------------------------------------ internals
     def _build(self) -> MultiModelEMA:
@@ -297,25 +308,31 @@ class EMACallback(Callback):
                     callback.perform_eval(prefix=f"{self.eval_prefix}/{name}")
 
 
-def _find(checkpoint: Path) -> Path | None:
+def _find(checkpoint: str) -> str | None:
     """The EMA of ``checkpoint``: its ``ema`` folder, or a staged one that was never moved
     in (the run stopped between OLMo-core's commit and the move)."""
-    for candidate in (checkpoint / EMA_FOLDER, checkpoint.parent / STAGING / checkpoint.name):
-        if candidate.is_dir():
-            return candidate
+    name = checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    for candidate in (
+        join_path(checkpoint, EMA_FOLDER),
+        join_path(get_parent(checkpoint), STAGING, name),
+    ):
+        if storage_for(str(candidate)).exists():
+            return str(candidate)
     return None
 
 
-def _commit(staged: Path, checkpoint: Path) -> None:
-    """Move a staged EMA into its checkpoint folder (rank 0; the folder is shared)."""
+def _commit(staged: str, future: concurrent.futures.Future[None] | None, checkpoint: str) -> None:
+    """Once the EMA's write finished (``future``: a background write), move it into its
+    checkpoint folder (rank 0; the folder is shared)."""
+    if future is not None:
+        future.result()
     if not is_rank0():
         return
     with _MOVES:
-        if not staged.is_dir():
+        source = storage_for(staged)
+        if not source.exists():
             return
-        target = checkpoint / EMA_FOLDER
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
-        with contextlib.suppress(OSError):  # other EMAs still staged there
-            staged.parent.rmdir()
+        source.move_to(storage_for(str(join_path(checkpoint, EMA_FOLDER))))  # type: ignore[arg-type]
+        if isinstance(source.root, Path):
+            with contextlib.suppress(OSError):  # other EMAs still staged there
+                source.root.parent.rmdir()
