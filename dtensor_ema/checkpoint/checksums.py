@@ -4,17 +4,15 @@ DCP checks that its files exist and are long enough, but not what they hold: a f
 inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte in
 ``.metadata`` may change a shape or an offset. Here:
 
-* :class:`RecordingWriter` is DCP's ``FileSystemWriter`` that remembers where it wrote each
-  item: its data file, offset and length (DCP's own ``WriteResult``\\ s). Local. The object
-  store's writer (:class:`dtensor_ema.checkpoint.storage.ObjectWriter`) records the same
-  (:class:`Recording`) and digests each item while it streams it out.
-* :func:`write_checksums` then takes the digests of those byte ranges (a local writer
-  computes them in place, in the memory-mapped files: in the page cache, just written):
-  every item this rank wrote, each tensor chunk (its local shard; a replicated tensor only
-  on the rank DCP picked to write it) and each non-tensor value, as the bytes stored. Rank 0
-  adds those of ``.metadata``. It stores them in ``__<rank>.checksums.json`` beside DCP's
-  files (format ``dtensor_ema.checkpoint.checksums`` version 2). DCP ignores the file, so
-  plain ``dcp.load`` works.
+* :class:`RecordingWriter` (a folder) and
+  :class:`dtensor_ema.checkpoint.storage.ObjectWriter` (a store) remember where DCP wrote
+  each item: its data file, offset and length (:class:`Recording`). Local.
+* :func:`write_checksums` then records the digests of those byte ranges (in place, in the
+  memory-mapped files; a store's as they streamed out): every item this rank wrote, each
+  tensor chunk (its local shard; a replicated tensor only on the rank DCP picked to write
+  it) and each non-tensor value, as stored; rank 0 adds ``.metadata``. They go in
+  ``__<rank>.checksums.json`` beside DCP's files (format ``dtensor_ema.checksums`` version
+  2), which DCP ignores: plain ``dcp.load`` works.
 * A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
   id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
   ``.metadata``) and every checksum file records it (``"save_id"``), so a reader refuses
@@ -175,7 +173,9 @@ def _digests_of_ranges(
     size = os.fstat(fd).st_size
     for offset, length in ranges:
         if offset + length > size:
-            raise EOFError(f"{path.name} has {size} bytes, a range ends at {offset + length}")
+            raise EOFError(
+                f"{os.path.basename(path)} has {size} bytes, a range ends at {offset + length}"
+            )
     if size == 0:
         return [{name: fn(b"") for name, fn in functions} for _ in ranges]
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
@@ -186,11 +186,9 @@ def _digests_of_ranges(
 
 
 class Recording:
-    """What a DCP ``FileSystemWriter`` (or a subclass) records for :func:`write_checksums`:
-    this rank's ``WriteResult``\\ s (where each item went: data file, offset, length) in
-    ``results``; given ``save_id``, the save's id (DCP's ``save_id``, which ``.metadata``
-    records) instead of a fresh random one per rank. Writes exactly what DCP would. A mixin:
-    put it before the writer class."""
+    """A mixin for a DCP ``FileSystemWriter``: keeps this rank's ``WriteResult``\\ s in
+    ``results`` for :func:`write_checksums`, and gives DCP ``save_id`` (which ``.metadata``
+    records) instead of a fresh random one per rank. Writes exactly what DCP would."""
 
     save_id: str
 

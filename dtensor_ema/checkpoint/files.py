@@ -27,10 +27,6 @@ checksum files) are read once, within the bounds their reader sets, and closed.
 
 Local: nothing here communicates. Where the platform cannot open files relative to a
 directory descriptor (Windows), files are opened by path with the same checks.
-
-:class:`Files` is what a reader asks of a checkpoint's files: :class:`CheckpointFiles` for a
-folder, :class:`dtensor_ema.checkpoint.storage.ObjectFiles` for a save in an object store
-(whose location is a :class:`Url`).
 """
 
 from __future__ import annotations
@@ -70,13 +66,10 @@ class Url(str):
     def __truediv__(self, name: str) -> Url:
         return Url(f"{self}/{name}")
 
-    @property
-    def name(self) -> str:
-        return self.rsplit("/", 1)[-1]
-
 
 class Files(Protocol):
-    """One checkpoint's files as a load first saw them (see the module docstring)."""
+    """What a reader asks of one checkpoint's files, as a load first saw them:
+    :class:`CheckpointFiles` (a folder) or :class:`dtensor_ema.checkpoint.storage.ObjectFiles`."""
 
     changed: Callable[[str], Exception]
     save_id: str | None

@@ -58,7 +58,6 @@ import os
 import pickle
 import re
 import sys
-import warnings
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -99,7 +98,6 @@ from dtensor_ema.checkpoint.pickle_scan import memo_problem
 
 __all__ = [
     "METADATA_GLOBALS",
-    "PREVIOUS_SUFFIX",
     "Checkpoint",
     "CheckpointChangedError",
     "CheckpointError",
@@ -109,7 +107,6 @@ __all__ = [
     "Verify",
     "check_coverage",
     "coverage_problem",
-    "existing_checkpoint",
     "one_line",
     "open_checkpoint",
     "path_inside",
@@ -150,10 +147,6 @@ Verify = bool | Literal["require"]
 has them, warn where it has none), ``"require"`` (refuse a checkpoint without them),
 ``False`` (skip)."""
 
-
-PREVIOUS_SUFFIX = ".previous"
-"""``<path>.previous``: the last good checkpoint while a
-:func:`~dtensor_ema.save_checkpoint` commit swaps the directories."""
 
 METADATA_FLOOR_BYTES = 4 << 20
 """A ``.metadata`` may be as large as the other files of its directory together, or this
@@ -853,29 +846,6 @@ def verification(checkpoint: Checkpoint, verify: Verify) -> tuple[bool, str | No
         f"{why}: it was loaded, but nothing was verified; pass verify=False to load it without "
         "this warning, or verify='require' to refuse it"
     )
-
-
-def existing_checkpoint(path: Path) -> Path:
-    """``path``, or, when it is missing, its ``<path>.previous`` left by a
-    :func:`~dtensor_ema.save_checkpoint` interrupted while it swapped directories (with a
-    warning).
-
-    Raises:
-        FileNotFoundError: neither exists, or ``path`` is not a directory.
-    """
-    if path.is_dir():
-        return path
-    previous = path.with_name(path.name + PREVIOUS_SUFFIX)
-    if not path.exists() and (previous / METADATA_FILE).is_file():
-        warnings.warn(
-            f"no checkpoint at {path}, loading {previous}: a save_checkpoint() was "
-            "interrupted while it swapped directories; the next save_checkpoint() puts it back",
-            stacklevel=4,
-        )
-        return previous
-    if path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} is not a directory (a DCP checkpoint is)")
-    raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist")
 
 
 # ---------------------------------------------------------------------------- items

@@ -5,9 +5,9 @@ checkpoint before touching anything.
 ``dcp.load`` work and reshard across world sizes and between DDP and FSDP2. This module adds
 what plain DCP does not do:
 
-* :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
-  over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
-  raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
+* :func:`save_checkpoint` commits only after every rank finished writing, to a local folder
+  or an object store (:mod:`dtensor_ema.checkpoint.storage`), so a save that dies halfway (a
+  rank raises, a process is killed) leaves the previous checkpoint intact; it records
   checksums of every byte range DCP wrote (:mod:`dtensor_ema.checkpoint.checksums`); with
   ``async_=True`` it copies the state and writes in the background
   (:mod:`dtensor_ema.checkpoint.background`), with the same promises.
@@ -25,8 +25,8 @@ what plain DCP does not do:
 
 Reading runs no code from the checkpoint: ``.metadata`` is unpickled with a restricted
 unpickler and non-tensor values with ``torch.load(..., weights_only=True)``
-(:mod:`dtensor_ema.checkpoint.reader`, which every reader of the package shares). Plain ``dcp.load``
-unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
+(:mod:`dtensor_ema.checkpoint.reader`, which every reader of the package shares). Plain
+``dcp.load`` unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 """
 
 from __future__ import annotations
@@ -143,72 +143,75 @@ def save_checkpoint(
     :func:`~dtensor_ema._collectives.agree_on_call`; pipeline stages' EMAs each agree over
     their own mesh). Without a process group it saves from one process.
 
-    First the ranks compare a digest of their resolved ``path`` (``Path.resolve()``), in
-    one small all-reduce that also hands every rank the save id rank 0 drew: if any rank's
-    path differs (a per-rank timestamp in the name, a link resolved per rank), every rank
-    raises ``ValueError`` naming the paths of rank 0 and the first differing ranks, before
-    anything is written. The save id goes into ``.metadata`` (DCP's
-    ``StorageMeta.save_id``) and into every checksum file, so a load refuses files of two
-    saves mixed in one directory.
+    ``path`` is a folder every rank sees, or the URL of a folder in an object store
+    (``s3://bucket/run/ema``, any fsspec protocol; a path that only looks like one,
+    ``s3:/bucket``, is refused, as is a protocol whose package is missing: the ranks agree
+    in one flag all-reduce). Then the ranks compare a digest of their resolved ``path``
+    (``Path.resolve()``; a URL as given), in one small all-reduce that also hands every rank
+    the save id rank 0 drew: if any rank's path differs (a per-rank timestamp in the name, a
+    link resolved per rank), every rank raises ``ValueError`` naming the paths of rank 0 and
+    the first differing ranks, before anything is written. The save id goes into
+    ``.metadata`` (DCP's ``StorageMeta.save_id``) and into every checksum file, so a load
+    refuses files of two saves mixed in one directory.
 
     ``state`` is what ``dcp.save`` takes, e.g. ``{"ema": ema, "model": model_sd, "optim":
     optim_sd}``; ``Stateful`` values (``ModelEMA`` is one) are asked for their state dict
     first, on every rank, and all ranks agree that this worked before DCP starts, so an
     error on one rank cannot leave the others waiting in DCP's collectives.
 
-    DCP writes into ``<path>.partial``. Only when every rank's write succeeded does rank 0
-    swap it in: ``path -> <path>.previous``, ``<path>.partial -> path``, then delete
-    ``<path>.previous``; a crash between the two renames leaves the last good checkpoint in
-    ``<path>.previous``, which the next :func:`save_checkpoint` puts back and
-    :func:`load_checkpoint` falls back to. Leftovers of an interrupted save are deleted by
-    the next save. ``path`` and its siblings must be on a filesystem every rank sees.
+    DCP writes into ``<path>.partial`` (in a store, ``<url>/save-<save id>/``). Only when
+    every rank's write succeeded does rank 0 commit: in a folder, ``path ->
+    <path>.previous``, ``<path>.partial -> path``, then delete ``<path>.previous`` (a crash
+    between the renames leaves the last good checkpoint in ``<path>.previous``, which the
+    next save puts back and :func:`load_checkpoint` falls back to); in a store, one small
+    object ``<url>/current.json`` naming the save, then the save it replaced is deleted.
+    Leftovers of an interrupted save are deleted by the next save.
 
     With ``checksums=True`` (default) every rank then digests the byte ranges it wrote (each
-    tensor chunk and value, as DCP wrote them, in the memory-mapped files; rank 0 also
-    ``.metadata``) and records them in ``__<rank>.checksums.json`` beside DCP's files: the
-    CRC-32, and XXH3-64 too when the optional ``xxhash`` package is installed (local, no
-    communication; cost in ``docs/checkpoints.md``). :func:`load_checkpoint` verifies them;
-    plain ``dcp.load`` ignores these files. Then one more flag all-reduce, so rank 0 commits only
-    once every rank's checksum file is written. With
-    ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank that does not call this makes the
-    others fail after that many seconds, naming it. Peak extra memory (blocking): DCP's
-    write buffers; nothing is copied.
+    tensor chunk and value, as DCP wrote them: in the memory-mapped files, or as they
+    streamed to the store; rank 0 also ``.metadata``) and records them in
+    ``__<rank>.checksums.json`` beside DCP's files: the CRC-32, and XXH3-64 too when the
+    optional ``xxhash`` package is installed (local, no communication; cost in
+    ``docs/checkpoints.md``). :func:`load_checkpoint` verifies them; plain ``dcp.load``
+    ignores these files. Then one more flag all-reduce, so rank 0 commits only once every
+    rank's checksum file is written. With ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank
+    that does not call this makes the others fail after that many seconds, naming it. Peak
+    extra memory (blocking): DCP's write buffers; nothing is copied.
 
     **Background saves** (``async_=True``, as ``dcp.async_save``): the call agrees on the
     path, the EMAs and their counts, collects the state dicts and copies every tensor of
     ``state`` to the CPU (the EMA shards, and any model or optimizer tensors in ``state``;
     a DTensor stays a DTensor of its mesh holding a copy of this rank's piece), then returns
     a ``concurrent.futures.Future`` while one background thread per process writes that
-    copy with every promise above: ``<path>.partial`` committed only when every rank
-    finished, the checksums, the one save id. ``update()`` (and training) may run at once:
+    copy with every promise above: committed only when every rank finished, the checksums,
+    the one save id. ``update()`` (and training) may run at once:
     the checkpoint holds the state at the call. A crash during the write leaves the previous
     checkpoint at ``path``. ``future.result()`` returns ``None`` or raises what a blocking
     save would have (on every rank). The writes' collectives run on a gloo group over the
     ranks of ``process_group``, created by the first background save of each group (every
     rank of that group calls it first: ``dist.new_group``, local synchronization) and kept.
     Every later :func:`save_checkpoint` of this process first waits for a pending background
-    write (so two saves never share ``<path>.partial``); call ``future.result()`` before
+    write (so two saves never overlap); call ``future.result()`` before
     loading what it wrote and before destroying the process group. Peak extra memory: one
     CPU copy of ``state``'s tensors (for an EMA, its local shards: ``1/W`` of the tracked
     tensors): the staging buffer, kept for the next background save, which copies into it
-    (:func:`dtensor_ema.checkpoint.background.release_staging` frees it). Training is blocked for
-    the
-    agreement and the copy: 0.09-0.13 of a blocking save for GPT-2 at W=2
+    (:func:`dtensor_ema.checkpoint.background.release_staging` frees it). Training is blocked
+    for the agreement and the copy: 0.09-0.13 of a blocking save for GPT-2 at W=2
     (``benchmarks/async_save.py``).
 
     Returns:
         ``None``; with ``async_=True`` the future of the background write.
 
     Raises:
-        ValueError: ``path`` exists and is not a directory, or the ranks were given
-            different paths (nothing written).
+        ValueError: ``path`` exists and is not a directory, only looks like a URL, or the
+            ranks were given different paths (nothing written).
+        ImportError: ``path`` is a URL whose fsspec package is not installed.
         RuntimeError: a rank failed; the message says which. ``path`` is unchanged.
     """
     group = group_of(process_group)
     background.wait_pending()
     with entering("save_checkpoint", group=group):
-        storage = _storage(group, path, "save_checkpoint")
-        agreed = agree_on_path(group, storage.root, "save_checkpoint")
+        storage, save_id = _storage(group, path, "save_checkpoint")
         _agree_on_emas("save_checkpoint", state, group, counted=True)
         _prepare(storage, group)
         path = storage.root
@@ -222,13 +225,13 @@ def save_checkpoint(
             error = _ordinary(e, f"collecting the state to save to {path}")
         agree(group, error, f"collecting the state to save to {path}")
         if not async_:
-            _write_and_commit(staged, storage, group, checksums, agreed.save_id)
+            _write_and_commit(staged, storage, group, checksums, save_id)
             return None
         writer_group = background.background_group(group)
         # No quiet_single_process() there: warnings.catch_warnings is not thread-safe.
         return background.submit(
             functools.partial(
-                _write_and_commit, staged, storage, writer_group, checksums, agreed.save_id,
+                _write_and_commit, staged, storage, writer_group, checksums, save_id,
                 quiet=False,
             )
         )  # fmt: skip
@@ -236,9 +239,10 @@ def save_checkpoint(
 
 def _storage(
     group: dist.ProcessGroup | None, path: str | os.PathLike[str], call: str
-) -> LocalStorage | ObjectStorage:
-    """The storage of ``path`` (:func:`~dtensor_ema.checkpoint.storage.storage_for`); the
-    ranks agree that every one found it (a URL needs its fsspec package on every rank)."""
+) -> tuple[LocalStorage | ObjectStorage, str]:
+    """The storage of ``path`` (:func:`~dtensor_ema.checkpoint.storage.storage_for`), once
+    every rank found it (a URL needs its fsspec package on every rank), and the save id the
+    ranks drew as they agreed on the path (:func:`agree_on_path`). **Collective**."""
     error: Exception | None = None
     storage = None
     try:
@@ -247,7 +251,7 @@ def _storage(
         error = e
     agree(group, error, f"{call}() of {os.fspath(path)!r}")
     assert storage is not None
-    return storage
+    return storage, agree_on_path(group, storage.root, call)
 
 
 def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -325,7 +329,8 @@ def load_checkpoint(
     verify: Verify = True,
     common_subset: bool = False,
 ) -> None:
-    """Load ``state`` in place from the DCP checkpoint at ``path``, checking it first.
+    """Load ``state`` in place from the DCP checkpoint at ``path`` (a folder, or the URL of
+    one in an object store: the save its ``current.json`` names), checking it first.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
     call this with the same keys, the same EMAs and the same ``path`` (agreed first in small
@@ -337,16 +342,14 @@ def load_checkpoint(
     ``ValueError`` naming the paths of rank 0 and the first differing ranks, before anything
     is read.
 
-    Nothing from the checkpoint is run: ``.metadata`` is read with a restricted unpickler
-    that builds only DCP's metadata classes (anything else raises :class:`CheckpointError`
-    naming the refused global and the file, before anything else is read) and tensors and
-    non-tensor values with ``torch.load(..., weights_only=True)``
-    (:mod:`dtensor_ema.checkpoint.reader`;
-    an entry whose pickle holds anything else raises :class:`CheckpointError` naming the
-    checkpoint and the entry, "not a tensor or plain value"). Every data file ``.metadata``
-    names must be a plain file name inside ``path`` (no separator, no ``..``, not absolute,
-    no symbolic link that leaves it), and every tensor's saved chunks must cover its shape
-    exactly once; otherwise :class:`CheckpointError`, before any data file is opened.
+    Nothing from the checkpoint is run, and every size it claims is checked against its
+    files (or objects) before anything is allocated or read
+    (:mod:`dtensor_ema.checkpoint.reader`): ``.metadata`` is unpickled building only DCP's
+    metadata classes, and checked field by field; every data file it names must be a plain
+    name inside ``path``, and every tensor's chunks must cover it exactly once; items are
+    read with ``torch.load(..., weights_only=True)`` and must be uncompressed and of the
+    dtype and size ``.metadata`` says. Each refusal is one :class:`CheckpointError` line
+    naming the file, the entry and what is wrong (a refused global by its name).
 
     Before anything is written, every rank checks that the checkpoint is complete (its
     ``.metadata`` and every data file it names exist and are long enough) and, for every
@@ -378,12 +381,13 @@ def load_checkpoint(
     modification time), held open from the checksum pass to the item reads: a
     :func:`save_checkpoint` of another job that commits to the same path meanwhile (it
     renames the directory away) is not seen, and the load returns the save it began with.
-    Where that cannot hold (the committed save deleted a file before this load opened it, a
-    file was rewritten in place, the ranks opened different saves: one all-gather of four
-    int64s per rank compares them), every rank raises
-    :class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError` naming the saves and the file,
-    never
-    "corrupted", with every EMA unchanged.
+    In a store, the objects of the save ``current.json`` named are listed once and read by
+    byte range; its ``.metadata`` must carry that save id. Where that cannot hold (the
+    committed save deleted a file or object before this load read it, a file was rewritten
+    in place, the ranks opened different saves: one all-gather of four int64s per rank
+    compares them), every rank raises
+    :class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError` naming the saves and the
+    file, never "corrupted", with every EMA unchanged.
 
     An EMA that tracks other tensors than the checkpoint's (``ModelEMA(track=...)``,
     ``add_tensors``: the checkpoint's config lists what its EMA left untracked) is refused
@@ -392,42 +396,35 @@ def load_checkpoint(
     another model, and other options, are still refused).
 
     With ``verify=True`` (default) and a checkpoint written by :func:`save_checkpoint`,
-    ``.metadata`` is checked against the digest recorded at save time first, and then, inside
-    each DCP load, every saved item the rank is about to read (whole and as saved, so a
-    resharding load is verified too), in one pass over those byte ranges (memory-mapped: no
-    copy, no extra memory) in DCP's planning step, whose failures DCP gathers to every rank
-    before any rank reads. XXH3-64 is checked where it was recorded and ``xxhash`` is
-    installed, else the CRC-32. A mismatch raises
-    :class:`~dtensor_ema.checkpoint.reader.ChecksumError` (a :class:`CheckpointError`) naming the
-    file
-    and the tensor or value ("does not match"; never a digest of the bytes read), with
-    nothing written; so does a checksum file of another save (its save id is not
-    ``.metadata``'s: files of two saves mixed). The pass deserializes nothing, so a
-    verified load costs little more than an unverified one (numbers in
-    ``docs/checkpoints.md``); ``verify=False`` skips it. A checkpoint without checksum files
-    (plain ``dcp.save``, ``checksums=False``) loads unverified with one
-    :class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning` under ``verify=True``, and
-    is
-    refused under ``verify="require"``. A checksum file without a save id (written before
-    save ids, or with the id deleted) is refused too: load such a checkpoint with
-    ``verify=False``.
-
-    Every size read from the checkpoint is checked against its files before anything is
-    allocated or read (:mod:`dtensor_ema.checkpoint.reader`): a ``.metadata`` whose fields hold what
-    DCP never writes (other types, more than 64 dims, compressed items, chunks longer than
-    their stored bytes, an entry filed under another's name), an item whose archive is
-    compressed, a tensor of another dtype or size than ``.metadata`` says, a corrupted item,
-    each is refused in one line naming the file, the entry and what is wrong.
+    ``.metadata`` is checked against the digest recorded at save time first, and then,
+    inside each DCP load, every saved item the rank is about to read (whole and as saved, so
+    a resharding load is verified too), in one pass over those byte ranges (memory-mapped:
+    no copy, no extra memory; from a store, one item at a time) in DCP's planning step,
+    whose failures DCP gathers to every rank before any rank reads. XXH3-64 is checked where
+    it was recorded and ``xxhash`` is installed, else the CRC-32. A mismatch raises
+    :class:`~dtensor_ema.checkpoint.reader.ChecksumError` (a :class:`CheckpointError`)
+    naming the file and the tensor or value ("does not match"; never a digest of the bytes
+    read), with nothing written; so does a checksum file of another save (its save id is not
+    ``.metadata``'s: files of two saves mixed). The pass deserializes nothing, so a verified
+    load costs little more than an unverified one (numbers in ``docs/checkpoints.md``);
+    ``verify=False`` skips it. A checkpoint without checksum files (plain ``dcp.save``,
+    ``checksums=False``) loads unverified with one
+    :class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning` under
+    ``verify=True``, and is refused under ``verify="require"``. A checksum file without a
+    save id (written before save ids, or with the id deleted) is refused too: load such a
+    checkpoint with ``verify=False``.
 
     If ``path`` is missing but ``<path>.previous`` exists (a :func:`save_checkpoint`
     interrupted while it swapped directories) the previous checkpoint is loaded, with a
     warning.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``, or one that misses ``.metadata`` or
-            data files (an interrupted plain ``dcp.save``).
-        ValueError: the ranks were given different paths, the checkpoint does not match an
-            EMA (names, shapes, dtypes, options), or has no EMA state under that EMA's key.
+        FileNotFoundError: no checkpoint at ``path`` (a store: no ``current.json``), or one
+            that misses ``.metadata`` or data files (an interrupted plain ``dcp.save``).
+        ValueError: the ranks were given different paths, ``path`` only looks like a URL,
+            the checkpoint does not match an EMA (names, shapes, dtypes, options), or has no
+            EMA state under that EMA's key.
+        ImportError: ``path`` is a URL whose fsspec package is not installed.
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (a
             crafted checkpoint; nothing was run), is not what DCP writes or claims more
             than its files hold, names a file outside ``path``, leaves part of a tensor
@@ -442,8 +439,7 @@ def load_checkpoint(
     """
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
-        storage = _storage(group, path, "load_checkpoint")
-        agree_on_path(group, storage.root, "load_checkpoint")
+        storage, _ = _storage(group, path, "load_checkpoint")
         _agree_on_emas("load_checkpoint", state, group, counted=False)
         _load(state, storage, group, verify, common_subset)
 

@@ -1,39 +1,28 @@
 """Where a checkpoint's bytes go: a local folder or an object store, behind one interface.
 
-:func:`storage_for` picks the storage from the path a call was given (as DCP's
-``validate_checkpoint_id`` picks a writer). :mod:`~dtensor_ema.checkpoint.save_load` drives
-either through the same steps, and the readers read either through the same
-:class:`~dtensor_ema.checkpoint.files.Files`: ``prepare()`` (rank 0, before a save: tidy
-what an interrupted save left), ``writer(save_id)`` (DCP's writer for this save, recording
-what each rank wrote for :func:`~dtensor_ema.checkpoint.checksums.write_checksums`),
-``commit(save_id)`` (rank 0, once every rank wrote: make the save current), ``committed()``
-(what a load reads).
+:func:`storage_for` picks the storage from the path (as DCP's ``validate_checkpoint_id``
+picks a writer); :mod:`~dtensor_ema.checkpoint.save_load` drives either through
+``prepare()`` (rank 0: tidy what an interrupted save left), ``writer(save_id)`` (DCP's
+writer, recording what it wrote for the checksums), ``commit(save_id)`` (rank 0, once every
+rank wrote) and ``committed()`` (what a load reads: a
+:class:`~dtensor_ema.checkpoint.files.Files`).
 
-**A local folder** (:class:`LocalStorage`, any path that is not a URL): DCP writes into
-``<path>.partial``; the commit renames ``path -> <path>.previous``, ``<path>.partial ->
-path``, then deletes ``<path>.previous``. A load reads ``path``, or ``<path>.previous``
-when a save died between the two renames.
+* :class:`LocalStorage` (a path): ``<path>.partial`` renamed over ``path`` (the previous
+  one kept in ``<path>.previous`` between the two renames).
+* :class:`ObjectStorage` (any fsspec URL: ``s3://`` through ``s3fs``, ``gs://``, ``az://``,
+  ``file://``, ``memory://`` ...). A store cannot rename, so each save writes under its own
+  prefix ``<url>/save-<save id>/`` and is made current by one small object written last,
+  ``<url>/current.json``, naming its id (one PUT: whole or absent). A load reads only the
+  save it names, whose ``.metadata`` must carry that id. A failed save never wrote it, so
+  the previous save stays current; the next save deletes every other ``save-*`` prefix, and
+  a commit deletes the save it replaced (a load still reading it raises
+  :class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError`, never mixes two saves).
+  Objects are read by byte range (:class:`ObjectFiles`) and digested as they stream out
+  (:class:`ObjectWriter`). Credentials, endpoints and timeouts are the fsspec
+  implementation's settings (``docs/checkpoints.md``).
 
-**An object store** (:class:`ObjectStorage`, a ``<protocol>://`` URL with an fsspec
-implementation: ``s3://`` through ``s3fs``, ``gs://`` through ``gcsfs``, ``az://``,
-``file://``, ``memory://`` ...). A store cannot rename a folder, so each save writes under
-its own prefix ``<url>/save-<save id>/`` (DCP's files and the checksum files) and is made
-current by one small object written last, ``<url>/current.json``, naming its save id: one
-PUT, which the store shows whole or not at all. A load reads the save that object names and
-nothing else (its ``.metadata`` and checksum files must carry that id). A save that failed
-or whose ranks died never wrote it, so the previous save stays current; the next save
-deletes every other ``save-*`` prefix before it writes, and a commit deletes the save it
-replaced (a load still reading that one raises
-:class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError`: it never mixes two saves).
-Objects are read by byte range (:class:`ObjectFiles`) and digested while they are written
-(:class:`ObjectWriter`): a save reads back only ``.metadata``.
-
-A path that only looks like a URL (``s3:/bucket/x``, what ``pathlib.Path("s3://bucket/x")``
-makes) is refused, never written as a local folder of that name; so is a URL whose protocol
-has no fsspec implementation installed (the message names the package). Credentials,
-endpoints and timeouts are the fsspec implementation's settings (for ``s3fs``: botocore's
-``AWS_*`` variables and files, and ``fsspec.config``). Request counts and costs:
-``docs/checkpoints.md``.
+A path that only looks like a URL (``s3:/b/x``, what ``pathlib.Path("s3://b/x")`` makes), or
+a protocol with no implementation installed, is refused, never written as a local folder.
 """
 
 from __future__ import annotations
@@ -44,13 +33,15 @@ import json
 import os
 import re
 import shutil
-import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+# DCP's fsspec writer lives in a private module in torch 2.14 (not re-exported).
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFiles
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from dtensor_ema.checkpoint.bounded_json import JsonProblem, parse_json
 from dtensor_ema.checkpoint.checksums import (
@@ -61,18 +52,12 @@ from dtensor_ema.checkpoint.checksums import (
     digests,
 )
 from dtensor_ema.checkpoint.files import Url
-from dtensor_ema.checkpoint.reader import (
-    PREVIOUS_SUFFIX,
-    CheckpointChangedError,
-    CheckpointError,
-    existing_checkpoint,
-    one_line,
-)
+from dtensor_ema.checkpoint.reader import CheckpointChangedError, CheckpointError, one_line
 
 __all__ = ["POINTER", "LocalStorage", "ObjectFiles", "ObjectStorage", "ObjectWriter", "storage_for"]
 
-PARTIAL_SUFFIX = ".partial"
-"""``<path>.partial``: where a save to a local folder writes before it commits."""
+PARTIAL_SUFFIX, PREVIOUS_SUFFIX = ".partial", ".previous"
+"""Where a save to a folder writes; where the last good one waits while a commit swaps."""
 POINTER = "current.json"
 """``<url>/current.json``: the object that makes a save in an object store current."""
 SAVE_PREFIX = "save-"
@@ -81,6 +66,7 @@ READ_BLOCK = 1 << 20
 _POINTER_FORMAT = "dtensor_ema.current"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 _LOOKS_LIKE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
+_SAVE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def storage_for(path: str | os.PathLike[str]) -> LocalStorage | ObjectStorage:
@@ -115,17 +101,16 @@ class LocalStorage:
     def prepare(self) -> None:
         """Refuse a path that is a file, undo what an interrupted save left, make the parent
         folder. Rank 0."""
-        path, partial, previous = self.root, self.partial, self.previous
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"checkpoint path {path} exists and is not a directory")
-        if partial.exists():
-            shutil.rmtree(partial)
-        if previous.exists():
-            if path.exists():  # the commit finished; only deleting the old copy did not
-                shutil.rmtree(previous)
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"checkpoint path {self.root} exists and is not a directory")
+        if self.partial.exists():
+            shutil.rmtree(self.partial)
+        if self.previous.exists():
+            if self.root.exists():  # the commit finished; only deleting the old copy did not
+                shutil.rmtree(self.previous)
             else:  # died between the two renames: the last good checkpoint goes back
-                os.rename(previous, path)
-        partial.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(self.previous, self.root)
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
 
     def writer(self, save_id: str) -> RecordingWriter:
         return RecordingWriter(self.partial, save_id=save_id)
@@ -145,7 +130,17 @@ class LocalStorage:
             shutil.rmtree(self.previous)
 
     def committed(self) -> Path:
-        return existing_checkpoint(self.root)
+        """``path``, or the ``<path>.previous`` a save interrupted between its renames left
+        (with a warning). :func:`~dtensor_ema.checkpoint.reader.open_checkpoint` refuses
+        what is not a checkpoint folder."""
+        if not self.root.exists() and (self.previous / METADATA_FILE).is_file():
+            warnings.warn(
+                f"no checkpoint at {self.root}, loading {self.previous}: a save_checkpoint() was "
+                "interrupted while it swapped directories; the next save_checkpoint() puts it back",
+                stacklevel=4,
+            )
+            return self.previous
+        return self.root
 
     def exists(self) -> bool:
         return self.root.is_dir()
@@ -162,13 +157,6 @@ class ObjectStorage:
 
     def __init__(self, url: str) -> None:
         self.root = Url(url.rstrip("/"))
-        try:
-            from fsspec.core import url_to_fs
-        except ImportError:
-            raise ImportError(
-                f"checkpoint path {url!r} is a URL, which needs fsspec and the package of its "
-                "protocol: pip install 'dtensor_ema[object_storage]' (fsspec, s3fs)"
-            ) from None
         try:
             self.fs, self.path = url_to_fs(self.root)
         except ImportError as e:  # fsspec knows the protocol, its package is missing
@@ -205,19 +193,15 @@ class ObjectStorage:
             )
 
     def committed(self) -> ObjectFiles:
-        """The objects of the save ``current.json`` names (or of a plain ``dcp.save`` at
-        the URL itself), listed now."""
+        """The objects of the save ``current.json`` names, listed now."""
         save_id = self._current()
-        if save_id is not None:
-            name = f"{SAVE_PREFIX}{save_id}"
-            return ObjectFiles(self.fs, f"{self.path}/{name}", self.root / name, save_id)
-        files = ObjectFiles(self.fs, self.path, self.root, None)
-        if files.size(METADATA_FILE) is None:
+        if save_id is None:
             raise FileNotFoundError(
                 f"no checkpoint at {self.root}: it has no {POINTER} (no save_checkpoint() "
-                f"committed there) and no {METADATA_FILE}"
+                "committed there)"
             )
-        return files
+        name = f"{SAVE_PREFIX}{save_id}"
+        return ObjectFiles(self.fs, f"{self.path}/{name}", self.root / name, save_id)
 
     def exists(self) -> bool:
         return self._current() is not None
@@ -249,7 +233,8 @@ class ObjectStorage:
         if not (
             isinstance(payload, dict)
             and payload.get("format") == _POINTER_FORMAT
-            and _is_uuid(payload.get("save_id"))
+            and isinstance(payload.get("save_id"), str)
+            and _SAVE_ID.fullmatch(payload["save_id"])
         ):
             raise CheckpointError(f"{where}: not a pointer dtensor_ema writes (no save id)")
         return str(payload["save_id"])
@@ -269,8 +254,7 @@ class ObjectStorage:
 
 @contextlib.contextmanager
 def _asking(root: Url, what: str) -> Iterator[None]:
-    """The store's client errors in one line naming the checkpoint (an ``OSError``; a
-    missing object and our own errors pass as they are)."""
+    """The store's client errors as one ``OSError`` line naming the checkpoint."""
     try:
         yield
     except (FileNotFoundError, CheckpointError):
@@ -279,21 +263,12 @@ def _asking(root: Url, what: str) -> Iterator[None]:
         raise OSError(f"{root}: {what} failed: {one_line(e)}") from e
 
 
-def _is_uuid(value: object) -> bool:
-    try:
-        return isinstance(value, str) and str(uuid.UUID(value)) == value
-    except ValueError:
-        return False
-
-
 class ObjectFiles:
-    """One save's objects as listed when a load opened it: the
-    :class:`~dtensor_ema.checkpoint.files.Files` a reader reads from an object store.
-
-    Each object is read by byte range, with a read-ahead of :data:`READ_BLOCK` bytes. A
-    save's objects are never rewritten (a crafted rewrite fails its checksum), so the size
-    listed stands for the object; one deleted since (a later save committed) raises
-    ``changed``. Local (the store's requests)."""
+    """One save's objects as listed when a load opened it (its
+    :class:`~dtensor_ema.checkpoint.files.Files`), read by byte range with a read-ahead of
+    :data:`READ_BLOCK` bytes. A save's objects are never rewritten (a crafted rewrite fails
+    its checksum), so the size listed stands for the object; one deleted since (a later save
+    committed) raises ``changed``. Local (the store's requests)."""
 
     def __init__(self, fs: Any, path: str, location: Url, save_id: str | None) -> None:
         self.fs, self._path, self.path, self.save_id = fs, path, location, save_id
@@ -338,26 +313,17 @@ class ObjectFiles:
         """Nothing is held between reads."""
 
 
-def _fsspec_file_system() -> type:
-    # DCP's fsspec file system lives in a private module in torch 2.14 (not re-exported).
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
-
-    return FileSystem
-
-
-class ObjectWriter(Recording, FileSystemWriter):
-    """DCP's file system writer streaming to an object store (DCP's ``FsspecWriter``, with
-    the fsspec file system given): digests each item as it streams out, for
+class ObjectWriter(Recording, FsspecWriter):
+    """DCP's ``FsspecWriter`` over ``fs`` that digests each item as it streams out, for
     :func:`~dtensor_ema.checkpoint.checksums.write_checksums`. DCP asks a data file's
     position before and after each item, so the bytes between two asks are one item; an
     item seen otherwise is read back. ``.metadata`` is read back (rank 0, one request)."""
 
     def __init__(self, url: Url, fs: Any, *, save_id: str) -> None:
-        super().__init__(url, save_id=save_id, sync_files=False)  # objects have no fsync
+        super().__init__(str(url), save_id=save_id, sync_files=False)  # objects: no fsync
         self.store = fs
         self.found: dict[tuple[str, int, int], dict[str, int]] = {}
-        self.fs = _streams(fs, self.found)
-        self.path = str(url)  # .metadata records it: a plain str
+        self.fs = _Streams(fs, self.found)  # type: ignore[assignment]
 
     def digests_of(self, relative: str, places: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
         return [
@@ -375,26 +341,24 @@ class ObjectWriter(Recording, FileSystemWriter):
             self.store.pipe_file(f"{self.path}/{name}", data)
 
 
-def _streams(fs: Any, found: dict[tuple[str, int, int], dict[str, int]]) -> Any:
-    """DCP's fsspec file system over ``fs`` whose write streams digest what they write
-    (:class:`_Digesting`). A store has no folders to make, and a save's fresh prefix holds
-    no earlier ``.metadata``: nothing to ask for either."""
+class _Streams(FsspecFiles):
+    """DCP's fsspec file system over ``fs``, its write streams digesting (:class:`_Digesting`).
+    A store has no folders to make; a save's fresh prefix holds no earlier ``.metadata``."""
 
-    class Streams(_fsspec_file_system()):  # type: ignore[misc]
-        @contextlib.contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            with super().create_stream(path, mode) as stream:
-                yield _Digesting(stream, os.path.basename(path), found) if "w" in mode else stream
+    def __init__(self, fs: Any, found: dict[tuple[str, int, int], dict[str, int]]) -> None:
+        super().__init__()
+        self.fs, self.found = fs, found
 
-        def mkdir(self, path: Any) -> None:
-            pass
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            yield _Digesting(stream, os.path.basename(path), self.found) if "w" in mode else stream
 
-        def exists(self, path: Any) -> bool:
-            return False
+    def mkdir(self, path: Any) -> None:
+        pass
 
-    streams = Streams()
-    streams.fs = fs
-    return streams
+    def exists(self, path: Any) -> bool:
+        return False
 
 
 class _Digesting(io.RawIOBase):

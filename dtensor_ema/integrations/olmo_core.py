@@ -26,24 +26,21 @@ One line on OLMo-core's own ``Trainer``::
   (``torch.save`` per rank; a resume at another world size reads ``rank0.pt`` on every
   rank), which cannot hold a sharded EMA. The EMA goes to ``<checkpoint>/ema/`` instead,
   beside ``model_and_optim/``, with :func:`~dtensor_ema.save_checkpoint` (DCP, sharded,
-  checksummed): started when the trainer asks the callbacks for their state, i.e. when it
-  starts a checkpoint, at the step saved; in the background (``async_=True``: the EMA is
-  copied, then written while training goes on) when OLMo-core's checkpointer saves
-  asynchronously. It is staged under ``<save_folder>/.ema-staging/step<N>`` (the checkpoint
-  folder must be empty when OLMo-core starts it) and moved into the checkpoint folder once
-  OLMo-core reports the checkpoint saved and the EMA's write finished. The per-rank pickles
-  hold only which step and EMAs were saved. A resume (``load_checkpoint`` with the trainer
-  state) loads the EMA with :func:`~dtensor_ema.load_checkpoint`, at any world size; a load
-  without trainer state (fine-tuning from a checkpoint), or of a checkpoint saved without
-  this callback, restarts every EMA from the loaded weights.
+  checksummed) when the trainer starts a checkpoint, at the step saved; in the background
+  (``async_=True``) when OLMo-core's checkpointer saves asynchronously. It is staged under
+  ``<save_folder>/.ema-staging/step<N>`` (the checkpoint folder must be empty when OLMo-core
+  starts it) and moved in once OLMo-core reports the checkpoint saved and the EMA's write
+  finished. The per-rank pickles hold only which step and EMAs were saved. A resume
+  (``load_checkpoint`` with the trainer state) loads the EMA with
+  :func:`~dtensor_ema.load_checkpoint`, at any world size; a load without trainer state
+  (fine-tuning), or of a checkpoint saved without this callback, restarts every EMA from
+  the loaded weights.
 
-A URL ``save_folder`` (``s3://``, ``gs://``: OLMo-core's cloud folders) keeps the EMA beside
-OLMo-core's checkpoint in the same bucket, through fsspec
-(:mod:`dtensor_ema.checkpoint.storage`: each save under its own prefix, committed by one
-small object; the move into the checkpoint folder is a copy inside the store). Paths are
-joined and completed checkpoints recognised with OLMo-core's own I/O (``join_path``,
-``Checkpointer.dir_is_checkpoint``). Requires ``ai2-olmo-core`` 2.x (``pip install
-"dtensor_ema[olmo]"``; ``[object_storage]`` for URLs).
+A URL ``save_folder`` (``s3://``, ``gs://``) keeps the EMA in the bucket beside OLMo-core's
+checkpoint, through fsspec (:mod:`dtensor_ema.checkpoint.storage`; the move is a copy inside
+the store); paths are joined, and finished checkpoints recognised, by OLMo-core's own I/O.
+Requires ``ai2-olmo-core`` 2.x (``pip install "dtensor_ema[olmo]"``; ``[object_storage]``
+for URLs).
 """
 
 from __future__ import annotations
@@ -216,9 +213,10 @@ class EMACallback(Callback):
         self._resumed = dict(state_dict) if state_dict else None
 
     def post_checkpoint_saved(self, path: Any) -> None:
-        staged = self._staged.pop(str(path), None)
-        if staged is not None:
+        staged = self._staged.get(str(path))
+        if staged is not None:  # forgotten once moved: close() moves it if this comes late
             _commit(*staged, str(path))
+            self._staged.pop(str(path), None)
 
     def post_checkpoint_loaded(self, path: Any) -> None:
         if not self.enabled:

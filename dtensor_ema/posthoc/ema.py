@@ -356,7 +356,7 @@ class PostHocEMA:
             agree_on_call("snapshot", ema.engine.call_identity, mesh=ema.mesh)
         name = snap.snapshot_name(self._steps)
         partial = self.snapshot_dir / (name + snap.PARTIAL_SUFFIX)
-        agreed = agree_on_path(group, partial, "PostHocEMA.snapshot")
+        save_id = agree_on_path(group, partial, "PostHocEMA.snapshot")
         error: Exception | None = None
         if _rank(group) == 0:
             try:
@@ -365,8 +365,8 @@ class PostHocEMA:
                 error = e
         _agree(group, error, f"preparing snapshot {self.snapshot_dir / name}")
         state, manifest = self._snapshot_state(copy=self.async_save, world=group)
-        manifest["save_id"] = agreed.save_id
-        writer = RecordingWriter(partial, save_id=agreed.save_id)
+        manifest["save_id"] = save_id
+        writer = RecordingWriter(partial, save_id=save_id)
         if self.async_save:
             self._pending = (self._save_async(state, writer, group), writer, name, manifest)
             return None
