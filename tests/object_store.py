@@ -151,12 +151,16 @@ class LocalS3:
     def _control(self, environ: dict[str, Any], start_response: Any) -> Any:
         length = int(environ.get("CONTENT_LENGTH") or 0)
         payload = json.loads(environ["wsgi.input"].read(length) or b"{}")
+        body = b""
         if environ["PATH_INFO"] == "/_test/plant":
             self.plant(Fault(**payload))
         elif environ["PATH_INFO"] == "/_test/clear":
             self.clear()
-        start_response("200 OK", [("Content-Length", "0")])
-        return []
+        elif environ["PATH_INFO"] == "/_test/requests":
+            with self._lock:
+                body = json.dumps(self.requests).encode()
+        start_response("200 OK", [("Content-Length", str(len(body)))])
+        return [body]
 
 
 def plant(endpoint: str, **fault: Any) -> None:
@@ -169,12 +173,17 @@ def clear(endpoint: str) -> None:
     _post(endpoint, "clear", {})
 
 
-def _post(endpoint: str, what: str, payload: dict[str, Any]) -> None:
+def requests(endpoint: str) -> list[str]:
+    """Every request the store at ``endpoint`` answered so far, ``"<METHOD> <path>?<query>"``."""
+    return json.loads(_post(endpoint, "requests", {}))
+
+
+def _post(endpoint: str, what: str, payload: dict[str, Any]) -> bytes:
     request = urllib.request.Request(
         f"{endpoint}/_test/{what}", data=json.dumps(payload).encode(), method="POST"
     )
     with urllib.request.urlopen(request, timeout=30) as response:
-        response.read()
+        return response.read()
 
 
 def make_bucket(name: str) -> None:

@@ -38,7 +38,7 @@ from models import ReferenceEMA, make_model, mismatches, perturb_trainable_
 from models import error_text as _error
 from torch.distributed.tensor import DTensor
 
-require_extra("s3fs", "object_storage")
+require_extra("s3fs", "test")
 require_extra("moto", "test")
 
 from object_store import Fault, LocalS3, clear, make_bucket, plant  # noqa: E402

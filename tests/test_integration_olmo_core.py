@@ -41,7 +41,7 @@ import torch
 from dist_harness import require_extra, run_ranks
 
 require_extra("olmo_core", "olmo")
-require_extra("s3fs", "object_storage")
+require_extra("s3fs", "test")
 require_extra("moto", "test")
 
 from object_store import LocalS3, make_bucket  # noqa: E402

@@ -7,11 +7,11 @@ writer, recording what it wrote for the checksums), ``commit(save_id)`` (rank 0,
 rank wrote) and ``committed()`` (what a load reads: a
 :class:`~dtensor_ema.checkpoint.files.Files`).
 
-* :class:`LocalStorage` (a path): ``<path>.partial`` renamed over ``path`` (the previous
-  one kept in ``<path>.previous`` between the two renames).
+* :class:`LocalStorage` (a path, ``file://`` too): ``<path>.partial`` renamed over
+  ``path`` (the previous one kept in ``<path>.previous`` between the two renames).
 * :class:`ObjectStorage` (any fsspec URL: ``s3://`` through ``s3fs``, ``gs://``, ``az://``,
-  ``file://``, ``memory://`` ...). A store cannot rename, so each save writes under its own
-  prefix ``<url>/save-<save id>/`` and is made current by one small object written last,
+  ``memory://`` ...). A store cannot rename, so each save writes under its own prefix
+  ``<url>/save-<save id>/`` and is made current by one small object written last,
   ``<url>/current.json``, naming its id (one PUT: whole or absent). A load reads only the
   save it names, whose ``.metadata`` must carry that id. A failed save never wrote it, so
   the previous save stays current; the next save deletes every other ``save-*`` prefix, and
@@ -70,8 +70,8 @@ _SAVE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 
 
 def storage_for(path: str | os.PathLike[str]) -> LocalStorage | ObjectStorage:
-    """The storage of ``path``: an :class:`ObjectStorage` for a ``<protocol>://`` URL, else a
-    :class:`LocalStorage`. Local; opens nothing but the fsspec implementation.
+    """The storage of ``path``: an :class:`ObjectStorage` for a ``<protocol>://`` URL, else
+    (``file://`` too) a :class:`LocalStorage`. Local.
 
     Raises:
         ValueError: ``path`` looks like a URL with one slash (``s3:/b/x``), or fsspec knows
@@ -79,6 +79,8 @@ def storage_for(path: str | os.PathLike[str]) -> LocalStorage | ObjectStorage:
         ImportError: fsspec, or the package of the URL's protocol, is not installed.
     """
     text = os.fspath(path)
+    if text.startswith("file://"):
+        return LocalStorage(Path(text.removeprefix("file://")))
     if _URL.match(text):
         return ObjectStorage(text)
     if _LOOKS_LIKE_URL.match(text):
@@ -230,14 +232,11 @@ class ObjectStorage:
             return None
         except JsonProblem as e:
             raise CheckpointError(f"{where}: not a pointer dtensor_ema writes: {e}") from None
-        if not (
-            isinstance(payload, dict)
-            and payload.get("format") == _POINTER_FORMAT
-            and isinstance(payload.get("save_id"), str)
-            and _SAVE_ID.fullmatch(payload["save_id"])
-        ):
+        ours = isinstance(payload, dict) and payload.get("format") == _POINTER_FORMAT
+        save_id = str(payload.get("save_id")) if ours else ""
+        if not _SAVE_ID.fullmatch(save_id):
             raise CheckpointError(f"{where}: not a pointer dtensor_ema writes (no save id)")
-        return str(payload["save_id"])
+        return save_id
 
     def _keep_only(self, save_id: str | None) -> None:
         with _asking(self.root, "deleting the saves not current"):
