@@ -72,8 +72,7 @@ class Files(Protocol):
     :class:`CheckpointFiles` (a folder) or :class:`dtensor_ema.checkpoint.storage.ObjectFiles`."""
 
     changed: Callable[[str], Exception]
-    save_id: str | None
-    """The save the storage says these files are (an object store's ``current.json``)."""
+    save_id: str | None  # the save the storage says these are (a store's current.json)
 
     @property
     def path(self) -> Path | Url: ...

@@ -1035,12 +1035,19 @@ class _Reader(FileSystemReader):
                 for index in sorted(found, key=lambda i: storage[i].offset):
                     info = storage[index]
                     with _Slice(f, info.offset, info.length) as stream:
+                        stream.seek(-min(info.length, 1 << 16), os.SEEK_END)
+                        stream.read()  # the tail, in one request from a store (read ahead)
                         _check_archive(stream, info.length, _where(file, index))
 
     def _item_stream(self, file: IO[bytes], info: Any) -> _Slice:
         """The bytes of one item to read (``info``: its ``_StorageInfo``) in the held data
         ``file``: where :meth:`read_data` reads from the storage (as DCP's
-        ``_slice_file``)."""
+        ``_slice_file``); from a store, read in one request (one item more in memory)."""
+        try:
+            file.fileno()
+        except OSError:  # an object: torch.load's small reads would each be a request
+            file.seek(info.offset)
+            return _Slice(io.BytesIO(file.read(info.length)), 0, info.length)
         return _Slice(file, info.offset, info.length)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

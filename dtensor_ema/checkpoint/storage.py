@@ -61,7 +61,7 @@ PARTIAL_SUFFIX, PREVIOUS_SUFFIX = ".partial", ".previous"
 POINTER = "current.json"
 """``<url>/current.json``: the object that makes a save in an object store current."""
 SAVE_PREFIX = "save-"
-READ_BLOCK = 1 << 20
+READ_BLOCK = 1 << 16
 """Bytes an object read fetches beyond what it asks (small items come in one request)."""
 _POINTER_FORMAT = "dtensor_ema.current"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
@@ -74,9 +74,8 @@ def storage_for(path: str | os.PathLike[str]) -> LocalStorage | ObjectStorage:
     (``file://`` too) a :class:`LocalStorage`. Local.
 
     Raises:
-        ValueError: ``path`` looks like a URL with one slash (``s3:/b/x``), or fsspec knows
-            no implementation of its protocol.
-        ImportError: fsspec, or the package of the URL's protocol, is not installed.
+        ValueError: ``path`` looks like a URL with one slash, or has an unknown protocol.
+        ImportError: the package of the URL's protocol is not installed.
     """
     text = os.fspath(path)
     if text.startswith("file://"):
@@ -133,8 +132,7 @@ class LocalStorage:
 
     def committed(self) -> Path:
         """``path``, or the ``<path>.previous`` a save interrupted between its renames left
-        (with a warning). :func:`~dtensor_ema.checkpoint.reader.open_checkpoint` refuses
-        what is not a checkpoint folder."""
+        (with a warning); ``open_checkpoint`` refuses what is not a checkpoint folder."""
         if not self.root.exists() and (self.previous / METADATA_FILE).is_file():
             warnings.warn(
                 f"no checkpoint at {self.root}, loading {self.previous}: a save_checkpoint() was "
@@ -227,7 +225,7 @@ class ObjectStorage:
         try:
             with _asking(self.root, f"reading {POINTER}"):
                 data = self.fs.cat_file(f"{self.path}/{POINTER}", start=0, end=4097)
-            payload = parse_json(data) if len(data) <= 4096 else None
+            payload = parse_json(data) if len(data) <= 4096 else {}
         except FileNotFoundError:
             return None
         except JsonProblem as e:
@@ -291,9 +289,6 @@ class ObjectFiles:
     def size(self, name: str) -> int | None:
         return self._sizes.get(name)
 
-    def read_once(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        return self.opened(name)
-
     @contextlib.contextmanager
     def opened(self, name: str) -> Iterator[BinaryIO]:
         size = self._sizes.get(name)
@@ -307,6 +302,8 @@ class ObjectFiles:
                 yield f
         except FileNotFoundError:
             raise self.changed(f"{name} was deleted after this load first saw it") from None
+
+    read_once = opened
 
     def close(self) -> None:
         """Nothing is held between reads."""
@@ -385,9 +382,6 @@ class _Digesting(io.RawIOBase):
             self.found[(self.name, self.start, self.position)] = self.digests.value()
             self.start, self.digests = self.position, Digests()
         return self.position
-
-    def flush(self) -> None:
-        self.raw.flush()
 
     def close(self) -> None:
         if not self.closed:
