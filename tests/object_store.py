@@ -29,7 +29,7 @@ ERROR_XML = (
 
 @dataclass
 class Fault:
-    """Answer the next ``times`` requests whose ``"<METHOD> <path>?<query>"`` matches
+    """Answer the next ``times`` requests whose ``"<METHOD> <path>?<query>[ range]"`` matches
     ``pattern`` (after letting ``skip`` of them through): ``fail`` with ``status`` (an S3
     error), ``hold`` until released (or ``seconds``), or ``kill`` the ``pids`` (SIGKILL)
     and then hold."""
@@ -114,6 +114,7 @@ class LocalS3:
         def layer(environ: dict[str, Any], start_response: Any) -> Any:
             query = environ.get("QUERY_STRING", "")
             request = f"{environ['REQUEST_METHOD']} {environ.get('PATH_INFO', '')}?{query}"
+            request += " range" if environ.get("HTTP_RANGE") else ""  # a byte-range read
             if environ.get("PATH_INFO", "").startswith("/_test/"):
                 return self._control(environ, start_response)
             with self._lock:
@@ -174,7 +175,8 @@ def clear(endpoint: str) -> None:
 
 
 def requests(endpoint: str) -> list[str]:
-    """Every request the store at ``endpoint`` answered so far, ``"<METHOD> <path>?<query>"``."""
+    """Every request the store at ``endpoint`` answered so far: ``"<METHOD> <path>?<query>"``,
+    and ``" range"`` for a byte-range read."""
     return json.loads(_post(endpoint, "requests", {}))
 
 

@@ -457,6 +457,20 @@ def test_a_load_racing_a_commit_never_mixes_two_saves(store: LocalS3) -> None:
     _bit_exact(loaded_from(url, run.expected()), 2)
 
 
+def test_a_load_reads_objects_by_byte_range(store: LocalS3) -> None:
+    """Every read of an object asks for a byte range (``current.json`` within its bound, the
+    data items, their archives' tails): never a whole-object download."""
+    url = f"s3://{BUCKET}/ranges/ckpt"
+    run = Run()
+    run.advance(1)
+    save_checkpoint({"ema": run.ema}, url)
+    before = len(store.requests)
+    _bit_exact(loaded_from(url, run.expected()), 1)
+    reads = [r for r in store.requests[before:] if r.startswith("GET") and "list-type" not in r]
+    assert any(".distcp" in r for r in reads) and any("current.json" in r for r in reads)
+    assert all(r.endswith(" range") for r in reads), reads
+
+
 def _tampered(name: str, tamper: Any) -> str:
     """A fresh one-process save at ``tamper/<name>``, then ``tamper(fs, save prefix)``."""
     import fsspec
