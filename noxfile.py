@@ -31,7 +31,9 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the whole suite on CPU; multi-rank tests use gloo."""
-    _install(session, "test,lightning,transformers,compat,zoo,docs,deepspeed,torchft,olmo,fuzz")
+    _install(
+        session, "test,lightning,transformers,compat,zoo,docs,deepspeed,torchft,olmo,fuzz,torchao"
+    )
     _pytest(session, "-n", "2", "--dist", "loadfile")  # as README.md's test command
 
 

@@ -36,9 +36,17 @@ on CUDA to the chunked pipeline (:func:`verdict`).
    ``_foreach_lerp_`` on DTensor clones, ``copy_`` of the same bytes, and timm
    ``ModelEmaV3`` on a full replica (without ``dtype=`` in the installed timm, its EMA is
    cast to float32 by hand).
-5. ``tests``: the test modules whose bodies follow the backend (:data:`TESTS_CUDA`) with
+5. ``float8`` (skipped with a note without torchao, or below SM89): torchao float8 training
+   with ``enable_fsdp_float8_all_gather=True`` and ``precompute_float8_dynamic_scale_for_fsdp``
+   under FSDP2 on a one-rank group (NCCL on CUDA), the float8 matmuls on the device: eager
+   (and graphed, on CUDA) EMAs against a ``lerp_`` reference every step, the swap's weights
+   and forward against an unsharded float8 model, the weights restored.
+6. ``host``: the host time of one ``update()`` at 161 and 1000 fp32 tensors, eager and
+   (CUDA only) with graph replay, beside one bare ``_foreach_lerp_`` on the same tensors
+   (``host_overhead.py``'s code).
+7. ``tests``: the test modules whose bodies follow the backend (:data:`TESTS_CUDA`) with
    ``DTENSOR_EMA_TEST_BACKEND=gloo-cuda`` (W = 1-4 ranks on the one GPU).
-6. ``kernels`` (not in the preset): eager vs compiled vs a reference written here for fp32,
+8. ``kernels`` (not in the preset): eager vs compiled vs a reference written here for fp32,
    bf16->fp32, fp16->fp32, mixed groups, channels_last, capturable, multi-EMA.
 
 Writes ``gpu_suite.md`` and ``gpu_suite.json`` under ``--out`` (after every section).
@@ -591,10 +599,111 @@ def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]
     return row
 
 
+def section_float8(args: argparse.Namespace) -> dict[str, Any]:
+    """torchao float8 training under FSDP2 with its float8 all-gather (a one-rank group,
+    NCCL on CUDA): skipped with a note without torchao or below SM89."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        return {"skipped": f"torchao not importable ({err}): pip install torchao==0.18.0"}
+    if args.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        return {"skipped": "float8 matmuls need SM89 or later"}
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    rows: list[dict[str, Any]] = args.progress.setdefault("rows", [])
+    rows.append(_float8_row(device or torch.device("cpu"), args.out))
+    return {"rows": rows}
+
+
+def _float8_row(device: torch.device, out: Path) -> dict[str, Any]:
+    """``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` (every local tensor a
+    ``WeightWithDynamicFloat8CastTensor``) with ``precompute_float8_dynamic_scale_for_fsdp``
+    after each AdamW step, the float8 matmuls on the device: an eager EMA (and on CUDA a
+    graphed one) against a ``lerp_`` reference of the full weights every step; inside
+    ``average_parameters()`` (the scales recomputed) the weights and a forward against an
+    unsharded float8 model holding the reference; the weights restored."""
+    import torch.distributed as dist
+    from gpu_checks import full_cpu
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import (
+        Float8LinearConfig,
+        convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+
+    from dtensor_ema import ModelEMA
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)
+        ).to(device)
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        return convert_to_float8_training(model, config=config)
+
+    def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        fulls = {k: full_cpu(v) for k, v in model.named_parameters()}
+        return {k: getattr(v, "_tensor", v).detach().clone() for k, v in fulls.items()}
+
+    row: dict[str, Any] = {"path": "float8 all-gather, FSDP2 at W=1", "dtype": "fp32"}
+    store_dir = out / "float8_store"
+    store_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.FileStore(str(store_dir / f"store-{os.getpid()}"), 1)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    try:
+        model = net()
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        row["local_type"] = type(model[0].weight.to_local()).__name__
+        emas = {"eager": ModelEMA(model, decay=0.9, tau=None, cuda_graph=False)}
+        if device.type == "cuda":
+            emas["graph"] = ModelEMA(model, decay=0.9, tau=None, cuda_graph=True)
+        ref = weights(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        bad: dict[str, list[str]] = {name: [] for name in emas}
+        for step in range(4):
+            gen = torch.Generator().manual_seed(step)
+            model(torch.randn(32, 64, generator=gen).to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            precompute_float8_dynamic_scale_for_fsdp(model)
+            now = weights(model)
+            for k, v in ref.items():
+                v.lerp_(now[k], 0.1)
+            for name, ema in emas.items():
+                ema.update()
+                got = {k: full_cpu(v) for k, v in ema.ema_tensors().items()}
+                bad[name] += [f"step {step}: {k}" for k in differing(got, ref)]
+        for name in emas:
+            row[f"{name}_differs"] = bad[name] or "exact"
+        if "graph" not in emas:
+            row["graph_differs"] = "skipped: no CUDA"
+        twin = net()
+        twin.load_state_dict({k: v.to(device) for k, v in ref.items()})
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(99)).to(device)
+        raw = weights(model)
+        with torch.no_grad():
+            expected = twin(x)
+            with emas["eager"].average_parameters():
+                precompute_float8_dynamic_scale_for_fsdp(model)
+                row["weights"] = differing(weights(model), ref) or "exact"
+                got = model(x)
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        row["restored"] = differing(weights(model), raw) or "exact"
+        diff = float((got - expected).abs().max())
+        row["forward_max_abs_diff"] = diff
+        row["ok"] = diff <= 1e-3 * max(float(expected.abs().max()), 1.0)
+    finally:
+        dist.destroy_process_group()
+    return row
+
+
 def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
     """W = 4 and W = 2 ranks on the one device; fake process group at W = 8, 64."""
     import shutil
 
+    import gpu_checks
     import gpu_ranks
     import gpu_zero3
     from dist_harness import outcomes, spawn_ranks
@@ -643,10 +752,10 @@ def section_multirank(args: argparse.Namespace) -> dict[str, Any]:
                     errors.append(failure[-1500:])
         out[f"w{world}_seconds"] = round(time.perf_counter() - start, 1)
     for layout in gpu_ranks.LAYOUTS[4]:
-        for dt in gpu_ranks.DTYPES:
+        for dt in gpu_checks.DTYPES:
             if (ckpt / f"{layout}_{dt}.ref.pt").exists():
-                rows.append(gpu_ranks.load_one_process(layout, dt, device, ckpt))
-    for dt in gpu_ranks.DTYPES:
+                rows.append(gpu_checks.load_one_process(layout, dt, device, ckpt))
+    for dt in gpu_checks.DTYPES:
         if (ckpt / f"zero3_{dt}.ref.pt").exists():
             rows.append(gpu_zero3.load_one_process(dt, device, ckpt))
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -806,6 +915,48 @@ def section_speed(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "errors": errors}
 
 
+def section_host(args: argparse.Namespace) -> dict[str, Any]:
+    """Host time of one ``update()`` beside one bare ``_foreach_lerp_`` on the same tensors
+    (``host_overhead.py``'s models and floor), at 161 and 1000 fp32 tensors: eager, and on
+    CUDA with graph replay (``cuda_graph=True``). Host time: the device is synchronized
+    before and after each block of calls, never inside it."""
+    from host_overhead import Case, build_pair, median_block
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else None
+    # CPU: one thread and thread CPU time, as in ``speed``; CUDA: the wall clock.
+    clock = time.perf_counter if cuda else time.thread_time
+    if not cuda:
+        torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = args.progress.setdefault("rows", [])
+    for tensors in (161, 1000):
+        case = Case("fp32", tensors)
+        floor, eager, _ = build_pair(case, device, cuda_graph=False)
+        impls = {"floor": (floor, True), "update": (eager, False)}
+        row: dict[str, Any] = {"tensors": tensors}
+        graphed = None
+        if cuda:
+            _, replay, graphed = build_pair(case, device, cuda_graph=True)
+            impls["graph"] = (replay, False)
+        else:
+            row["graph"] = "skipped: no CUDA"
+        for fn, no_grad in impls.values():  # warm-up, and the graph's capture
+            median_block(fn, 5, no_grad=no_grad, sync=sync, clock=clock)
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(9):
+            for name, (fn, no_grad) in impls.items():
+                samples[name].append(median_block(fn, 20, no_grad=no_grad, sync=sync, clock=clock))
+        us = {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+        row.update(floor_us=round(us["floor"], 1), update_us=round(us["update"], 1))
+        row["update_over_floor"] = round(us["update"] / us["floor"], 3)
+        if graphed is not None:
+            row.update(graph_us=round(us["graph"], 1), replays=graphed.engine.graph is not None)
+            row["graph_over_floor"] = round(us["graph"] / us["floor"], 3)
+        rows.append(row)
+    return {"clock": "wall" if cuda else "thread CPU time, one thread", "rows": rows}
+
+
 def make_timm_ema(cls: Any, model: torch.nn.Module) -> tuple[Any, str]:
     """A timm ``ModelEmaV3`` keeping a float32 EMA, with or without its ``dtype=`` argument.
 
@@ -855,16 +1006,19 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "offload": section_offload,
     "multirank": section_multirank,
     "speed": section_speed,
+    "float8": section_float8,
+    "host": section_host,
     "tests": section_tests,
 }
 
-PRESET = "cuda_graph:45,offload:70,multirank:170,speed:110,tests:45"
-"""The default sections and their pinned budgets (seconds; 440 in all, inside the default
+PRESET = "cuda_graph:45,offload:70,multirank:165,speed:100,float8:15,host:20,tests:45"
+"""The default sections and their pinned budgets (seconds; 460 in all, the default
 ``--budget-s 460``): the one command a GPU session runs, in at most 8 minutes. Most
 important first: what decides the defaults (``cuda_graph``, ``offload``), then several
-ranks, then speed, then the test bodies on the GPU. Left out to fit (``benchmarks/README.md``
-says why): the ``kernels`` section (proven exact on the H100 run; the compiled kernel is no
-CUDA default), W = 512 in ``speed`` (with the Llama-3-8B blocks it did not fit a 10-minute
+ranks, then speed, torchao float8 under FSDP2 (one small model) and the host time of one
+update, then the test bodies on the GPU. Left out to fit (``benchmarks/README.md`` says
+why): the ``kernels`` section (proven exact on the H100 run; the compiled kernel is no CUDA
+default), W = 512 in ``speed`` (with the Llama-3-8B blocks it did not fit a 10-minute
 call), the compiled kernel everywhere, and the test modules that build their meshes on CPU
 (CI runs them)."""
 BUDGET_S = 460.0

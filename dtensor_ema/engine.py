@@ -1,24 +1,26 @@
 """The machinery behind :class:`~dtensor_ema.ModelEMA`: one owner for the EMA's state.
 
-:class:`EmaEngine` is built from an unwrapped model, the world mesh and one
+:class:`EmaEngine` is built from the user's model, mesh and one
 :class:`~dtensor_ema.options.EmaOptions`, and owns everything an update touches:
 
-* the plan (:mod:`dtensor_ema.plan`: the model-to-EMA binding, the tracked set),
+* the plan (:mod:`dtensor_ema.plan`: the model-to-EMA binding over the world mesh, the
+  tracked set),
 * the counter (:mod:`dtensor_ema.update.counter`: how many calls, which decay),
-* the update groups (:mod:`dtensor_ema.update.fused_update`: cached local views per kernel call),
-* the updater (:mod:`dtensor_ema.update.updater`, :mod:`dtensor_ema.update.cuda_graph`: who applies
-a
-  step, and when), chosen in one place, :func:`make_updater`,
+* the update groups (:mod:`dtensor_ema.update.fused_update`: cached local views per kernel
+  call),
+* the updater (:mod:`dtensor_ema.update.updater`, :mod:`dtensor_ema.update.cuda_graph`: who
+  applies a step, and when), chosen in one place, :func:`make_updater`,
 * changes of the tracked set (the plan decides which tracked tensors are copied),
-* whether the EMA is swapped into the model (nothing may update it then).
+* whether the EMA is swapped into the model (nothing may update it then), and the EMA
+  module built over it (:mod:`dtensor_ema.materialize.ema_module`).
 
 :class:`~dtensor_ema.ModelEMA` keeps the user-facing verbs and delegates here;
 :class:`~dtensor_ema.MultiModelEMA`, the drop-ins, the trainer integrations and the PEFT
 export use this class's public surface (``ema.engine``), never ``ModelEMA``'s internals.
 
-Data flow: model -> :func:`~dtensor_ema.plan.build_plan` (entries made one tensor at a time
-by :func:`~dtensor_ema.layout.make_entry`) -> :func:`~dtensor_ema.update.fused_update.update_groups`
--> :meth:`EmaEngine.step` (``updater.run(counter)``: one fused call per group) ->
+Data flow: model -> :func:`~dtensor_ema.plan.build_plan` (entries made one tensor at a
+time by :func:`~dtensor_ema.layout.make_entry`) -> :func:`~dtensor_ema.update.fused_update.
+update_groups` -> :meth:`EmaEngine.step` (``updater.run(counter)``: one fused call per group) ->
 materialize/swap/checkpoint read :attr:`EmaEngine.plan`.
 """
 
@@ -35,7 +37,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.layout import ema_local_from_full
+from dtensor_ema.materialize.ema_module import UnitSpec, build_ema_module, refuse_unmirrored_options
 from dtensor_ema.materialize.swap import swapped_in
+from dtensor_ema.materialize.twin import guard_untracked_loads
 from dtensor_ema.options import EmaOptions
 from dtensor_ema.plan import EmaPlan, build_plan, unwrap_model
 from dtensor_ema.update import updater as updaters
@@ -53,6 +57,9 @@ from dtensor_ema.update.fused_update import UpdateGroup, update_groups
 from dtensor_ema.update.updater import Updater
 
 __all__ = ["EmaEngine", "make_updater"]
+
+# torch.no_grad() costs ~1.5 us a call (3 objects); the C switch it wraps is private.
+_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
 
 
 def make_updater(
@@ -101,20 +108,18 @@ class EmaEngine:
     """The plan, counter, update groups and updater of one EMA, and changes to them.
 
     Args:
-        model: the unwrapped model (no DDP/``torch.compile`` wrapper: see
-            :func:`~dtensor_ema.plan.unwrap_model`).
-        world: the mesh whose ranks share the EMA (:func:`~dtensor_ema.layout.
-            resolve_world_mesh`), or ``None`` for plain unsharded EMA tensors.
+        model: the model as the user passed it (:func:`~dtensor_ema.plan.build_plan`
+            unwraps it: :attr:`model`).
+        mesh: the user's ``mesh=`` (resolved by the plan: :attr:`world`).
         options: every option, validated (:class:`~dtensor_ema.options.EmaOptions`).
-        device: the model's device (:func:`~dtensor_ema.plan.model_device`): where the
-            counter's device twin lives.
         updates: the counter's initial value.
 
-    Construction is **collective** over ``world`` (:func:`~dtensor_ema.plan.build_plan`'s
+    Construction is **collective** over :attr:`world` (:func:`~dtensor_ema.plan.build_plan`'s
     structure and replica checks); :meth:`change_tracked` is too; everything else here is
     local. Peak extra memory: the EMA shards themselves.
 
     Raises:
+        TypeError: as :func:`~dtensor_ema.plan.build_plan`.
         ValueError: as :func:`~dtensor_ema.plan.build_plan`, an ``exclude`` name that is not
             tracked, and ``cuda_graph=True`` where replay is unsafe (decided before any
             thread or stream exists).
@@ -123,23 +128,26 @@ class EmaEngine:
     def __init__(
         self,
         model: nn.Module,
-        world: DeviceMesh | None,
+        mesh: DeviceMesh | None,
         options: EmaOptions,
         *,
-        device: torch.device,
         updates: int = 0,
     ) -> None:
-        self.model = model
-        self.world = world
+        self._plan = build_plan(model, mesh, options)
+        self.model = self._plan.module
+        """The unwrapped model (:func:`~dtensor_ema.plan.unwrap_model`)."""
+        self.world = self._plan.world
+        """The mesh whose ranks share the EMA (``None``: plain, unsharded EMA tensors)."""
+        self.device = self._plan.device
+        """The model's device: where the counter's device twin lives."""
         self.options = options
-        self.device = device
-        self._counter = UpdateCounter(options, updates, device)
-        self._plan = build_plan(model, world, options)
         self._groups = self._build_groups()
+        self._counter = UpdateCounter(options, updates, self.device)
         self._decision = self._resolve_graph()
         self._updater = self._new_updater()
         self._swapped = False
         self._identity: tuple[int, int] | None = None
+        self._module: nn.Module | None = None
         log_decision(self._decision, self.device.type)
 
     # ------------------------------------------------------------------ read-only state
@@ -187,6 +195,11 @@ class EmaEngine:
         """Whether the EMA weights are swapped into the model (:meth:`swapped_in`)."""
         return self._swapped
 
+    @property
+    def module(self) -> nn.Module | None:
+        """The EMA module :meth:`build_module` built (``None`` before)."""
+        return self._module
+
     def identity(self) -> int:
         """Which EMA this is, as a 32-bit digest: its entries (names, shapes, EMA dtypes,
         averaged or copied), its untracked tensors and its options
@@ -220,18 +233,26 @@ class EmaEngine:
     def step(self) -> None:
         """One ``update()`` call: wait for a pending offloaded step, re-bind the views if
         the model moved its tensors (refused while swapped in), then count and apply the
-        step through the updater. Local: no communication.
+        step through the updater, with grad mode off. Local: no communication.
 
         Raises:
             ValueError: the model's tensors changed (the EMA untouched).
             RuntimeError: swapped in, closed, or an earlier offloaded step failed.
         """
-        self.flush()  # an earlier offloaded update that failed raises before this one counts
-        if self._updater.checks_sources:
-            self.sync_sources()
-        else:
+        updater = self._updater
+        updater.wait()  # an earlier offloaded update that failed raises before this one counts
+        if not updater.checks_sources:  # the capturable step, which torch.compile traces whole
             self.refuse_while_swapped()
-        self._updater.run(self._counter)
+            with torch.no_grad():
+                updater.run(self._counter)
+            return
+        grad = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            self.sync_sources()
+            updater.run(self._counter)
+        finally:
+            _set_grad_enabled(grad)
 
     def advance(self) -> float | None:
         """Count one call now, for callers that apply the step themselves
@@ -353,6 +374,27 @@ class EmaEngine:
         finally:
             self._swapped = False
 
+    def build_module(
+        self, mesh: DeviceMesh | None, units: UnitSpec, compute_dtype: torch.dtype | None
+    ) -> nn.Module:
+        """Build ``ModelEMA.module`` once (:func:`~dtensor_ema.materialize.ema_module.
+        build_ema_module`, which may move the local shards into the twin: the update groups
+        are rebuilt). Local; raises as ``ModelEMA.build_module``."""
+        if self._module is not None:
+            raise RuntimeError(
+                "ema.module was already built (build_module() runs once, before the first "
+                "access of ema.module); reuse ema.module"
+            )
+        refuse_unmirrored_options(self.options, mesh)
+        self.settle()  # refuses inside average_parameters()
+        plan = self._plan
+        module = build_ema_module(self.model, plan, mesh, units=units, compute_dtype=compute_dtype)
+        if plan.untracked:
+            guard_untracked_loads(module, plan)
+        self.rebind()  # the EMA's local shards may have moved into the module
+        self._module = module
+        return module
+
     # ------------------------------------------------------------------ whole state
     def whole_state(self) -> dict[str, Any]:
         """``{"updates": int, "ema": {fqn: tensor}}``: a copy of the whole EMA, for pickling
@@ -427,8 +469,15 @@ class EmaEngine:
             TypeError: ``fqns`` is a string.
             ValueError: as ``track_``/``untrack_``, or ``cuda_graph=True`` and a new
                 tensor's EMA dtype rules the graph out.
-            RuntimeError: while swapped in.
+            RuntimeError: while swapped in, or after :meth:`build_module` (the module holds
+                the old set).
         """
+        if self._module is not None:
+            raise RuntimeError(
+                f"{'add' if add else 'drop'}_tensors() after ema.module was built: the module "
+                "holds the old tracked set. Change the tracked set before the first access of "
+                "ema.module"
+            )
         if isinstance(fqns, str):
             raise TypeError(f"fqns must be a collection of names, got the string {fqns!r}")
         self.flush()

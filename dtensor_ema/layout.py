@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ from dtensor_ema.options import EmaOptions
 __all__ = [
     "FlatPartition",
     "LayoutBuilder",
+    "PiecePointers",
     "PlanEntry",
     "ReplicaLevel",
     "TensorLayout",
@@ -68,6 +70,7 @@ __all__ = [
     "model_piece",
     "model_piece_ptr",
     "model_shape",
+    "plain_tensor",
     "refine_world_mesh",
     "resolve_world_mesh",
     "shard_mesh_dim",
@@ -402,8 +405,6 @@ class LayoutBuilder:
                 computes differently.
         """
         world = self.world
-        if zero_partition.is_partitioned(tensor):
-            return self._partition_layout(fqn, tensor)
         if world is None:
             return TensorLayout(None, (), 0, piece_shape[0] if piece_shape else 0, ())
         pmesh: DeviceMesh | None = None
@@ -500,45 +501,28 @@ class LayoutBuilder:
         _check_with_torch(fqn, tensor.shape, layout, piece_shape)
         return layout
 
-    def refuse_unfollowable(self, fqn: str, tensor: torch.Tensor) -> None:
-        """Refuse a model tensor whose layout the EMA cannot follow even untracked (whole
-        model outputs read it): a ZeRO-3 parameter with a DeepSpeed setting the EMA cannot
-        follow (:func:`~dtensor_ema.zero_partition.refusal`). Local.
+    def place(
+        self, fqn: str, tensor: torch.Tensor, partition: zero_partition.ZeroPartition | None
+    ) -> tuple[torch.Tensor, torch.Size, TensorLayout]:
+        """``(piece, shape, layout)`` of a model tensor: this rank's local piece of it (a
+        view), its real global shape, and its layout. ``partition``: what
+        :func:`~dtensor_ema.zero_partition.read_partition` read of it (``None``: not a
+        ZeRO-3 parameter), whose flat range is ``Shard(0)`` of the flattened tensor over the
+        world mesh (checked there to be DeepSpeed's group, in its order). Local.
 
         Raises:
-            ValueError: naming the tensor, the setting and the way out.
+            ValueError: as :meth:`layout`.
         """
-        if zero_partition.is_partitioned(tensor):
-            self._check_partition(fqn, tensor)
-
-    def _check_partition(self, fqn: str, tensor: torch.Tensor) -> DeviceMesh:
-        world = self.world
-        if world is None or world.ndim != 1:
-            raise ValueError(
-                f"cannot average {fqn!r}, a ZeRO-3 parameter: its partitions are 1-D over "
-                "DeepSpeed's data-parallel group, so the EMA's mesh must be that group "
-                f"(mesh=None does it); got {'no mesh' if world is None else tuple(world.shape)}"
+        if partition is not None:
+            flat = FlatPartition(partition.shape, partition.start)
+            length = partition.piece.numel()
+            return (
+                partition.piece,
+                partition.shape,
+                TensorLayout(self.world, (Shard(0),), 0, length, (), flat),
             )
-        why = zero_partition.refusal(fqn, tensor, world.mesh.tolist(), world.device_type)
-        if why is not None:
-            raise ValueError(f"cannot average {why}")
-        return world
-
-    def _partition_layout(self, fqn: str, tensor: torch.Tensor) -> TensorLayout:
-        """A ZeRO-3 parameter: ``Shard(0)`` of the flattened tensor over the world mesh
-        (checked to be DeepSpeed's partition group, in its order), this rank's piece the
-        partition without padding."""
-        world = self._check_partition(fqn, tensor)
-        numel = int(tensor.ds_numel)  # type: ignore[attr-defined]
-        start, length = zero_partition.partition_range(tensor)
-        if (start, length) != chunk_range(numel, world.size(), world.get_local_rank()):
-            raise ValueError(
-                f"cannot average {fqn!r}: its ZeRO-3 partition [{start}, {start + length}) is "
-                f"not Shard(0) of its {numel} elements over {world.size()} ranks; please "
-                "report this DeepSpeed version"
-            )
-        flat = FlatPartition(zero_partition.real_shape(tensor), start)
-        return TensorLayout(world, (Shard(0),), 0, length, (), flat)
+        piece = plain_tensor(_local(tensor)).detach()  # a wrapper subclass: its plain tensor
+        return piece, tensor.shape, self.layout(fqn, tensor, piece.shape)
 
     def _ema_mesh(
         self,
@@ -768,6 +752,9 @@ class PlanEntry:
     """Global shape, dtype and device of the source when the plan was built."""
     averaged: bool = True
     """``False``: the EMA copies the model's value instead (excluded tensors, copied buffers)."""
+    inner: tuple[str, ...] = ()
+    """A wrapper subclass's attributes down to the plain tensor the EMA reads
+    (:func:`inner_path`; ``()`` for other tensors)."""
 
     @property
     def is_dtensor_source(self) -> bool:
@@ -792,14 +779,6 @@ class PlanEntry:
         if flat is None:
             return self.ema
         return FlatChunks(self.ema_local, flat.shape, flat.start + self.layout.offset)
-
-    def piece_ptr(self) -> int:
-        """:func:`model_piece_ptr` of the source, without probing its kind (per update)."""
-        if self.layout.flat is not None:
-            return self.source.ds_tensor.data_ptr()  # type: ignore[attr-defined]
-        if isinstance(self.source, DTensor):
-            return _dtensor_local_ptr(self.source)
-        return self.source.data_ptr()
 
     def whole_view(self) -> torch.Tensor | None:
         """The model's whole value of a tensor it also holds in pieces, when it holds one
@@ -845,18 +824,26 @@ def make_entry(
     builder: LayoutBuilder,
     options: EmaOptions,
     is_parameter: bool,
+    partition: zero_partition.ZeroPartition | None = None,
 ) -> PlanEntry:
-    """One entry: this rank's layout of ``tensor``, a fresh EMA shard of its current value,
-    and whether it is averaged or copied (:meth:`~dtensor_ema.options.EmaOptions.
-    is_copied`). Local."""
+    """One entry: this rank's layout of ``tensor`` (:meth:`LayoutBuilder.place`; a ZeRO-3
+    parameter's from ``partition``, the plan's one reading of it), a fresh EMA shard of its
+    current value, and whether it is averaged or copied (:meth:`~dtensor_ema.options.
+    EmaOptions.is_copied`). Local."""
     dtype = options.ema_dtype or default_ema_dtype(tensor.dtype)
-    piece = model_piece(tensor)
-    shape = model_shape(tensor)
-    plain_buffer = not is_parameter and not isinstance(tensor, DTensor)
-    if options.replicate_buffers and plain_buffer:
+    if partition is None and type(plain := plain_tensor(_local(tensor))) is not torch.Tensor:
+        kind = f"{type(plain).__module__}.{type(plain).__qualname__}"
+        raise ValueError(
+            f"cannot average {fqn!r}, a {kind}: the EMA holds plain tensors and this tensor "
+            "subclass wraps no plain tensor of its shape and dtype (docs/options.md, tensor "
+            "subclasses); leave it out with track='trainable' if it is frozen, or track=lambda"
+            f" fqn, t: fqn != {fqn!r} (exclude= still stores a copy)"
+        )
+    if options.replicate_buffers and not is_parameter and not isinstance(tensor, DTensor):
+        piece, shape = plain_tensor(tensor).detach(), tensor.shape
         layout = TensorLayout(None, (), 0, piece.shape[0] if piece.dim() else 0, ())
     else:
-        layout = builder.layout(fqn, tensor, piece.shape)
+        piece, shape, layout = builder.place(fqn, tensor, partition)
     source_local = local_rows(piece, layout)
     ema = _ema_tensor(tensor, source_local, layout, dtype, options.offload)
     return PlanEntry(
@@ -870,6 +857,7 @@ def make_entry(
         is_parameter=is_parameter,
         signature=(shape, tensor.dtype, tensor.device),
         averaged=not options.is_copied(fqn, tensor, is_parameter),
+        inner=() if layout.flat is not None else inner_path(_local(tensor)),
     )
 
 
@@ -911,12 +899,52 @@ def ema_local_from_full(entry: PlanEntry, full: torch.Tensor) -> torch.Tensor:
 def model_piece(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local piece of a model tensor, as a view: ``to_local()`` of a DTensor,
     the partition without padding of a ZeRO-3 parameter (1-D), the whole (detached)
-    tensor otherwise."""
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().detach()
+    tensor otherwise; a tensor subclass as the plain tensor it wraps (:func:`plain_tensor`)."""
     if zero_partition.is_partitioned(tensor):
         return zero_partition.partition_piece(tensor)
-    return tensor.detach()
+    return plain_tensor(_local(tensor)).detach()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def inner_path(tensor: torch.Tensor) -> tuple[str, ...]:
+    """[Note: tensor subclasses] The attributes that lead from a wrapper subclass (no storage
+    of its own) to the plain tensor that holds its values, for :func:`plain_tensor`.
+
+    A wrapper is averaged through the one tensor among its ``__tensor_flatten__`` inner
+    tensors that has its shape and dtype, when any others are scalars (a cached scale),
+    unwrapped as often as needed: torchao's float8 weights (``WeightWithDynamicFloat8CastTensor``
+    under ``enable_fsdp_float8_all_gather``, with its precomputed scale or without). Any other
+    wrapper (torchao's ``NF4Tensor``: codes and scales) ends the path. Local, no copy.
+    """
+    path: list[str] = []
+    while type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        names = flatten()[0] if flatten is not None else ()
+        inner = {n: t for n in names if isinstance(t := getattr(tensor, n, None), torch.Tensor)}
+        same = [n for n, t in inner.items() if (t.shape, t.dtype) == (tensor.shape, tensor.dtype)]
+        if (
+            len(same) != 1
+            or len(inner) != len(names)
+            or any(t.dim() for n, t in inner.items() if n != same[0])
+        ):
+            break
+        path.append(same[0])
+        tensor = inner[same[0]]
+    return tuple(path)
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds a model tensor's values (:func:`inner_path`); a subclass
+    with storage of its own (``as_subclass``) as a plain view. Any other subclass comes back
+    unchanged, and :func:`make_entry` refuses to average it. Local, no copy."""
+    for name in inner_path(tensor):
+        tensor = getattr(tensor, name)
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    return tensor.as_subclass(torch.Tensor) if tensor.numel() == 0 or tensor.data_ptr() else tensor
 
 
 def model_shape(tensor: torch.Tensor) -> torch.Size:
@@ -930,21 +958,61 @@ def model_shape(tensor: torch.Tensor) -> torch.Size:
 def model_piece_ptr(tensor: torch.Tensor) -> int:
     """Where this rank's piece of a model tensor lives (``data_ptr`` of the DTensor's
     local tensor, of a ZeRO-3 partition, of the tensor): a change means cached views of
-    it are stale. Local (:meth:`PlanEntry.piece_ptr` is the per-update form)."""
+    it are stale. Local (:class:`PiecePointers` is the per-update form)."""
     if isinstance(tensor, DTensor):
-        return _dtensor_local_ptr(tensor)
+        return _dtensor_local(tensor).data_ptr() or model_piece(tensor).data_ptr()
     ds_tensor = getattr(tensor, "ds_tensor", None)
     if isinstance(ds_tensor, torch.Tensor):
         return ds_tensor.data_ptr()
-    return tensor.data_ptr()
+    return tensor.data_ptr() or model_piece(tensor).data_ptr()  # 0: a wrapper subclass
 
 
-def _dtensor_local_ptr(tensor: DTensor) -> int:
+def _dtensor_local(tensor: DTensor) -> torch.Tensor:
     # DTensor.to_local() builds a fresh view for parameters (~2.5 us each, ~0.4 ms per
     # update for ResNet-50); reading the private attribute is ~10x cheaper. Fall back to
     # the public call if a torch release renames it.
     local = getattr(tensor, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else tensor.to_local()).data_ptr()
+    return local if isinstance(local, torch.Tensor) else tensor.to_local()
+
+
+class PiecePointers:
+    """:func:`model_piece_ptr` of every entry's source (in an order of its own) with no Python
+    frame per tensor, for ``update()`` to compare every step. Local. DTensors are read through
+    their local tensor (FSDP2's ``module.to()`` swaps it inside the same DTensor), ZeRO-3
+    parameters through their partition (``ds_tensor``). Lists, no closure: copies follow."""
+
+    __slots__ = ("dtensors", "flat", "local", "plain", "wrapped")
+
+    def __init__(self, entries: Sequence[PlanEntry]) -> None:
+        self.flat = [e.source for e in entries if e.layout.flat is not None]
+        kept = [e for e in entries if e.layout.flat is None and not e.inner]
+        self.dtensors = [e.source for e in kept if e.is_dtensor_source]
+        self.plain = [e.source for e in kept if not e.is_sharded_source]
+        # a wrapper subclass has no storage of its own: its plain tensor's (PlanEntry.inner)
+        self.wrapped = [
+            (e.source, operator.attrgetter(".".join(e.inner))) for e in entries if e.inner
+        ]
+        readable = all(hasattr(t, "_local_tensor") for t in self.dtensors)
+        self.local: Callable[[Any], torch.Tensor] = (
+            operator.attrgetter("_local_tensor") if readable else _dtensor_local
+        )
+
+    def __call__(self) -> list[int]:
+        ptr = torch.Tensor.data_ptr
+        if self.wrapped:
+            local = [_dtensor_local(t) if isinstance(t, DTensor) else t for t, _ in self.wrapped]
+            inners = [inner(t) for t, (_, inner) in zip(local, self.wrapped, strict=True)]
+            return [*self.plain_and_sharded(), *map(ptr, inners)]
+        return self.plain_and_sharded()
+
+    def plain_and_sharded(self) -> list[int]:
+        ptr = torch.Tensor.data_ptr
+        if not (self.dtensors or self.flat):  # one kind (the common cases): one list
+            return list(map(ptr, self.plain))
+        if not (self.plain or self.flat):
+            return list(map(ptr, map(self.local, self.dtensors)))
+        pieces = map(operator.attrgetter("ds_tensor"), self.flat)
+        return [*map(ptr, self.plain), *map(ptr, map(self.local, self.dtensors)), *map(ptr, pieces)]
 
 
 def model_geometry(

@@ -21,13 +21,13 @@ buffers follow the model. Schedules: the yolov5 ramp (default),
 Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit for bit.
 
 :class:`ModelEMA` is the user-facing face: it resolves the arguments into one
-:class:`~dtensor_ema.options.EmaOptions` and the world mesh, and delegates to its
+:class:`~dtensor_ema.options.EmaOptions` and delegates to its
 :class:`~dtensor_ema.engine.EmaEngine` (``ema.engine``), which owns the plan (the
-model-to-EMA binding, :mod:`dtensor_ema.plan`), the counter, the update groups and the
-updater (inline, device, offloaded, CUDA-graph replay). Full state dicts
-(:mod:`dtensor_ema.materialize.full_state`), the local checkpoint state (:mod:`dtensor_ema.state`)
-and
-the EMA module (:mod:`dtensor_ema.materialize.ema_module`) read the engine's plan.
+model-to-EMA binding over the world mesh, :mod:`dtensor_ema.plan`), the counter, the update
+groups, the updater (inline, device, offloaded, CUDA-graph replay) and the EMA module it
+built. Full state dicts (:mod:`dtensor_ema.materialize.full_state`), the local checkpoint
+state (:mod:`dtensor_ema.state`) and the EMA module (:mod:`dtensor_ema.materialize.
+ema_module`) read the engine's plan.
 """
 
 from __future__ import annotations
@@ -41,11 +41,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_ema._collectives import collective, entering
+from dtensor_ema._collectives import collective
 from dtensor_ema.decay import DecaySchedule
 from dtensor_ema.engine import EmaEngine
-from dtensor_ema.layout import resolve_world_mesh
-from dtensor_ema.materialize.ema_module import UnitSpec, build_ema_module, refuse_unmirrored_options
+from dtensor_ema.materialize.ema_module import UnitSpec
 from dtensor_ema.materialize.full_state import (
     gather_options,
     gather_state,
@@ -53,16 +52,13 @@ from dtensor_ema.materialize.full_state import (
     load_full_state,
 )
 from dtensor_ema.materialize.gather import DEFAULT_BUCKET_BYTES
-from dtensor_ema.materialize.twin import guard_untracked_loads
 from dtensor_ema.options import (
     UNSET,
     EmaOptions,
     ExcludeSpec,
     Formula,
     TrackSpec,
-    resolve_schedule,
 )
-from dtensor_ema.plan import model_device, model_tensors, reshard_fsdp, unwrap_model
 from dtensor_ema.state import load_local_state, local_state
 from dtensor_ema.update.counter import check_count
 from dtensor_ema.update.cuda_graph import GraphDecision
@@ -80,17 +76,14 @@ class ModelEMA:
 
     Args:
         model: a plain ``nn.Module``, a DDP-wrapped one, an FSDP2 (``fully_shard``) one, or
-            a DeepSpeed engine (or its ``.module``) on ZeRO stage 0-3: under ZeRO-3 each rank
-            averages its own partition of every parameter (:mod:`dtensor_ema.
-            zero_partition`). The EMA tracks the unwrapped module (``ema.model``); keys never
-            carry ``module.``.
+            a DeepSpeed engine (or its ``.module``) on ZeRO stage 0-3 (under ZeRO-3 each rank
+            averages its own partitions). The EMA tracks the unwrapped module
+            (``ema.model``); keys never carry ``module.``.
         mesh: the world ``DeviceMesh`` (any number of dims) whose ranks share the EMA. Each
             tensor's local piece is split by rows over the mesh dims it is replicated on
-            (the whole mesh for plain/DDP tensors, HSDP's replicate dim, ``tp`` for
-            TP-replicated weights); sharded dims keep the parameter's own placements.
-            ``None``: the DTensor parameters' root mesh, else the default process group as
-            a 1-D mesh, else plain unsharded tensors (:func:`~dtensor_ema.layout.
-            resolve_world_mesh`).
+            (:mod:`dtensor_ema.layout`). ``None``: the DTensor parameters' root mesh, else
+            the default process group as a 1-D mesh, else plain unsharded tensors
+            (:func:`~dtensor_ema.layout.resolve_world_mesh`).
         decay: asymptotic decay in ``[0, 1]`` of the default yolov5 ramp (``0.9999``).
         tau: ramp time constant in steps (``>= 0``, default ``2000``); ``None``/``0``: constant.
         updates: initial value of the update counter (``>= 0``).
@@ -110,52 +103,39 @@ class ModelEMA:
             buffers (default), ``"trainable"`` (parameters with ``requires_grad=True``: a
             LoRA/PEFT model's adapters), or a predicate ``(fqn, tensor) -> bool`` (canonical
             fqn, the model's live tensor; tied tensors are decided by their first name).
-            Untracked tensors are neither stored nor updated: memory is the tracked bytes
-            / W, swaps and :meth:`state_dict` cover the tracked tensors only, and whole-model
-            outputs (:meth:`get_model_state_dict`, :attr:`module`, ``export_ema``) read them
-            from the model. Change the set later with :meth:`add_tensors` /
-            :meth:`drop_tensors`; with ``"trainable"``, an ``update()`` after
-            ``requires_grad`` changed raises, naming the parameters.
+            Untracked tensors are neither stored nor updated; whole-model outputs read them
+            from the model. Change the set with :meth:`add_tensors`/:meth:`drop_tensors`
+            (with ``"trainable"``, ``update()`` raises once ``requires_grad`` changed).
         ema_dtype: EMA dtype; default float32 for fp16/bf16 tensors, else the model's.
         capturable: counter and decay on the device: ``update()`` never syncs the host and
             compiles with ``torch.compile(ema.update, fullgraph=True)``.
-        offload: keep the EMA shards in host memory; a worker thread applies each step
-            behind the next training step, from a host snapshot of the source shards
-            (CUDA: pinned, copied on a side stream that the current stream waits for; the
-            path last proven on a GPU, :data:`dtensor_ema.update.updater.CUDA_OFFLOAD`; the
-            chunked device pipeline is opt-in until proven there). Reads wait for it
-            (:meth:`flush`); :meth:`close` stops it.
+        offload: keep the EMA shards in host memory; a worker applies each step behind the
+            next training step (:func:`dtensor_ema.engine.make_updater` picks it). Reads
+            wait for it (:meth:`flush`); :meth:`close` stops it.
         kernel: ``"auto"`` (default), ``"eager"`` or ``"compiled"``; same bits.
         parameters_as_bucket_view: keep this rank's shards as views into one flat buffer
-            per (device, dtype) in gather order, so materializing sends without packing
-            (``ZeroRedundancyOptimizer``'s name). Default ``False``: torch 2.14's
-            ``dcp.async_save`` cannot stage such views (``dcp.save`` can).
+            per (device, dtype) in gather order (``ZeroRedundancyOptimizer``'s name).
+            Default ``False``: torch 2.14's ``dcp.async_save`` cannot stage such views.
         replicate_buffers: keep plain float buffers (BatchNorm statistics) whole on every
             rank, each averaging its own model's, as a replicated EMA does (costs their
             full bytes per rank; not with :meth:`build_module`). Default ``False``: sharded.
         verify_replicas: check at construction that replicated parameters are identical
-            across replicas (default ``True``, :mod:`dtensor_ema.replicas`); ``False`` only
-            for EMAs whose first update copies the model.
-        cuda_graph: ``True``: on CUDA, replay a captured graph of the update (raises
-            where that is not exact, see :func:`dtensor_ema.update.cuda_graph.decide`); ``None``
-            (default): eager, since replay is opt-in until proven on hardware
-            (:data:`dtensor_ema.update.cuda_graph.AUTO_REPLAY`); ``False``: never. The decision
-            and its reason are in :attr:`cuda_graph`.
+            across replicas (default ``True``); ``False`` only if the first update copies.
+        cuda_graph: ``True``: on CUDA, replay a captured graph of the update (raises where
+            that is not exact); ``None`` (default): eager until replay is proven on hardware;
+            ``False``: never (:func:`dtensor_ema.update.cuda_graph.decide`, :attr:`cuda_graph`).
         formula: how an averaging step rounds ``d * ema + (1 - d) * model``: ``"lerp"``
-            (default), ``"weighted_sum"``, ``"subtract"``, ``"subtract_alpha"``, or torch
-            SWA's ``"divide"``/``"swa"`` (with ``RunningMeanDecay``)
-            (:data:`dtensor_ema.update.fused_update.FORMULAS`; eager kernel, one temporary of this
-            rank's shard size per update).
+            (default) or another library's (:data:`dtensor_ema.update.fused_update.FORMULAS`;
+            eager kernel, one temporary of this rank's shard size per update).
 
     Construction is **collective** over ``mesh``: every rank of it must construct the EMA
-    together (one all-gather of a structure fingerprint per mesh dim, one of one checksum
-    per replicated parameter per replica group, one flag all-reduce per mesh dim; with
-    ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a missing rank is named after that long).
-    Build the EMA after DDP wraps the model: replicated parameters that differ across
-    replicas are refused, by name. The EMA tracks the model's live parameters and
-    persistent buffers (never ``state_dict()`` copies), keyed by canonical fqns
-    (:mod:`dtensor_ema.model_keys`). Peak extra memory: the EMA shards themselves (``1/W``
-    of the tracked float bytes, in the EMA dtype).
+    together (:func:`~dtensor_ema.plan.build_plan`: one all-gather of a structure
+    fingerprint per mesh dim, one of one checksum per replicated parameter per replica
+    group, one flag all-reduce per mesh dim). Build the EMA after DDP wraps the model:
+    replicated parameters that differ across replicas are refused, by name. The EMA tracks
+    the model's live parameters and persistent buffers (never ``state_dict()`` copies).
+    Peak extra memory: the EMA shards themselves (``1/W`` of the tracked float bytes, in
+    the EMA dtype).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` is not a ``DeviceMesh``.
@@ -191,39 +171,19 @@ class ModelEMA:
         cuda_graph: bool | None = None,
         formula: Formula = "lerp",
     ) -> None:
-        options = EmaOptions(
-            schedule=resolve_schedule(decay, tau, half_life, schedule),
-            update_every=update_every,
-            update_after_step=update_after_step,
-            buffers=buffers,
-            exclude=exclude,
-            track=track,
-            ema_dtype=ema_dtype,
-            capturable=capturable,
-            offload=offload,
-            kernel=kernel,
-            cuda_graph=cuda_graph,
-            formula=formula,
-            bucket_view=parameters_as_bucket_view,
-            replicate_buffers=replicate_buffers,
-            verify_replicas=verify_replicas,
-        )
-        self._start(model, mesh, options, check_count(updates))
+        options = dict(locals())  # every argument but these four is an option, by name
+        for name in ("self", "model", "mesh", "updates"):
+            del options[name]
+        self._start(model, mesh, EmaOptions.from_arguments(**options), check_count(updates))
 
     def _start(
         self, model: nn.Module, mesh: DeviceMesh | None, options: EmaOptions, updates: int
     ) -> None:
-        """Bind to ``model`` over the resolved world mesh and build the engine (collective,
-        see the class docstring); shared by ``__init__`` and ``__setstate__``."""
+        """Build the engine over ``model`` (collective); for ``__init__`` and ``__setstate__``."""
         self.options = options
-        self.model = unwrap_model(model)
-        reshard_fsdp(self.model)
-        device = model_device(self.model)
-        self.mesh = resolve_world_mesh(mesh, model_tensors(self.model).values(), device)
-        with entering("ModelEMA", mesh=self.mesh):
-            self.engine = EmaEngine(self.model, self.mesh, options, device=device, updates=updates)
+        self.engine = EmaEngine(model, mesh, options, updates=updates)
         """Plan, counter, update groups, updater (:class:`~dtensor_ema.engine.EmaEngine`)."""
-        self._module: nn.Module | None = None
+        self.model, self.mesh = self.engine.model, self.engine.world
 
     # ------------------------------------------------------------------ reading
     @property
@@ -272,9 +232,8 @@ class ModelEMA:
 
     def ema_tensors(self) -> dict[str, torch.Tensor]:
         """``fqn -> EMA tensor`` (DTensor, or plain without a mesh) for every tracked tensor
-        (tied duplicates once). Live tensors: no copy. A DeepSpeed ZeRO-3 parameter's is the
-        flattened tensor, a 1-D DTensor of ``ds_numel`` elements (``Shard(0)``: each rank's
-        partition); :meth:`get_ema_state_dict` gives real shapes."""
+        (tied duplicates once). Live tensors: no copy. A ZeRO-3 parameter's is flat (1-D,
+        ``Shard(0)``); :meth:`get_ema_state_dict` gives real shapes."""
         self.flush()
         return {e.fqn: e.ema for e in self.engine.plan}
 
@@ -301,23 +260,21 @@ class ModelEMA:
         schedule. **Collective** over the mesh: every rank calls it with the same names.
 
         With ``track="trainable"`` it also accepts the model's current trainable set
-        (``ema.add_tensors([])`` does only that), so the next ``update()`` no longer
-        raises about it. ``exclude``/``buffers="copy"`` apply to the new tensors as to the
-        others (a name in an ``exclude`` list is copied). Collectives: one flag all-reduce
-        and one structure all-gather per mesh dim, the replica check of the new parameters.
-        Peak extra memory: the new shards (``parameters_as_bucket_view=True``: a second
-        copy of this rank's EMA while its flat buffers are rebuilt).
+        (``ema.add_tensors([])`` does only that). ``exclude``/``buffers="copy"`` apply to
+        the new tensors as to the others. Collectives: one flag all-reduce and one
+        structure all-gather per mesh dim, the replica check of the new parameters
+        (:meth:`~dtensor_ema.engine.EmaEngine.change_tracked`). Peak extra memory: the new
+        shards (``parameters_as_bucket_view=True``: a second copy of this rank's EMA while
+        its flat buffers are rebuilt).
 
         Raises:
-            ValueError: a name that is not an untracked float tensor of the model (each
-                named with the reason), ranks that passed different names, or
-                ``cuda_graph=True`` and a new tensor's EMA dtype rules the graph out (as
-                at construction; auto falls back to eager, and returns to the graph when
-                the set allows it again); nothing changes then.
+            ValueError: a name that is not an untracked float tensor of the model, ranks
+                that passed different names, or ``cuda_graph=True`` and a new tensor's EMA
+                dtype rules the graph out; nothing changes then.
             RuntimeError: inside ``average_parameters()``, or after :attr:`module` was
                 built (it holds the old set: build it after the change).
         """
-        self._change_tracked(fqns, add=True)
+        self.engine.change_tracked(fqns, add=True)
 
     @collective("drop_tensors")
     @torch.no_grad()
@@ -326,28 +283,17 @@ class ModelEMA:
         model from then on (as untracked tensors). **Collective** over the mesh, like
         :meth:`add_tensors`, which it mirrors (and with ``track="trainable"`` it accepts
         the current trainable set too). Collectives: one flag all-reduce and one structure
-        all-gather per mesh dim. Peak extra memory: none
-        (``parameters_as_bucket_view=True``: a copy of the EMA this rank keeps, while its
-        flat buffers are rebuilt).
+        all-gather per mesh dim. Peak extra memory: none (``parameters_as_bucket_view=True``:
+        a copy of the EMA this rank keeps, while its flat buffers are rebuilt).
 
         Raises:
             ValueError: a name that is not tracked, dropping every tracked tensor, or ranks
                 that passed different names; nothing changes then.
             RuntimeError: inside ``average_parameters()``, or after :attr:`module` was built.
         """
-        self._change_tracked(fqns, add=False)
-
-    def _change_tracked(self, fqns: Iterable[str], *, add: bool) -> None:
-        if self._module is not None:
-            verb = "add_tensors" if add else "drop_tensors"
-            raise RuntimeError(
-                f"{verb}() after ema.module was built: the module holds the old tracked set. "
-                "Change the tracked set before the first access of ema.module"
-            )
-        self.engine.change_tracked(fqns, add=add)
+        self.engine.change_tracked(fqns, add=False)
 
     # ------------------------------------------------------------------ update
-    @torch.no_grad()
     def update(self, model: nn.Module | None = None) -> None:
         """Advance the average by one step. Local: **no communication**.
 
@@ -366,7 +312,8 @@ class ModelEMA:
             ValueError: ``model`` is not the tracked model, or the tracked model's tensor
                 names, shapes or dtypes changed since construction (EMA untouched).
         """
-        self.engine.check_model_argument(model)
+        if model is not None:
+            self.engine.check_model_argument(model)
         self.engine.step()
 
     @torch.no_grad()
@@ -374,15 +321,14 @@ class ModelEMA:
         """Re-initialize the EMA from the model's current weights. Local: no communication.
 
         ``updates`` is unchanged (timm ``ModelEmaV3.set``); use ``load_state_dict`` or
-        assign ``ema.updates`` to restart the decay schedule too.
+        assign ``ema.updates`` to restart the decay schedule too. Peak extra memory: none.
         """
         self.engine.check_model_argument(model)
         self.engine.copy_from_model()
 
     def flush(self) -> None:
         """Wait until every submitted ``update()`` has been applied (``offload=True``
-        applies them behind the training step). Every method that reads the EMA calls it.
-        Local.
+        applies them behind the training step); every read of the EMA calls it. Local.
 
         Raises:
             RuntimeError: an offloaded update failed (chained); it is lost and not counted,
@@ -410,21 +356,17 @@ class ModelEMA:
     ) -> Iterator[nn.Module]:
         """Swap the EMA weights into the model for evaluation; restore them on exit.
 
-        Yields the unwrapped model. Only tracked tensors are swapped (untracked ones are
-        the model's own already). Each rank rebuilds only its own local piece of every
-        tensor (:mod:`dtensor_ema.materialize.swap`): the full model is never gathered on a rank.
+        Yields the unwrapped model. Only tracked tensors are swapped. Each rank rebuilds
+        only its own local piece of every tensor (:func:`~dtensor_ema.materialize.swap.
+        swapped_in`): the full model is never gathered on a rank; under DeepSpeed ZeRO-3
+        the EMA goes into each rank's partitions, so the engine's own forward evaluates it.
 
         **Collective** over the groups of the replica dims (the whole mesh for plain/DDP
-        models, HSDP's replicate dim, ``tp`` for TP-replicated weights; nothing for 1-D
-        FSDP2 parameters), on entry and on exit: every rank must enter, between steps.
-        DeepSpeed ZeRO-3: the EMA goes into each rank's partitions (no collective), so the
-        engine's own forward evaluates it with no full copy; the parameters DeepSpeed holds
-        whole at that moment (persistent ones after a step, every one after a forward
-        without backward) are refreshed with one bucketed all-gather over the mesh.
-
-        Peak extra memory: the backup (``1/W`` of the swapped (tracked) parameter bytes,
-        full copies of tracked plain buffers) plus twice one gathered bucket (at most
-        ``bucket_bytes``).
+        models, HSDP's replicate dim, ``tp`` for TP-replicated weights, the mesh for the
+        ZeRO-3 parameters DeepSpeed holds whole; nothing for 1-D FSDP2 parameters), on entry
+        and on exit: every rank must enter, between steps. Peak extra memory: the backup
+        (``1/W`` of the swapped parameter bytes, full copies of tracked plain buffers) plus
+        twice one gathered bucket (at most ``bucket_bytes``).
 
         Raises:
             RuntimeError: the context is entered again while active. An error while
@@ -437,9 +379,9 @@ class ModelEMA:
     def module(self) -> nn.Module:
         """The EMA as a forward-capable ``nn.Module`` (timm's ``ModelEmaV3.module``), built
         on first access with :meth:`build_module`'s defaults. Alias: :attr:`ema_model`.
-        Refused (``NotImplementedError``) for DeepSpeed ZeRO-3 models, whose own engine
-        evaluates the EMA inside :meth:`average_parameters`."""
-        return self.build_module() if self._module is None else self._module
+        Refused for DeepSpeed ZeRO-3 models (evaluate inside :meth:`average_parameters`)."""
+        built = self.engine.module
+        return self.build_module() if built is None else built
 
     @property
     def ema_model(self) -> nn.Module:
@@ -454,14 +396,11 @@ class ModelEMA:
         Local: no collective. Call it (with options) on every rank before the first access
         of :attr:`module`; once built, the module is reused and ``update()`` writes where
         its forward reads. No second copy of the EMA is kept (HSDP with ``mesh=None``: plus
-        the model's local shard of the parameters split over the replicate dim). Works on
-        wrapped (activation checkpointing), compiled and torchtitan-parallelized models;
-        see :func:`~dtensor_ema.materialize.ema_module.build_ema_module` and ``docs/evaluation.md``.
-        Tensors the EMA does not track (``track=``) are the model's own, shared, never
-        copied nor sharded in the twin (with a mesh, each unit gathers them from the
-        model's pieces around its forward, as the model's own forward would); so the
-        module's ``load_state_dict`` refuses a state that holds them (``ValueError``,
-        nothing written), which would write into the model.
+        the model's local shard of the parameters split over the replicate dim). See
+        :func:`~dtensor_ema.materialize.ema_module.build_ema_module` and ``docs/evaluation.md``.
+        Tensors the EMA does not track (``track=``) are the model's own, shared (so the
+        module's ``load_state_dict`` refuses a state that holds them:
+        :func:`~dtensor_ema.materialize.twin.guard_untracked_loads`).
 
         Calling the module is **collective** over the EMA mesh (every rank calls it, the
         same number of times): FSDP all-gathers one unit at a time. Peak extra memory:
@@ -478,26 +417,10 @@ class ModelEMA:
         Raises:
             RuntimeError: the module was already built.
             NotImplementedError: a layout the twin cannot mirror (``offload=True``,
-                ``replicate_buffers=True``, and those named by
-                :func:`~dtensor_ema.materialize.ema_module.build_ema_module`), naming it.
+                ``replicate_buffers=True``, those of ``build_ema_module``), naming it.
             ValueError: bad ``units`` or ``compute_dtype``.
         """
-        if self._module is not None:
-            raise RuntimeError(
-                "ema.module was already built (build_module() runs once, before the first "
-                "access of ema.module); reuse ema.module"
-            )
-        refuse_unmirrored_options(self.options, self.mesh)
-        self.engine.settle()  # refuses inside average_parameters()
-        plan = self.engine.plan
-        module = build_ema_module(
-            self.model, plan, self.mesh, units=units, compute_dtype=compute_dtype
-        )
-        if plan.untracked:
-            guard_untracked_loads(module, plan)
-        self.engine.rebind()  # the EMA's local shards may have moved into the module
-        self._module = module
-        return module
+        return self.engine.build_module(self.mesh, units, compute_dtype)
 
     # ------------------------------------------------------------------ full state dicts
     @collective("get_model_state_dict")
@@ -523,14 +446,11 @@ class ModelEMA:
             rank0_only: deprecated name of ``only_rank0_receives``.
 
         Returns:
-            ``(ema_state_dict, original_state_dict)``: whole state dicts, full contiguous
-            tensors keyed like the unwrapped model's ``state_dict()`` (canonical fqns, then
-            the model's own state-dict post-hooks: torchtitan's fused ``wqkv`` comes out as
-            ``wq``/``wk``/``wv``), in the model's dtypes, ready for
-            ``load_state_dict(strict=True)``. Integer buffers, and in the first dict the
-            tensors the EMA does not track (``track=``), carry the model's value. Neither
-            shares memory with the model or the EMA. Peak extra memory: the two results
-            plus one bucket.
+            ``(ema_state_dict, original_state_dict)``: whole state dicts keyed like the
+            unwrapped model's ``state_dict()`` (its post-hooks applied), ready for
+            ``load_state_dict(strict=True)`` (:func:`~dtensor_ema.materialize.full_state.
+            gather_state`); untracked tensors carry the model's value. Peak extra memory:
+            the two results plus one bucket.
         """
         self.engine.settle()
         options = gather_options(rank0_only, only_rank0_receives, cpu_offload, bucket_bytes)
@@ -551,12 +471,10 @@ class ModelEMA:
         """The EMA's tensors, full, keyed like the model. **Collective.**
 
         Every rank of the mesh (and of every FSDP2 mesh) must call this. Holds the tracked
-        tensors only (their tied duplicates too), under the model's keys; when the EMA
-        tracks every float tensor (the default ``track="all"``) that is a whole state dict,
-        integer buffers (the model's values) included, equal to
-        ``get_model_state_dict()[0]``. With ``include_untracked`` it always is: untracked
-        tensors and integer buffers come from the model, as in
-        :meth:`get_model_state_dict`, for a plain model's ``load_state_dict(strict=True)``.
+        tensors (their tied duplicates too) under the model's keys: a whole state dict,
+        equal to ``get_model_state_dict()[0]``, when the EMA tracks every float tensor or
+        with ``include_untracked`` (the rest from the model:
+        :func:`~dtensor_ema.materialize.full_state.gather_state`).
 
         For export: with ``only_rank0_receives`` and ``cpu_offload`` rank 0 holds one full
         copy of the EMA plus one bucket, the other ranks one bucket. Arguments as for
@@ -583,12 +501,9 @@ class ModelEMA:
         **Collective**: every rank of the mesh (and of every FSDP2 mesh) must run the
         iterator to its end.
 
-        Each piece is a dict of full tensors keyed like the model (its state-dict hooks
-        applied) for a run of the model's keys of at most ``bucket_bytes`` (at least one
-        tensor; the keys of a module with state-dict hooks, and tied aliases with their
-        tensor, come together); every key comes once. With ``only_rank0_receives`` the
-        other ranks get empty dicts. ``include_untracked`` (default ``True`` here): the
-        tensors the EMA does not track come from the model, so the pieces make a whole
+        Each piece holds the full tensors of a run of the model's keys of at most
+        ``bucket_bytes``; every key comes once (:func:`~dtensor_ema.materialize.full_state.
+        iter_state`). ``include_untracked`` (default ``True`` here): the pieces make a whole
         state dict. Peak extra memory: one piece (and what the model's hooks allocate on
         it), once the caller drops the previous one.
         """
@@ -604,15 +519,13 @@ class ModelEMA:
         """Load full EMA weights keyed like the model: :meth:`get_ema_state_dict` output or
         an :func:`~dtensor_ema.export_ema` file. Local: no collective.
 
-        Call it on every rank with the same full tensors: each rank copies its own piece.
-        The model's ``load_state_dict`` pre-hooks run first (torchtitan's ``wq``/``wk``/
-        ``wv`` fuse into ``wqkv``); values are cast to the EMA dtype; integer buffers, tied
-        duplicates and untracked tensors may be absent (present ones are ignored). The counter
-        is set to ``updates`` when given. Peak extra memory: none beyond the given tensors.
+        Call it on every rank with the same full tensors: each rank copies its own piece
+        (the model's ``load_state_dict`` pre-hooks run first;
+        :func:`~dtensor_ema.materialize.full_state.load_full_state`). The counter is set
+        to ``updates`` when given. Peak extra memory: none beyond the given tensors.
 
         Raises:
-            ValueError: missing or unexpected names, shape mismatches, non-float values for
-                averaged tensors, a bad ``updates``. Nothing is written then.
+            ValueError: as ``load_full_state``, or a bad ``updates``. Nothing is written then.
         """
         self.flush()
         if updates is not None:
@@ -631,10 +544,10 @@ class ModelEMA:
         DTensor}}`` (:mod:`dtensor_ema.state`; ``config`` is the JSON of the options that
         shape the next update). ``"ema"`` holds the tracked tensors only; when some float
         tensor is untracked, ``config`` says so (``"track"`` and the ``"untracked"``
-        names). Each DTensor holds **only this rank's piece**: save with
-        DCP on every rank (``save_checkpoint``/``dcp.save``), not ``torch.save`` on one
-        rank (for one file use :meth:`get_ema_state_dict`). ``dcp.load`` fills the live
-        tensors in place; do not update them while an ``async_save`` is pending.
+        names). Each DTensor holds **only this rank's piece**: save with DCP on every rank
+        (``save_checkpoint``/``dcp.save``), not ``torch.save`` on one rank (for one file
+        use :meth:`get_ema_state_dict`). ``dcp.load`` fills the live tensors in place; do
+        not update them while an ``async_save`` is pending.
         """
         self.flush()
         return local_state(self.engine.plan, self.engine.counter.current(), self.engine.config())
@@ -660,12 +573,9 @@ class ModelEMA:
         Raises:
             KeyError: ``state_dict`` lacks ``"ema"`` or ``"updates"`` (a full model state
                 dict belongs in :meth:`load_full_state_dict`).
-            ValueError: missing/unexpected fqns, shape or dtype mismatches, another tracked
-                set (naming the tensors each side tracks alone; unless ``common_subset``),
-                a counter outside ``[0, 2**63 - 1]`` or a non-finite option value,
-                options different from this EMA's (resuming with other options would not
-                continue the saved trajectory), or DTensors saved by another rank or laid
-                out differently (load those through DCP).
+            ValueError: as :func:`~dtensor_ema.state.validate_state` (names, shapes,
+                dtypes, the tracked set, the counter, the options), or DTensors saved by
+                another rank or laid out differently (load those through DCP).
         """
         updates = load_local_state(
             self.engine.plan, state_dict, self.state_dict(), common_subset=common_subset
@@ -679,24 +589,19 @@ class ModelEMA:
         are rebuilt on load. Local. Only without a process group or on a one-rank mesh (the
         EMA is whole on this rank), for a model without DTensor parameters.
 
-        Loading a pickled ``ModelEMA`` needs ``torch.load(path, weights_only=False)`` (it
-        is a whole object, as for any pickled module). A copy tracks its own model: the
-        copy of ``ema.model`` made with it (``copy.deepcopy(ema)`` copies the model, as
-        ``copy.deepcopy`` of any object holding it does). Peak extra memory: one copy of the
+        Loading it needs ``torch.load(path, weights_only=False)``. A copy tracks its own
+        model: the copy of ``ema.model`` made with it. Peak extra memory: one copy of the
         EMA while saving (deepcopy: plus the copy itself).
 
         Raises:
-            RuntimeError: the EMA is sharded over several ranks, or tracks DTensors (the
-                message says what to save instead), or it is swapped into the model
-                (inside ``average_parameters()``: the copy's model would hold the EMA
-                weights in place of the training weights).
+            RuntimeError: as :meth:`~dtensor_ema.engine.EmaEngine.whole_state` (sharded,
+                DTensors, inside ``average_parameters()``), naming what to save instead.
         """
         return {"model": self.model, "options": self.options, **self.engine.whole_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild from :meth:`__getstate__`: construct over ``state["model"]`` in this
-        process (its process group decides the layout, as for a new ``ModelEMA``), then
-        load the EMA values and the counter. Collective where construction is."""
+        process, then load the EMA values and the counter. Collective where construction is."""
         options = _pickled_options(state)
         unchecked = dataclasses.replace(options, verify_replicas=False)  # values loaded next
         self._start(state["model"], None, unchecked, state["updates"])

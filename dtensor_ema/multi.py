@@ -11,6 +11,7 @@ then one ``_foreach_lerp_`` per EMA).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -107,6 +108,7 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         self.model = first.model
         """The tracked (unwrapped) model; each EMA's own module is ``multi[name].module``."""
         self._aligned_versions = self._tracked_versions()
+        self._bindings: list[object] = [None] * len(self._emas)
 
     def __getitem__(self, name: str) -> ModelEMA:
         return self._emas[name]
@@ -192,7 +194,13 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         engines = [ema.engine for ema in self._emas.values()]
         for engine in engines:
             engine.check_model_argument(model)
-            engine.sync_sources()
+            engine.refuse_while_swapped()
+        engines[0].sync_sources()
+        # Checked together last time and none re-bound since (alone or with the first): alike.
+        if not all(map(operator.is_, (e.plan.binding for e in engines), self._bindings)):
+            for engine in engines[1:]:
+                engine.sync_sources()
+            self._bindings = [e.plan.binding for e in engines]
         self._check_aligned()
         decays = [engine.advance() for engine in engines]
         for groups in zip(*(engine.groups for engine in engines), strict=True):

@@ -20,6 +20,7 @@ __all__ = [
     "AveragingFunction",
     "EmaOptions",
     "TrackSpec",
+    "check_int",
     "resolve_schedule",
 ]
 
@@ -44,6 +45,17 @@ FORMULA_NAMES = ("lerp", "weighted_sum", "subtract", "subtract_alpha", "divide",
 
 _COUNTED_FORMULAS = ("divide", "swa")
 """Formulas that read the averaging step (``n``), not only the decay."""
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    """``value``, if it is an ``int`` (not a ``bool``) ``>= low``.
+
+    Raises:
+        ValueError: naming ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
 
 
 class _Unset:
@@ -229,59 +241,69 @@ def resolve_schedule(
 class EmaOptions:
     """Everything besides the model and mesh that decides what the EMA holds and what
     ``update()`` does: validated once here, then passed whole (to the plan, the counter,
-    the update groups and the updater)."""
+    the update groups and the updater).
+
+    Each field is the :class:`~dtensor_ema.ModelEMA` argument of the same name
+    (``bucket_view``: ``parameters_as_bucket_view``), documented there. The checkpoint
+    ``config`` (:meth:`config`) holds those that shape the averages: not ``capturable``,
+    ``offload``, ``kernel``, ``cuda_graph``, ``bucket_view``, ``replicate_buffers``,
+    ``verify_replicas``.
+    """
 
     schedule: DecaySchedule
     """Per-step decay as a function of the averaging step (see :mod:`dtensor_ema.decay`), or
     an :class:`AveragingFunction` that replaces the decay."""
     update_every: int = 1
-    """Average on every ``update_every``-th ``update()`` call only (``>= 1``)."""
     update_after_step: int = 0
-    """The first ``update_after_step`` calls copy the model instead of averaging (``>= 0``)."""
     buffers: Literal["average", "copy"] = "average"
-    """Float buffers are averaged (yolov5) or copied from the model (timm ``exclude_buffers``)."""
     exclude: ExcludeSpec = None
-    """Tracked tensors copied from the model instead of averaged: fqns, or ``(fqn, tensor)
-    -> bool``."""
     track: TrackSpec = "all"
-    """Which floating-point tensors the EMA holds (:data:`TrackSpec`); the others are
-    neither stored nor updated, and are read from the model wherever a whole model is
-    needed. Integer buffers always follow the model."""
     ema_dtype: torch.dtype | None = None
-    """EMA dtype; ``None``: float32 for fp16/bf16 tensors, the model's dtype otherwise."""
     capturable: bool = False
-    """Keep the counter and decay on the device so ``update()`` never synchronizes the host
-    (for ``torch.compile``/CUDA graphs). Not part of the checkpoint config."""
     offload: bool = False
-    """Keep the EMA shards in host memory, updated by a worker thread behind the training
-    step. Not part of the checkpoint config."""
     kernel: Literal["eager", "compiled", "auto"] = "auto"
     """Update kernel: ``"eager"`` (``torch._foreach_lerp_``), ``"compiled"`` (one
     ``torch.compile``'d pass per group: each source value read once, bf16 upcast fused;
     same bits; the first update compiles, and falls back to eager with a warning where
     compiling is unavailable), or ``"auto"``: compiled only on device types where it was
-    measured faster (none yet: eager). Not part of the checkpoint config."""
+    measured faster (none yet: eager)."""
     cuda_graph: bool | None = None
     """Replay ``update()`` as a captured CUDA graph: ``True`` (on CUDA; ``ModelEMA`` raises
     naming the reason where it is not safe and exact, see
     :func:`dtensor_ema.update.cuda_graph.decide`), ``None`` (auto: eager for now, replay is opt-in
     until proven on hardware, :data:`dtensor_ema.update.cuda_graph.AUTO_REPLAY`) or ``False``
-    (never). Not part of the checkpoint config."""
+    (never)."""
     formula: Formula = "lerp"
     """How an averaging step rounds ``d * ema + (1 - d) * model`` (see
     :data:`dtensor_ema.update.fused_update.FORMULAS`): ``"lerp"`` (default), or another library's
     rounding (eager kernel only)."""
     bucket_view: bool = False
-    """Keep this rank's EMA shards as views into one flat buffer per (device, dtype), in
-    gather order (``ModelEMA(parameters_as_bucket_view=...)``). Not part of the checkpoint
-    config."""
     replicate_buffers: bool = False
-    """Keep plain float buffers whole on every rank, each averaging its own model's, as a
-    replicated EMA does. Not part of the checkpoint config."""
     verify_replicas: bool = True
-    """Check at construction (and when tensors are added) that replicated parameters are
-    identical across their replicas (:mod:`dtensor_ema.replicas`). Not part of the
-    checkpoint config."""
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        decay: float | _Unset = UNSET,
+        tau: float | _Unset | None = UNSET,
+        half_life: float | None = None,
+        schedule: DecaySchedule | Callable[[int], float] | None = None,
+        parameters_as_bucket_view: bool = False,
+        **fields: Any,
+    ) -> EmaOptions:
+        """The options of :class:`~dtensor_ema.ModelEMA`'s keyword arguments, by its names:
+        the schedule from the one way the caller described it (:func:`resolve_schedule`),
+        ``parameters_as_bucket_view`` as :attr:`bucket_view`, every other one by its name.
+
+        Raises:
+            TypeError, ValueError: as :func:`resolve_schedule` and the options' checks.
+        """
+        return cls(
+            schedule=resolve_schedule(decay, tau, half_life, schedule),
+            bucket_view=parameters_as_bucket_view,
+            **fields,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -296,11 +318,8 @@ class EmaOptions:
             object.__setattr__(self, f.name, values.get(f.name, f.default))
 
     def __post_init__(self) -> None:
-        for name in ("update_every", "update_after_step"):
-            value = getattr(self, name)
-            low = 1 if name == "update_every" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("update_every", self.update_every, 1)
+        check_int("update_after_step", self.update_after_step, 0)
         if self.buffers not in ("average", "copy"):
             raise ValueError(f"buffers must be 'average' or 'copy', got {self.buffers!r}")
         if self.ema_dtype is not None and not (

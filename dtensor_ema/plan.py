@@ -34,7 +34,8 @@ including (with ``track="trainable"``) a trainable set that changed behind the E
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +46,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema import zero_partition
-from dtensor_ema._collectives import mesh_agree
+from dtensor_ema._collectives import entering, mesh_agree
 from dtensor_ema.layout import (
     LayoutBuilder,
+    PiecePointers,
     PlanEntry,
     agree_on_structure,
     local_rows,
@@ -55,6 +57,7 @@ from dtensor_ema.layout import (
     model_piece,
     model_piece_ptr,
     model_shape,
+    resolve_world_mesh,
     shard_mesh_dim,
 )
 from dtensor_ema.model_keys import canonical_fqn, live_tensors
@@ -69,7 +72,7 @@ __all__ = [
     "canonical_fqn",
     "check_live",
     "is_averageable",
-    "model_device",
+    "listed",
     "model_tensors",
     "refuse_fsdp1",
     "reshard_fsdp",
@@ -83,6 +86,9 @@ class EmaPlan:
 
     module: nn.Module
     world: DeviceMesh | None
+    """The mesh whose ranks share the EMA (:func:`~dtensor_ema.layout.resolve_world_mesh`)."""
+    device: torch.device
+    """The model's device (its first tensor's)."""
     entries: list[PlanEntry]
     keys: list[str]
     """Every canonical fqn of the model's live tensors, in state-dict order (averaged,
@@ -107,6 +113,7 @@ class EmaPlan:
     (the drop-ins' replica) compare it to re-point theirs."""
     _seen_epoch: int = 0
     _pointers: list[int] = field(default_factory=list)
+    _probe: Callable[[], list[int]] = list
     _signatures: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = field(
         default_factory=dict
     )
@@ -116,16 +123,24 @@ class EmaPlan:
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
 
+    @property
+    def binding(self) -> object:
+        """A token replaced whenever the views are bound again (:meth:`sync`, :meth:`track_`,
+        :meth:`untrack_`): plans of one model checked together stay alike while it holds."""
+        return self._pointers
+
     def by_fqn(self) -> dict[str, PlanEntry]:
         return {e.fqn: e for e in self.entries}
 
     def sync(self, *, check_trainable: bool = True) -> bool:
         """Re-bind the cached views if the model re-registered or re-allocated tensors.
 
-        Local. Cost when nothing changed: one integer compare, one ``data_ptr`` per
-        tensor and one identity check per registered tensor and submodule
-        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals; with
-        ``track="trainable"``, plus one ``requires_grad`` per parameter).
+        Local. Cost when nothing changed: one integer compare and two passes with no Python
+        frame per tensor: one identity check per registered tensor and submodule
+        (:meth:`~dtensor_ema.watch.ModuleWatch.intact`, which notices removals) and one
+        ``data_ptr`` per tracked tensor (:class:`~dtensor_ema.layout.PiecePointers`, which
+        notices ``.data =`` and ``module.to()``); with ``track="trainable"``, plus one
+        ``requires_grad`` per parameter.
         Returns ``True`` when views were re-bound (update groups must be rebuilt).
 
         Raises:
@@ -135,12 +150,12 @@ class EmaPlan:
                 trainable set changed (:meth:`check_trainable`). The EMA is left untouched.
         """
         assert self.watch is not None
-        if check_trainable:
+        if check_trainable and self.trainable is not None:
             self.check_trainable()
         if (
             self.watch.epoch == self._seen_epoch
             and self.watch.intact()
-            and _pointers(self.entries) == self._pointers
+            and self._probe() == self._pointers
         ):
             return False
         current = model_tensors(self.module)
@@ -199,13 +214,18 @@ class EmaPlan:
         for entry in self.entries:
             tensor = current[entry.fqn]
             entry.source = tensor
-            if model_piece_ptr(tensor) == _local_data_ptr_of_piece(entry):
+            if model_piece_ptr(tensor) == entry.source_piece.data_ptr():
                 continue
             moved = True
             entry.source_piece = model_piece(tensor)
             entry.source_local = local_rows(entry.source_piece, entry.layout)
-        self._pointers = _pointers(self.entries)
+        self.bind_probe()
         return moved
+
+    def bind_probe(self) -> None:
+        """Take the pointers :meth:`sync` compares on every update (views just bound). Local."""
+        self._probe = PiecePointers(self.entries)
+        self._pointers = self._probe()
 
     def _partition_changes(self, current: Mapping[str, torch.Tensor]) -> list[str]:
         """ZeRO-3 entries whose partition moved: the layout derived again must be the one
@@ -226,7 +246,8 @@ class EmaPlan:
                     )
                 continue
             try:
-                layout = self._builder.layout(entry.fqn, tensor, model_piece(tensor).shape)
+                partition = zero_partition.read_partition(entry.fqn, tensor, self.world)
+                _, _, layout = self._builder.place(entry.fqn, tensor, partition)
             except ValueError as e:
                 problems.append(f"{entry.fqn}: {e}")
                 continue
@@ -271,13 +292,13 @@ class EmaPlan:
         parts = []
         if now:
             parts.append(
-                f"now trainable {_listed(now)} (call ema.add_tensors("
-                f"{_listed([k for k in now if k not in tracked], 3)}) to average them)"
+                f"now trainable {listed(now)} (call ema.add_tensors("
+                f"{listed([k for k in now if k not in tracked], 3)}) to average them)"
             )
         if frozen:
             parts.append(
-                f"frozen {_listed(frozen)} (call ema.drop_tensors("
-                f"{_listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
+                f"frozen {listed(frozen)} (call ema.drop_tensors("
+                f"{listed([k for k in frozen if k in tracked], 3)}) to stop averaging them)"
             )
         raise ValueError(
             "ModelEMA(track='trainable'): the model's trainable parameters changed since the "
@@ -309,16 +330,13 @@ class EmaPlan:
         reshard_fsdp(self.module)
         assert self.options is not None and self._builder is not None
         parameter_ids = {id(p) for p in self.module.parameters()}
-        new = [
-            make_entry(
-                fqn,
-                self.untracked[fqn],
-                self._builder,
-                self.options,
-                id(self.untracked[fqn]) in parameter_ids,
-            )
-            for fqn in names
-        ]
+        new = []
+        for fqn in names:
+            tensor = self.untracked[fqn]
+            partition = zero_partition.read_partition(fqn, tensor, self.world)
+            is_parameter = id(tensor) in parameter_ids
+            options, builder = self.options, self._builder
+            new.append(make_entry(fqn, tensor, builder, options, is_parameter, partition))
         check_live(self.module, new)
         structure = _structure(model_tensors(self.module), set(self.untracked) - set(names))
         agree_on_structure(self.world, structure, self.options.agreement())
@@ -398,7 +416,7 @@ class EmaPlan:
         self.tracked_version += 1
         if self.options.bucket_view:
             bucket_view_(self.entries)
-        self._pointers = _pointers(self.entries)
+        self.bind_probe()
         if self.trainable is not None:
             self.trainable = {k: p.requires_grad for k, p in self._parameters}
 
@@ -453,9 +471,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
             continue
-        engine_module = zero_partition.unwrap_engine(model)
-        if engine_module is not None:
-            model = engine_module
+        inner = _deepspeed_engine_module(model)  # its state-dict keys carry "module."
+        if inner is not None:
+            model = inner
             continue
         # torch.compile's OptimizedModule keeps the user's module here; there is no public
         # accessor, and without unwrapping every key would carry an "_orig_mod." prefix.
@@ -464,6 +482,19 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = inner
             continue
         return model
+
+
+def _deepspeed_engine_module(model: nn.Module) -> nn.Module | None:
+    """``model.module`` when ``model`` is a ``deepspeed.DeepSpeedEngine``, else ``None``.
+    Looks DeepSpeed up only if it is imported."""
+    if "deepspeed" not in sys.modules:
+        return None
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed without its engine module
+        return None
+    inner = getattr(model, "module", None)
+    return inner if isinstance(model, DeepSpeedEngine) and isinstance(inner, nn.Module) else None
 
 
 def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -488,7 +519,7 @@ def is_averageable(tensor: torch.Tensor, is_parameter: bool) -> bool:
 
 def _complex_refusal(names: list[str]) -> str:
     return (
-        f"the EMA averages real floating-point tensors; {_listed(names)} are complex. "
+        f"the EMA averages real floating-point tensors; {listed(names)} are complex. "
         "Leave them out of the tracked set, e.g. track=lambda fqn, t: not t.is_complex(): "
         "untracked tensors are read from the model wherever a whole model is needed"
     )
@@ -512,25 +543,13 @@ def refuse_fsdp1(module: nn.Module) -> None:
     if wrapped:
         raise ValueError(
             f"the model is wrapped with FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, "
-            f"at {_listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
+            f"at {listed(wrapped, 3)}), whose flat-parameter shards the EMA cannot pair with "
             "the model's tensors. Shard it with FSDP2 instead: "
             "torch.distributed.fsdp.fully_shard(module) per block, then the root; with "
             "accelerate, set fsdp_version: 2 in the FSDP config; with Lightning, use "
             "ModelParallelStrategy (FSDPStrategy is FSDP1) and fully_shard in "
             "configure_model"
         )
-
-
-def model_device(module: nn.Module) -> torch.device:
-    """The device of the module's first parameter or buffer (where the EMA's counter
-    lives). Local.
-
-    Raises:
-        ValueError: the module has no parameters or buffers.
-    """
-    for tensor in model_tensors(module).values():
-        return tensor.device
-    raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
 
 
 def reshard_fsdp(module: nn.Module) -> None:
@@ -570,14 +589,18 @@ def check_live(module: nn.Module, entries: list[PlanEntry]) -> None:
         )
 
 
-def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
-    """Create the EMA tensors for ``module`` (already unwrapped).
+def build_plan(model: nn.Module, mesh: DeviceMesh | None, options: EmaOptions) -> EmaPlan:
+    """Bind an EMA to ``model``: unwrap it (:func:`unwrap_model`), find the ranks that
+    share the EMA (:func:`~dtensor_ema.layout.resolve_world_mesh`: ``plan.world``) and
+    create the EMA tensors.
 
-    The EMA binds to ``module``'s live tensors (:func:`model_tensors`) and refuses any
-    entry that is not one (:func:`check_live`). Each entry is made in one call
-    (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
+    The EMA binds to the model's live tensors (:func:`model_tensors`, FSDP2 modules
+    resharded first) and refuses any entry that is not one (:func:`check_live`). Each
+    ZeRO-3 parameter is read once (:func:`~dtensor_ema.zero_partition.read_partition`,
+    which refuses what the EMA cannot follow, tracked or not) and each entry made in one
+    call (:func:`~dtensor_ema.layout.make_entry`); this function decides the set.
 
-    **Collective** when ``world`` has a dim of size > 1, so every rank of ``world`` must
+    **Collective** when the world has a dim of size > 1, so every rank of it must
     build its plan together: one all-gather of one integer per world mesh dim
     (:func:`~dtensor_ema.layout.agree_on_structure`), then one all-gather of one int64 per
     replicated parameter over each replica group and one flag all-reduce per world mesh dim
@@ -585,10 +608,10 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     once). Peak extra memory: the EMA shards themselves.
 
     Args:
-        module: the unwrapped model; FSDP2 modules must be resharded by the caller.
-        world: the mesh whose ranks share the EMA (see
-            :func:`~dtensor_ema.layout.resolve_world_mesh`), or ``None`` for plain,
-            unsharded EMA tensors.
+        model: the model (DDP, DeepSpeed and ``torch.compile`` wrappers are stripped).
+        mesh: the user's ``mesh=`` (``None``: the default, see
+            :func:`~dtensor_ema.layout.resolve_world_mesh`; no process group: plain,
+            unsharded EMA tensors).
         options: the EMA's options; the plan reads ``track`` (which floating-point
             tensors get an entry, decided once per tensor, tied ones by their first name;
             the others go to ``untracked``, and the ranks' tracked sets are part of the
@@ -604,12 +627,31 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             where the first update is known to copy the model).
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``mesh`` not a ``DeviceMesh``.
         ValueError: the model has no tracked floating-point state, has tensors on the meta
-            device, a DTensor uses a placement the EMA cannot mirror, ``world``'s ranks
+            device, a DTensor uses a placement the EMA cannot mirror, the world's ranks
             track different models, or replicated parameters differ across their replicas.
     """
-    refuse_fsdp1(module)
+    module = unwrap_model(model)
     tensors = model_tensors(module)
+    if not tensors:
+        raise ValueError(f"{type(module).__name__} has no parameters or buffers to average")
+    device = next(iter(tensors.values())).device
+    world = resolve_world_mesh(mesh, tensors.values(), device)
+    with entering("ModelEMA", mesh=world):  # its collectives, named after the user's call
+        return _bind(module, tensors, world, device, options)
+
+
+def _bind(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    world: DeviceMesh | None,
+    device: torch.device,
+    options: EmaOptions,
+) -> EmaPlan:
+    """:func:`build_plan` over the resolved world: the entries, the checks the ranks share
+    (collective), the plan."""
+    refuse_fsdp1(module)
     on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
     if on_meta:
         raise ValueError(
@@ -633,13 +675,15 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
             continue
         seen[id(tensor)] = fqn
         is_parameter = id(tensor) in parameter_ids
-        if options.track != "all" and not options.tracks(fqn, tensor, is_parameter):
+        tracked = options.track == "all" or options.tracks(fqn, tensor, is_parameter)
+        # Asked of every tensor: whole-model outputs read the untracked ones too.
+        partition = zero_partition.read_partition(fqn, tensor, world)
+        if not tracked:
             untracked[fqn] = tensor
-            builder.refuse_unfollowable(fqn, tensor)
         elif tensor.is_complex():
             complex_tracked.append(f"{fqn} ({tensor.dtype})")
         else:
-            entries.append(make_entry(fqn, tensor, builder, options, is_parameter))
+            entries.append(make_entry(fqn, tensor, builder, options, is_parameter, partition))
     if complex_tracked:
         raise ValueError(_complex_refusal(complex_tracked))
     if not entries:
@@ -656,6 +700,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         )
     check_live(module, entries)
     structure = _structure(tensors, set(untracked))
+    signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
     agree_on_structure(world, structure, options.agreement())
     if options.verify_replicas:
         check_replicas(entries, world)
@@ -665,6 +710,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     plan = EmaPlan(
         module=module,
         world=world,
+        device=device,
         entries=entries,
         keys=list(tensors),
         followed=followed,
@@ -674,7 +720,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
         options=options,
     )
     plan._builder = builder
-    plan._signatures = {k: (model_shape(t), t.dtype, t.device) for k, t in untracked.items()}
+    plan._signatures = signatures
     plan._parameters = [
         (k, t)
         for k, t in tensors.items()
@@ -682,7 +728,7 @@ def build_plan(module: nn.Module, world: DeviceMesh | None, options: EmaOptions)
     ]
     if options.track == "trainable":
         plan.trainable = {k: p.requires_grad for k, p in plan._parameters}
-    plan._pointers = _pointers(entries)
+    plan.bind_probe()
     return plan
 
 
@@ -695,9 +741,10 @@ def _structure(tensors: Mapping[str, torch.Tensor], untracked: set[str]) -> dict
     }
 
 
-def _listed(names: list[str], limit: int = 5) -> str:
+def listed(names: Sequence[str], limit: int = 5) -> str:
+    """The first ``limit`` names and how many more, for error messages."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
+    return f"{list(names[:limit])}{more}"
 
 
 def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
@@ -776,20 +823,3 @@ def bucket_view_(entries: list[PlanEntry]) -> list[torch.Tensor]:
                 entry.ema = view
         flats.append(flat)
     return flats
-
-
-def _pointers(entries: list[PlanEntry]) -> list[int]:
-    """Where each tracked tensor's data lives; a change means the cached views are stale.
-
-    FSDP2 keeps a sharded parameter's local storage in place through lazy init, forward,
-    backward, ``optimizer.step()`` and ``reshard()``, but ``module.to(dtype or device)``
-    (``FSDPModule._apply``) swaps the local tensor *inside the same DTensor object* without
-    registering anything, so DTensor sources are checked through their local tensor, and
-    ZeRO-3 parameters through their partition (``ds_tensor``: the parameter itself holds a
-    placeholder or, gathered, its whole value).
-    """
-    return [e.piece_ptr() for e in entries]
-
-
-def _local_data_ptr_of_piece(entry: PlanEntry) -> int:
-    return entry.source_piece.data_ptr()

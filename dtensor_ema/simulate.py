@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, model_shape, resolve_world_mesh
+from dtensor_ema import zero_partition
+from dtensor_ema.layout import LayoutBuilder, default_ema_dtype, resolve_world_mesh
 from dtensor_ema.plan import model_tensors, unwrap_model
 
 __all__ = ["PlanBytes", "plan_bytes", "zero3_partitioned"]
@@ -80,12 +81,12 @@ def plan_bytes(
             continue
         seen.add(id(tensor))
         size = torch.empty((), dtype=ema_dtype or default_ema_dtype(tensor.dtype)).element_size()
-        piece = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        layout = builder.layout(fqn, tensor, piece.shape)
+        partition = zero_partition.read_partition(fqn, tensor, world)
+        piece, shape, layout = builder.place(fqn, tensor, partition)
         n = piece.numel() if piece.dim() == 0 else layout.length * math.prod(piece.shape[1:])
         numel += n
         local += n * size
-        replicated += math.prod(model_shape(tensor)) * size  # a ZeRO-3 placeholder's ds_shape
+        replicated += math.prod(shape) * size  # a ZeRO-3 placeholder's ds_shape
         count += 1
     return PlanBytes(local, numel, replicated, count)
 

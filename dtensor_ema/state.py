@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema.flat_chunks import FlatChunks
 from dtensor_ema.layout import PlanEntry, ema_local_from_full
 from dtensor_ema.options import TRACKING_CONFIG_KEYS
-from dtensor_ema.plan import EmaPlan
+from dtensor_ema.plan import EmaPlan, listed
 from dtensor_ema.update.counter import check_count
 
 __all__ = [
@@ -100,11 +100,6 @@ def _spec(value: Any) -> TensorSpec | None:
     return None
 
 
-def _listed(names: Sequence[str], limit: int) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{list(names[:limit])}{more}"
-
-
 def format_mismatch(
     missing: Sequence[str] = (),
     unexpected: Sequence[str] = (),
@@ -115,7 +110,7 @@ def format_mismatch(
     """``"missing [...]; unexpected [...]; mismatched [...]"``, at most ``limit`` names each,
     empty parts left out (``""`` when nothing differs)."""
     parts = [
-        f"{label} {_listed(names, limit)}"
+        f"{label} {listed(names, limit)}"
         for label, names in (
             ("missing", missing),
             ("unexpected", unexpected),
@@ -191,9 +186,9 @@ class TrackedDifference:
     def message(self, common: int) -> str:
         parts = []
         if self.only_saved:
-            parts.append(f"tracked only in the checkpoint {_listed(self.only_saved, 5)}")
+            parts.append(f"tracked only in the checkpoint {listed(self.only_saved, 5)}")
         if self.only_ours:
-            parts.append(f"tracked only by this EMA {_listed(self.only_ours, 5)}")
+            parts.append(f"tracked only by this EMA {listed(self.only_ours, 5)}")
         return (
             f"the checkpoint's EMA tracks other tensors than this EMA ({'; '.join(parts)}). "
             f"Build the EMA with the checkpoint's tracked set (track=, add_tensors, "

@@ -22,31 +22,46 @@ excluded, it is exactly DTensor ``Shard(0)`` of the flattened tensor over that g
 (:func:`dtensor_ema.layout.chunk_range`). This module only reads those attributes (read in
 DeepSpeed 0.19.8's ``runtime/zero/partition_parameters.py``), and removes DeepSpeed's
 gather hooks from a plain copy of a ZeRO-3 module (:func:`drop_partition_hooks`, for the
-drop-ins' replica); :mod:`dtensor_ema.layout` turns the attributes into a layout. It never
-imports DeepSpeed: a model without ZeRO-3 parameters costs one ``getattr`` per tensor.
+drop-ins' replica). The plan asks it once per model tensor (:func:`read_partition`: the
+piece, its range, the real shape, or why the EMA cannot follow it) and hands the answer to
+:mod:`dtensor_ema.layout`, which turns it into a layout. It never imports DeepSpeed: a model
+without ZeRO-3 parameters costs one ``getattr`` per tensor.
 """
 
 from __future__ import annotations
 
 import math
-import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "ZeroPartition",
     "drop_partition_hooks",
     "drop_secondary",
     "is_partitioned",
-    "partition_group",
     "partition_piece",
-    "partition_range",
+    "read_partition",
     "real_shape",
-    "refusal",
-    "unwrap_engine",
     "whole_view",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroPartition:
+    """What the EMA needs of one ZeRO-3 parameter on this rank, read in one call
+    (:func:`read_partition`) and checked to be one it can follow."""
+
+    piece: torch.Tensor
+    """This rank's partition without its padding: a 1-D view of ``ds_tensor``."""
+    start: int
+    """Where ``piece`` starts in the flattened parameter (``Shard(0)`` of its ``ds_numel``
+    elements over the EMA's mesh, which is DeepSpeed's group)."""
+    shape: torch.Size
+    """The parameter's real shape (``ds_shape``)."""
 
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
@@ -59,16 +74,11 @@ def real_shape(param: torch.Tensor) -> torch.Size:
     return torch.Size(param.ds_shape)  # type: ignore[attr-defined]
 
 
-def partition_group(param: torch.Tensor) -> dist.ProcessGroup:
-    """The process group the parameter is partitioned over (``ds_process_group``)."""
-    return param.ds_process_group  # type: ignore[attr-defined]
-
-
-def partition_range(param: torch.Tensor) -> tuple[int, int]:
+def _partition_range(param: torch.Tensor) -> tuple[int, int]:
     """``(start, length)`` of this rank's partition in the flattened tensor, padding
     excluded, by DeepSpeed's rule (``_partition_param``: ``c = ceil(ds_numel / W)``, rank
     ``r`` holds ``[r * c, (r + 1) * c)``)."""
-    group = partition_group(param)
+    group = param.ds_process_group  # type: ignore[attr-defined]
     numel = int(param.ds_numel)  # type: ignore[attr-defined]
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = math.ceil(numel / size) if numel else 0
@@ -78,7 +88,7 @@ def partition_range(param: torch.Tensor) -> tuple[int, int]:
 
 def partition_piece(param: torch.Tensor) -> torch.Tensor:
     """This rank's partition without its padding: a 1-D view of ``ds_tensor``."""
-    _, length = partition_range(param)
+    _, length = _partition_range(param)
     return param.ds_tensor.detach().narrow(0, 0, length)  # type: ignore[attr-defined]
 
 
@@ -148,13 +158,35 @@ def drop_partition_hooks(module: nn.Module) -> int:
     return removed
 
 
-def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -> str | None:
-    """Why the EMA cannot follow this ZeRO-3 parameter, or ``None`` when it can.
+def read_partition(fqn: str, param: torch.Tensor, world: DeviceMesh | None) -> ZeroPartition | None:
+    """Everything the EMA needs about ``param`` as a ZeRO-3 parameter, in one call: ``None``
+    when it is not one (one ``getattr``), else this rank's partition of it over ``world``
+    (the EMA's mesh), checked to be one the EMA can follow. The plan asks it for every
+    model tensor, tracked or not (whole-model outputs read the untracked ones). Local.
 
-    ``ranks``/``device_type``: the EMA's 1-D world mesh (its ranks in order) and device
-    type, which the partition group and the partition's device must match. Each reason
-    names the DeepSpeed setting and the way out. Local.
+    Raises:
+        ValueError: ``cannot average ...``, naming the tensor, the DeepSpeed setting (or
+            the mesh) and the way out.
     """
+    if not is_partitioned(param):
+        return None
+    if world is None or world.ndim != 1:
+        raise ValueError(
+            f"cannot average {fqn!r}, a ZeRO-3 parameter: its partitions are 1-D over "
+            "DeepSpeed's data-parallel group, so the EMA's mesh must be that group "
+            f"(mesh=None does it); got {'no mesh' if world is None else tuple(world.shape)}"
+        )
+    why = _refusal(fqn, param, world.mesh.tolist(), world.device_type)
+    if why is not None:
+        raise ValueError(f"cannot average {why}")
+    start, _ = _partition_range(param)
+    return ZeroPartition(partition_piece(param), start, real_shape(param))
+
+
+def _refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -> str | None:
+    """Why the EMA cannot follow this ZeRO-3 parameter over a 1-D mesh of ``ranks`` (in
+    order) on ``device_type``, or ``None`` when it can; each reason names the DeepSpeed
+    setting and the way out."""
     ds_tensor = getattr(param, "ds_tensor", None)
     if ds_tensor is None:
         return (
@@ -174,8 +206,7 @@ def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -
             ": it holds int8 codes, not weights; set zero_quantized_nontrainable_weights to "
             "false"
         )
-    group = partition_group(param)
-    group_ranks = dist.get_process_group_ranks(group)
+    group_ranks = dist.get_process_group_ranks(param.ds_process_group)  # type: ignore[attr-defined]
     if group_ranks != ranks:
         return (
             f"{fqn!r} is partitioned over the ranks {group_ranks} (its ds_process_group), but "
@@ -202,19 +233,4 @@ def refusal(fqn: str, param: torch.Tensor, ranks: list[int], device_type: str) -
             f"{fqn!r}: its ZeRO-3 partition is {ds_tensor.dtype}, the parameter "
             f"{param.dtype}; the EMA averages the parameter's own values"
         )
-    return None
-
-
-def unwrap_engine(model: nn.Module) -> nn.Module | None:
-    """``model.module`` when ``model`` is a ``deepspeed.DeepSpeedEngine`` (whose state-dict
-    keys carry ``module.``), else ``None``. Looks DeepSpeed up only if it is imported."""
-    if "deepspeed" not in sys.modules:
-        return None
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-    except ImportError:  # pragma: no cover - a DeepSpeed without its engine module
-        return None
-    inner = getattr(model, "module", None)
-    if isinstance(model, DeepSpeedEngine) and isinstance(inner, nn.Module):
-        return inner
     return None

@@ -10,7 +10,10 @@ its traceback, and the harness terminates the rest.
 Guarantees: fresh processes (:data:`START_METHOD`); a fresh ``FileStore`` under
 ``tmp_path`` (no ports, so parallel runs cannot collide); ``destroy_process_group`` in
 ``finally``; an overall deadline after which every rank is terminated and the test fails
-naming the stuck ranks.
+naming the stuck ranks, with each one's Python stack (:mod:`faulthandler`, on
+:data:`STACK_SIGNAL`). A rank's stdout and stderr go to ``output<rank>`` in its spawn's
+folder: :func:`run_ranks` hands them to pytest's capture, which shows them with a failing
+test only, and the failure of a rank that left no result ends with its output.
 
 ``DTENSOR_EMA_TEST_BACKEND`` picks the ranks' devices and group (:data:`BACKENDS`):
 
@@ -39,10 +42,12 @@ real ``torchrun`` where the launcher itself is under test.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -70,6 +75,12 @@ GROUP_BACKEND = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl", "gloo-cuda": "cpu
 
 DEFAULT_DEADLINE_S = 300.0
 _GRACE_AFTER_FAILURE_S = 10.0
+_OUTPUT_TAIL = 6000
+"""Characters of a rank's output that its failure message ends with."""
+
+STACK_SIGNAL = signal.SIGUSR1
+"""On this signal a rank writes every thread's Python stack to its output; :func:`spawn_ranks`
+sends it to the ranks still running at the deadline before it terminates them."""
 
 
 def run_ranks(
@@ -102,10 +113,25 @@ def run_ranks(
         deadline_s=deadline_s,
         init_process_group=init_process_group,
         env=env,
+        on_output=_show_output,
     )
     if failures:
         pytest.fail(f"{fn.__name__} at W={world_size} failed:\n" + "\n".join(failures))
     return results
+
+
+def _show_output(run_dir: Path, world_size: int) -> None:
+    """Every rank's output, written to this process's stderr, which pytest captures and
+    shows only for a failing test."""
+    for rank in range(world_size):
+        text = _output(run_dir, rank)
+        if text:
+            sys.stderr.write(f"----- {run_dir.name} rank {rank}'s output -----\n{text}")
+
+
+def _output(run_dir: Path, rank: int) -> str:
+    path = Path(run_dir) / f"output{rank}"
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def spawn_ranks(
@@ -119,13 +145,17 @@ def spawn_ranks(
     backend: str | None = None,
     start_method: str | None = None,
     timeout_s: float = 120.0,
+    on_output: Callable[[Path, int], None] | None = None,
 ) -> tuple[list[Any], list[str]]:
     """:func:`run_ranks` without pytest: ``(results of the ranks that returned, failures)``.
 
     ``backend`` (default :data:`BACKEND`) and ``start_method`` (default
     :data:`START_METHOD`) override the environment's; ``timeout_s`` is the process group's
     collective timeout. Every rank still alive when this returns or raises (a deadline, a
-    failed rank's grace period, a ``KeyboardInterrupt`` or a caller's alarm) is terminated.
+    failed rank's grace period, a ``KeyboardInterrupt`` or a caller's alarm) is terminated;
+    those still running at the deadline first write their stacks to their output. The
+    ranks' output stays in the spawn's folder (``output<rank>``); ``on_output(folder,
+    world_size)`` is called once they have ended, also when this raises.
     """
     backend = backend or BACKEND
     if backend not in BACKENDS:
@@ -157,6 +187,8 @@ def spawn_ranks(
         late = _wait(procs, run_dir, deadline_s)
     finally:
         _terminate(procs)
+        if on_output is not None:
+            on_output(run_dir, world_size)
     results, failures = outcomes(run_dir, world_size, [p.exitcode for p in procs])
     return results, ([late] if late else []) + failures
 
@@ -172,7 +204,9 @@ def outcomes(
         path = Path(run_dir) / f"result{rank}.pkl"
         if not path.exists():
             code = exitcodes[rank] if exitcodes else "?"
-            failures.append(f"rank {rank}: exited with code {code} and no result")
+            message = f"rank {rank}: exited with code {code} and no result"
+            output = _output(run_dir, rank)[-_OUTPUT_TAIL:]
+            failures.append(f"{message}; its output ends:\n{output}" if output else message)
             continue
         with path.open("rb") as f:
             ok, value = pickle.load(f)
@@ -217,11 +251,13 @@ _PRELOAD_GLOO = [
     "timm.utils",
     "torchtitan.trainer",
     "olmo_core.train",
+    "torchao.float8",
 ]
 """On gloo only, the extras' heavy imports (~1-2 s each per rank otherwise: the compat and
 Lightning test modules import them at module level, so every rank does; torchtitan's
 ``Trainer`` ~3 s per rank of the torchtitan tests, which import it in the rank; OLMo-core's
-trainer, also for the worker processes its datasets start from the rank). A missing one is
+trainer, also for the worker processes its datasets start from the rank; torchao's float8,
+~5 s per rank of the tensor-subclass tests). A missing one is
 skipped (the forkserver ignores ImportError). Not on CUDA backends: diffusers' import counts
 CUDA devices, which must not happen in the process the ranks fork from. Nor in a script that
 :func:`run_script` forked (a benchmark spawning its own ranks starts its own server, and
@@ -231,15 +267,34 @@ _in_forked_script = False
 """Set in the child of :func:`run_script` / :func:`run_torchrun`."""
 
 
-def start_forkserver() -> None:
+def start_forkserver(log: Path | None = None) -> None:
     """Start the rank forkserver now, with :data:`BACKEND`'s preloads (it imports them in
     the background; the first rank or script waits for it then). Nothing under
-    ``DTENSOR_EMA_TEST_START=spawn``. ``tests/conftest.py`` calls this at session start."""
-    if START_METHOD == "forkserver":
-        import multiprocessing.forkserver
+    ``DTENSOR_EMA_TEST_START=spawn``. ``tests/conftest.py`` calls this at session start.
 
-        _context("forkserver", BACKEND)
+    ``log``: the file the server's own stdout and stderr go to (what its imports print)
+    instead of this process's (ranks and scripts write to files of their own)."""
+    if START_METHOD != "forkserver":
+        return
+    import multiprocessing.forkserver
+
+    _context("forkserver", BACKEND)
+    if log is None:
         multiprocessing.forkserver.ensure_running()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        multiprocessing.forkserver.ensure_running()  # the server inherits fds 1 and 2
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
 
 
 def _context(start_method: str, backend: str) -> Any:
@@ -268,6 +323,7 @@ def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> str | None:
         abandoned = first_failure is not None and now - first_failure > _GRACE_AFTER_FAILURE_S
         if late or abandoned:
             stuck = [p.name for p in procs if p.is_alive()]
+            _dump_stacks(procs, run_dir)
             _terminate(procs)
             if late:
                 return f"ranks {stuck} still running after the {deadline_s:.0f} s deadline"
@@ -276,6 +332,27 @@ def _wait(procs: list[Any], run_dir: Path, deadline_s: float) -> str | None:
     for p in procs:
         p.join()
     return None
+
+
+def _dump_stacks(procs: list[Any], run_dir: Path, wait_s: float = 5.0) -> None:
+    """Have every rank still alive write its stack to its output (:data:`STACK_SIGNAL`);
+    return once each output has grown and stopped growing (``wait_s`` at most)."""
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    paths = [run_dir / f"output{r}" for r in alive]
+
+    def sizes() -> list[int]:
+        return [p.stat().st_size if p.exists() else 0 for p in paths]
+
+    before, last = sizes(), None
+    for r in alive:
+        os.kill(procs[r].pid, STACK_SIGNAL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = sizes()
+        if now == last and all(n > b for n, b in zip(now, before, strict=True)):
+            return
+        last = now
 
 
 def _rank_entry(
@@ -289,6 +366,11 @@ def _rank_entry(
     timeout_s: float,
     args: tuple[Any, ...],
 ) -> None:
+    output = os.open(os.path.join(run_dir, f"output{rank}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     os.environ.update(env)
     torch.set_num_threads(1)
     result: tuple[bool, Any]
@@ -310,6 +392,8 @@ def _rank_entry(
     except BaseException:
         result = (False, traceback.format_exc())
         Path(run_dir, f"failed{rank}").touch()
+    sys.stdout.flush()
+    sys.stderr.flush()
     with open(os.path.join(run_dir, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     if dist.is_initialized():

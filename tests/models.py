@@ -290,6 +290,25 @@ def peft_lora(family: str) -> nn.Module:
         return peft.get_peft_model(transformers_base(family), config)
 
 
+def qlora_model(adapters: bool = True) -> nn.Module:
+    """QLoRA: a block whose two linear weights are torchao ``NF4Tensor`` parameters (frozen;
+    256 x 128 elements: ``to_nf4``'s 64 x 256 blocks, twice, so FSDP2 can shard them over
+    two ranks), with peft LoRA adapters (r=4, random init) on both unless ``adapters`` is
+    false. Seeded."""
+    import peft
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256, bias=False), nn.GELU())
+    base.append(nn.Linear(256, 128, bias=False))
+    for linear in (base[1], base[3]):
+        linear.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+    if not adapters:
+        return base
+    config = peft.LoraConfig(r=4, target_modules=["1", "3"], init_lora_weights=False)
+    return peft.get_peft_model(base, config)
+
+
 def tiny_unet() -> nn.Module:
     """A diffusers ``UNet2DModel`` of 8x8 one-channel images, two down and two up blocks
     (GroupNorm of 4 groups), seeded: the same weights on every call and rank."""

@@ -162,9 +162,9 @@ from failing_body import body
 if __name__ == "__main__":
     start = time.monotonic()
     try:
-        run_gloo_ranks(body, 2, None)
-    except RuntimeError as e:
-        print(f"caught after {time.monotonic() - start:.0f} s: {e}")
+        run_gloo_ranks(body, 2, None, timeout_s=float(sys.argv[1]))
+    except (RuntimeError, TimeoutError) as e:
+        print(f"{type(e).__name__} after {time.monotonic() - start:.0f} s: {e}")
         sys.exit(3)
 """
 
@@ -176,6 +176,71 @@ def test_gloo_ranks_reports_a_failing_rank_at_once(tmp_path: Path) -> None:
     (tmp_path / "failing_body.py").write_text(_FAILING_BODY)
     (tmp_path / "driver.py").write_text(_DRIVER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
-    code, stdout, stderr = run_script([str(tmp_path / "driver.py")], tmp_path, env, timeout_s=90)
+    driver = [str(tmp_path / "driver.py"), "3600"]
+    code, stdout, stderr = run_script(driver, tmp_path, env, timeout_s=90)
     assert code == 3, stdout[-3000:] + stderr[-3000:]
+    assert stdout.startswith("RuntimeError after"), stdout
     assert "rank 1 raised" in stdout and "rank one fails on purpose" in stdout, stdout
+
+
+def test_host_overhead_quick_runs_both_trees(tmp_path: Path) -> None:
+    """``benchmarks/host_overhead.py --quick`` (issue 48), its "before" tree this checkout's
+    ``HEAD`` (present in any clone, shallow ones too): the workers of both trees start, time
+    every row and the table is printed. Timings are not asserted."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout (the 'before' tree is extracted with git archive)")
+    out = tmp_path / "host.json"
+    script = str(ROOT / "benchmarks" / "host_overhead.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = [script, "--quick", "--baseline=HEAD", f"--json={out}"]
+    code, stdout, stderr = run_script(argv, tmp_path, env, timeout_s=120)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["tensors"], r["world"]) for r in rows] == [
+        ("fp32", 10, 1),
+        ("bf16", 10, 1),
+        ("multi", 10, 1),
+    ]
+    for row in rows:
+        for tree in ("before", "after"):
+            assert _positive(row[tree]["floor"]) and _positive(row[tree]["update"]), row
+        assert isinstance(row["met"], bool) and row["bound"].startswith("<="), row
+    assert "| one process, fp32, 10 tensors |" in stdout and "Per tensor" in stdout, stdout
+    assert f"'after W=1': '{ROOT / 'dtensor_ema' / '__init__.py'}'" in stdout, stdout
+
+
+_STUCK_BODY = """
+import time
+
+import torch.distributed as dist
+
+
+def stuck_here():
+    time.sleep(600)
+
+
+def body(rank, world_size, folder, args):
+    if rank == 1:
+        stuck_here()
+    dist.barrier()  # rank 0 waits here for rank 1
+    return {}
+"""
+
+
+def test_gloo_ranks_reports_a_stuck_rank_with_its_stack(tmp_path: Path) -> None:
+    """``benchmarks/gloo_ranks.py``: ranks that stop answering (rank 1 asleep, rank 0
+    waiting for it in a barrier) fail the run at ``timeout_s`` with each one's Python stack,
+    and are terminated (before, the message named the ranks only)."""
+    (tmp_path / "failing_body.py").write_text(_STUCK_BODY)
+    (tmp_path / "driver.py").write_text(_DRIVER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    driver = [str(tmp_path / "driver.py"), "20"]
+    code, stdout, stderr = run_script(driver, tmp_path, env, timeout_s=120)
+    assert code == 3, stdout[-3000:] + stderr[-3000:]
+    assert stdout.startswith("TimeoutError after"), stdout
+    assert "rank(s) [0, 1] did not report within 20.0 s" in stdout, stdout
+    rank0, rank1 = stdout.split("rank 0's stack:\n", 1)[1].split("rank 1's stack:\n")
+    assert 'failing_body.py", line 14 in body' in rank0, rank0  # the barrier
+    assert "stuck_here" not in rank0, rank0
+    assert 'failing_body.py", line 8 in stuck_here' in rank1, rank1  # the sleep
+    assert 'failing_body.py", line 13 in body' in rank1, rank1

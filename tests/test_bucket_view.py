@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from dtensor_ema import ModelEMA, materialize
+from dtensor_ema import ModelEMA
+from dtensor_ema.materialize import gather as materialize
 
 WORLD_SIZES = [1, 2, 3]
 DECAY, TAU = 0.9, 2.0

@@ -380,7 +380,7 @@ def test_a_url_is_never_written_as_a_local_folder(
         (f"s3:/{BUCKET}/x", r"looks like a URL with one slash .* pass the URL as a string"),
         (Path(f"s3://{BUCKET}/x"), r"'s3:/ckpts/x' looks like a URL with one slash"),
         ("nopkgproto://b/x", r"Install dtensor-ema-no-such-package to access nopkgproto"),
-        ("weka://b/x", r"fsspec has no implementation of its protocol"),
+        ("weka://b/x", r"Protocol not known: weka: install the fsspec implementation"),
     ):
         for call in (save_checkpoint, load_checkpoint):
             error = _error(lambda: call({"ema": run.ema}, path))  # noqa: B023

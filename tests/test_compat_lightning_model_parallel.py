@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from torch import nn  # noqa: E402
+from lightning_net import Net, full_state  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from dtensor_ema.compat.lightning import EMAWeightAveraging  # noqa: E402
@@ -51,61 +51,6 @@ from dtensor_ema.compat.lightning import EMAWeightAveraging  # noqa: E402
 DECAY = 0.9
 HIDDEN = {1: 7, 2: 6}  # the MLP's width per TP degree
 PER_RANK, BATCH = 16, 4  # 4 steps per epoch at every W (the checkpoint at step 4 ends one)
-
-
-class Net(pl.LightningModule):
-    """Odd sizes (uneven shards at W=2) and a float buffer that changes every step.
-
-    ``hidden`` must divide by the TP degree: ``RowwiseParallel`` rebuilds its input from the
-    colwise layer's local output assuming even shards. At ``hidden=6`` on a 2x2 mesh the
-    FSDP2 shards stay uneven (3 rows per TP rank split 2 + 1 over dp)."""
-
-    def __init__(self, hidden: int = 7) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, 3))
-        self.register_buffer("seen", torch.zeros(3))
-        self.val_seen: list[dict[str, torch.Tensor]] = []
-
-    def configure_model(self) -> None:
-        """Lightning's TP + FSDP2 recipe: TP on the ``tensor_parallel`` mesh first (colwise
-        then rowwise: one all-reduce per forward), then FSDP2 on ``data_parallel``."""
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-
-        tp_mesh = self.device_mesh["tensor_parallel"]
-        if tp_mesh.size() > 1:
-            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-            parallelize_module(self.body, tp_mesh, plan)
-        mesh = self.device_mesh["data_parallel"]
-        fully_shard(self.body[0], mesh=mesh)
-        fully_shard(self, mesh=mesh)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.seen.add_(0.25)
-        return nn.functional.mse_loss(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.val_seen.append(full_state(self))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full float tensors (``full_tensor()`` for DTensors: collective)."""
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-        for k, v in module.state_dict().items()
-        if v.is_floating_point()
-    }
 
 
 class Reference(Callback):
@@ -162,7 +107,7 @@ def _loader(dp: int) -> torch.utils.data.DataLoader[Any]:
 def _fit(dp: int, tp: int, root: Path, ckpt_path: str | None = None) -> dict[str, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    model = Net(HIDDEN[tp])
+    model = Net(HIDDEN[tp], shard=True)
     ours = EMAWeightAveraging(decay=DECAY)
     ref, end = Reference(), RawAtEnd()
     callbacks: list[Any] = [end, ours, ref]

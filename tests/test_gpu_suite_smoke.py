@@ -9,6 +9,7 @@ the timm fallback are checked in process."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -169,6 +170,21 @@ def test_multirank_section_runs_on_cpu(tmp_path: Path) -> None:
         assert row["local_shapes"] == row["local_values_after_update"] == "exact", row
 
 
+def test_host_section_runs_on_cpu() -> None:
+    """The ``host`` section (issue 48), in process: the floor and ``update()`` timed at 161
+    and 1000 tensors with ``host_overhead.py``'s code; the graph rows skipped without CUDA."""
+    suite = _suite()
+    threads = torch.get_num_threads()
+    try:
+        result = suite.section_host(argparse.Namespace(device="cpu", progress={}))
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["tensors"] for r in result["rows"]] == [161, 1000]
+    for row in result["rows"]:
+        assert row["graph"] == "skipped: no CUDA" and "graph_us" not in row, row
+        assert row["floor_us"] > 0 and row["update_us"] > 0 and row["update_over_floor"] > 0
+
+
 def test_verdict_flips_only_when_every_common_case_is_exact_and_captured() -> None:
     suite = _suite()
 
@@ -298,6 +314,8 @@ def _sleep_on_rank_1(rank: int, world_size: int) -> int:
 
 
 def test_spawn_ranks_names_and_ends_a_stuck_rank(tmp_path: Path) -> None:
+    """A rank still running at the deadline is named, ended, and its failure ends with its
+    Python stack (where it was stuck)."""
     from dist_harness import spawn_ranks
 
     start = time.monotonic()
@@ -308,6 +326,35 @@ def test_spawn_ranks_names_and_ends_a_stuck_rank(tmp_path: Path) -> None:
     assert results == [0]
     assert failures[0] == "ranks ['rank1'] still running after the 8 s deadline", failures
     assert failures[1].startswith("rank 1: exited with code"), failures
+    stack = failures[1].split("; its output ends:\n", 1)[1]  # the stuck rank's stack
+    assert 'test_gpu_suite_smoke.py", line' in stack and "in _sleep_on_rank_1" in stack, stack
+
+
+def test_float8_section_runs_on_cpu_and_skips_without_torchao(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ``float8`` section in this process on CPU: torchao's float8 all-gather under
+    FSDP2 (a one-rank gloo group), every exactness check exact; without torchao it is
+    skipped with the install line."""
+    from dist_harness import require_extra
+
+    require_extra("torchao", "torchao")
+    suite = _suite()
+    assert suite.main(["--device=cpu", "--sections=float8:300", f"--out={tmp_path}"]) == 0
+    (row,) = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["float8"]["result"][
+        "rows"
+    ]
+    assert row["local_type"] == "WeightWithDynamicFloat8CastTensor"
+    assert [row[k] for k in ("eager_differs", "weights", "restored", "ok")] == ["exact"] * 3 + [
+        True
+    ]
+    assert row["graph_differs"] == "skipped: no CUDA"
+    assert "\nfloat8: ok, 1 row(s), exact 4/4 in " in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    assert suite.main(["--device=cpu", "--sections=float8", f"--out={tmp_path}"]) == 0
+    entry = json.loads((tmp_path / "gpu_suite.json").read_text())["sections"]["float8"]
+    assert entry["skipped"].startswith("torchao not importable (")
+    assert entry["skipped"].endswith("pip install torchao==0.18.0")
 
 
 def test_a_section_out_of_time_keeps_its_rows(

@@ -30,8 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from lightning_net import Net, full_state  # noqa: E402
 
 from dtensor_ema.integrations.lightning import EMACallback  # noqa: E402
 
@@ -41,51 +40,6 @@ SAMPLES, BATCH = 32, 4  # W=2: 4 steps per epoch; W=1: 8
 
 def _ref_decay(k: int) -> float:
     return DECAY * (1 - math.exp(-k / TAU))
-
-
-class Net(pl.LightningModule):
-    """Odd sizes (uneven shards at W=2), a float buffer that changes every step."""
-
-    def __init__(self, fsdp: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-        self.register_buffer("seen", torch.zeros(3))
-        self.fsdp = fsdp
-        self.val_seen: list[dict[str, torch.Tensor]] = []
-
-    def configure_model(self) -> None:
-        if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]  # (dp=W, tp=1): FSDP2 over all ranks
-            fully_shard(self.body[0], mesh=mesh)
-            fully_shard(self, mesh=mesh)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        self.seen.add_(0.25)
-        return nn.functional.mse_loss(self(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:
-            self.val_seen.append(full_state(self))
-        self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full float tensors of the module (``full_tensor()`` for DTensors: collective)."""
-    out = {}
-    for k, v in module.state_dict().items():
-        if v.is_floating_point():
-            out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-    return out
 
 
 class ReferenceEMA(Callback):
@@ -187,7 +141,7 @@ def fit_and_check(
     ref_start: tuple[dict[str, torch.Tensor], int] | None = None,
 ) -> dict[str, Any]:
     """One ``fit``; returns plain results (all ranks compute the same)."""
-    model = Net(fsdp=fsdp)
+    model = Net(shard=fsdp)
     ema_cb = _ema_cb()
     ref = ReferenceEMA(*(ref_start or (None, 0)))
     callbacks: list[Any] = [TrainingWeights(ref), ema_cb, ref]
@@ -371,6 +325,7 @@ def test_w2_fsdp2_model_parallel(runs: dict[str, Any]) -> None:
         assert resumed["weights"] == rank_out["fsdp_full"]["weights"]
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_misconfigured_callback_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"decay must be in \[0, 1\], got 2"):
         EMACallback(decay=2.0)
@@ -444,6 +399,8 @@ def test_w1_delayed_sparse_updates_and_hand_over(tmp_path: Path) -> None:
     assert _equal(full_state(model), ref.ema)  # copy_to_model_on_train_end
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+@pytest.mark.filterwarnings("ignore:The dirpath has changed from")  # resumed in another folder
 def test_checkpoint_without_ema_state_warns_and_starts_from_restored_weights(
     tmp_path: Path,
 ) -> None:

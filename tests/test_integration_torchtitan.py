@@ -15,7 +15,10 @@ torchtitan needs live in ``titan_models`` (test setup, never the library).
   FSDP2 2, each with a full checkpoint at step 2.
 * W=2 (one spawn): llama3 FSDP2 resumed from the W=4 HSDP step-2 checkpoint, then a
   model-only load and a load of a checkpoint without EMA; deepseek_v3 FSDP2 resumed from
-  the W=4 FSDP2 x TP x EP step-2 checkpoint (each resume logged once, on rank 0); and
+  the W=4 FSDP2 x TP x EP step-2 checkpoint (each resume logged once, on rank 0); llama3
+  FSDP2 (one block) with ``--compile.enable`` and with float8 (torchao ``Float8Linear``,
+  emulate), the EMA checked after every step, each step-2 checkpoint resumed in one
+  process into a plain model's EMA; and
   ``TorchtitanEMA`` in a hand-written loop under DDP and FSDP2 (each rank holds half of the
   EMA bytes, torchtitan's clone all of them under DDP; DCP ``save``/``load`` under the key
   ``ema`` into a fresh object resumes bit for bit).
@@ -1251,6 +1254,7 @@ def _w2_body(rank: int, world_size: int, root: str, w4_root: str) -> dict[str, A
     trainer.close()
     out["moe_resume"] = run
 
+    out["compiled_and_float8"] = _compiled_and_float8(rank, base / "variants")
     out["pp_resume"] = _pp_resume(base, Path(w4_root) / "pp")
     out["hand_loop"] = _hand_loop(world_size, str(base / "hand"))
     return out
@@ -1285,6 +1289,56 @@ def _pp_resume(base: Path, w4_pp: Path) -> dict[str, Any]:
     run["model_numel"] = sum(v.numel() for v in saved.values())
     trainer.close()
     return run
+
+
+def _compiled_and_float8(rank: int, base: Path) -> dict[str, Any]:
+    """llama3 FSDP2 at W=2 through torchtitan's trainer with ``--compile.enable`` (each block
+    compiled by torchtitan, the loss too), and with float8 (torchao's ``Float8Linear`` in
+    every block and the head; emulate, set here: torchtitan 0.3.0's converter refuses a
+    CPU, and emulate with compile): the EMA equals the reference after every step; a full
+    checkpoint at step 2, resumed in one process by the tests."""
+    from torchtitan.components.quantization import Float8LinearConverter
+    from torchtitan.models.llama3 import model_registry
+
+    from dtensor_ema.integrations.torchtitan import config_registry
+
+    out: dict[str, Any] = {}
+    for variant in ("compile", "float8"):
+        config = config_registry.llama3_debugmodel()
+        if variant == "float8":
+            converter = Float8LinearConverter.Config(emulate=True)
+            config.model_spec = model_registry("debugmodel", converters=[converter])
+        config.compile.enable = variant == "compile"
+        # partial_dtensor: torchtitan 0.3.0 builds no second spmd_types trainer of a layout
+        # one process already built (its FSDP mesh check fails), and llama_resume has.
+        config.parallelism.spmd_backend = "partial_dtensor"
+        cpu_trainer_config(config, base / variant, layers=1, shard=2, steps=2,
+                           checkpoint_every=2)  # fmt: skip
+        config.ema.decays = [0.9]
+        config.checkpoint.last_save_model_only = False
+        trainer = build_cpu_trainer(config)
+        reference = TrainerReference(trainer)
+        per_step: list[list[str]] = []
+
+        def check(*_: Any, trainer: Any = trainer, ref: Any = reference, log: Any = per_step,
+                  **__: Any) -> None:  # fmt: skip
+            log.append(_differ(_trainer_ema_full(trainer, "decay_0_9", ref.keys),
+                               ref.emas["decay_0_9"]))  # fmt: skip
+
+        trainer.optimizers.register_step_post_hook(check)  # after the EMA's and the reference's
+        trainer.train()
+        modules = list(trainer.model_parts[0].modules())
+        out[variant] = {
+            "per_step": per_step,
+            "fired": reference.fired,
+            "float8": sum(type(m).__name__ == "Float8Linear" for m in modules),
+            "compiled": sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules),
+        }
+        if rank == 0:
+            torch.save(reference.emas["decay_0_9"], base / variant / "reference.pt")
+        trainer.close()
+    out["root"] = str(base)
+    return out
 
 
 # ------------------------------------------------------------------ fixtures
@@ -1424,6 +1478,31 @@ def test_w2_pipeline_stages_resume_the_w4_stages(w2: list[dict[str, Any]]) -> No
         assert run["stages_loaded"] == [], (rank, run["stages_loaded"][:5])
     assert w2[0]["pp_resume"]["restored_log"][0].endswith("(step 2): decay_0_9 2 updates")
     _assert_run(w2, "pp_resume", [3])
+
+
+@pytest.mark.distributed
+def test_w2_trainer_compiled_and_float8_exact_and_resumed_in_one_process(
+    w2: list[dict[str, Any]],
+) -> None:
+    """torchtitan's trainer with ``--compile.enable`` and with float8 (emulate): the EMA
+    equals the reference after both steps on every rank; the step-2 checkpoint's EMA loads
+    in one process (no process group) into a plain model's EMA bit for bit."""
+    for rank, result in enumerate(w2):
+        runs = result["compiled_and_float8"]
+        assert runs["compile"]["compiled"] == 1 and runs["float8"]["float8"] == 5, rank
+        for variant in ("compile", "float8"):
+            assert runs[variant]["per_step"] == [[], []], (rank, variant)
+            assert runs[variant]["fired"] == [1, 2], (rank, variant)
+    assert not dist.is_initialized()
+    root = Path(w2[0]["compiled_and_float8"]["root"])
+    for variant in ("compile", "float8"):
+        model = llama3_debugmodel(layers=1, seed=0)
+        ema = TorchtitanEMA(TorchtitanEMA.Config(enable=True, decays=[0.9]), model_parts=[model])
+        step2 = root / variant / "outputs" / "checkpoint" / "step-2"
+        dcp.load({"ema": ema}, checkpoint_id=str(step2))
+        want = torch.load(root / variant / "reference.pt")
+        assert _differ(ema["decay_0_9"].ema_tensors(), want) == [], variant
+        assert ema["decay_0_9"].updates == 2
 
 
 # ------------------------------------------------------------------ one process

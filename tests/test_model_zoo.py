@@ -5,7 +5,8 @@ parameters, the float buffer ``expert_bias_E`` moved by torchtitan's own load-ba
 optimizer hook; its token counter ``tokens_per_expert_E`` is a non-persistent buffer, outside
 the state dict and so outside the EMA and the reference).
 
-For every model, under DDP and FSDP2 at W=2 (one spawn per model family):
+For every model, under DDP and FSDP2 at W=2 (one spawn for the whole zoo; each family's
+tests read their family's results):
 
 * the EMA of every live parameter and float buffer equals a reference written here (plain
   ``lerp_`` on full tensors gathered from the model after every step), bit for bit, and the
@@ -14,7 +15,7 @@ For every model, under DDP and FSDP2 at W=2 (one spawn per model family):
   unsharded model loaded with the EMA, and the raw weights (integer buffers included) come
   back exactly;
 * ``ema.module`` forward equals that unsharded model;
-* a DCP checkpoint reshards W=2 -> W=3 (a second spawn per family, loading the DDP
+* a DCP checkpoint reshards W=2 -> W=3 (a second spawn, loading the DDP
   checkpoint into FSDP2 and the FSDP2 one into DDP) -> one process without a process group.
 
 Every rank is seeded alike and sees the same batch, so replicated buffers (BatchNorm
@@ -24,6 +25,7 @@ statistics) stay identical across ranks and the reference is unambiguous.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -279,8 +281,13 @@ def _error(fn: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(e).__name__}: {e}"
 
 
-def _train_body(rank: int, world_size: int, family: str, root: str) -> dict[str, Any]:
-    """W=2: train each model of ``family`` under DDP and FSDP2, check it, save a checkpoint."""
+def _train_body(rank: int, world_size: int, families: list[str], root: str) -> dict[str, Any]:
+    """W=2: :func:`_train_family` for each of ``families``."""
+    return {family: _train_family(rank, family, root) for family in families}
+
+
+def _train_family(rank: int, family: str, root: str) -> dict[str, Any]:
+    """Train each model of ``family`` under DDP and FSDP2, check it, save a checkpoint."""
     out: dict[str, Any] = {}
     for name, spec in ZOO[family].items():
         for wrapper in WRAPPERS:
@@ -366,8 +373,13 @@ def _tied(module: nn.Module, key: str) -> bool:
     return sum(t is tensors[key] for t in tensors.values()) > 1
 
 
-def _reshard_body(rank: int, world_size: int, family: str, root: str) -> dict[str, Any]:
-    """W=3: load each W=2 checkpoint into the other wrapper, compare, save again."""
+def _reshard_body(rank: int, world_size: int, families: list[str], root: str) -> dict[str, Any]:
+    """W=3: :func:`_reshard_family` for each of ``families``."""
+    return {family: _reshard_family(family, root) for family in families}
+
+
+def _reshard_family(family: str, root: str) -> dict[str, Any]:
+    """Load each W=2 checkpoint into the other wrapper, compare, save again."""
     out: dict[str, Any] = {}
     for name, spec in ZOO[family].items():
         for saved, wrapper in (("ddp", "fsdp"), ("fsdp", "ddp")):
@@ -395,26 +407,33 @@ def _require(family: str) -> None:
     require_extra(EXTRAS[family], "zoo")
 
 
-_trained: dict[str, dict[str, Any]] = {}
+def _installed() -> list[str]:
+    return [family for family in ZOO if importlib.util.find_spec(EXTRAS[family]) is not None]
 
 
-def _train(family: str, root: Path) -> dict[str, Any]:
-    if family not in _trained:
-        results = run_ranks(_train_body, 2, root, family, str(root), deadline_s=400)
-        plain = [
-            {k: {n: v for n, v in cell.items() if n != "module_max_diff"} for k, cell in r.items()}
-            for r in results
-        ]
-        assert plain[0] == plain[1], ("ranks disagree", results)
-        _trained[family] = results[0]
-    return _trained[family]
+@pytest.fixture(scope="module")
+def trained(zoo_root: Path) -> list[dict[str, Any]]:
+    """Every rank's results of the W=2 spawn, each ``{family: {cell: ...}}``."""
+    return run_ranks(_train_body, 2, zoo_root, _installed(), str(zoo_root), deadline_s=900)
+
+
+@pytest.fixture(scope="module")
+def resharded(trained: list[dict[str, Any]], zoo_root: Path) -> list[dict[str, Any]]:
+    """Every rank's results of the W=3 spawn (it loads the W=2 checkpoints)."""
+    return run_ranks(_reshard_body, 3, zoo_root, _installed(), str(zoo_root), deadline_s=900)
 
 
 @pytest.mark.parametrize("family", list(ZOO))
-def test_zoo_ema_swap_and_module(family: str, zoo_root: Path) -> None:
+def test_zoo_ema_swap_and_module(family: str, trained: list[dict[str, Any]]) -> None:
     """EMA == reference, swap holds the reference and restores, module forward (W=2)."""
     _require(family)
-    cells = _train(family, zoo_root)
+    results = [r[family] for r in trained]
+    plain = [
+        {k: {n: v for n, v in cell.items() if n != "module_max_diff"} for k, cell in r.items()}
+        for r in results
+    ]
+    assert plain[0] == plain[1], ("ranks disagree", results)
+    cells = results[0]
     assert set(cells) == {f"{n}/{w}" for n in ZOO[family] for w in WRAPPERS}
     module_failures = {}
     for key, cell in cells.items():
@@ -429,12 +448,12 @@ def test_zoo_ema_swap_and_module(family: str, zoo_root: Path) -> None:
 
 
 @pytest.mark.parametrize("family", list(ZOO))
-def test_zoo_dcp_reshards_2_3_1(family: str, zoo_root: Path) -> None:
+def test_zoo_dcp_reshards_2_3_1(
+    family: str, resharded: list[dict[str, Any]], zoo_root: Path
+) -> None:
     """DCP: saved at W=2, loaded at W=3 into the other wrapper, then in one process."""
     _require(family)
-    _train(family, zoo_root)
-    results = run_ranks(_reshard_body, 3, zoo_root, family, str(zoo_root), deadline_s=400)
-    for key, cell in results[0].items():
+    for key, cell in resharded[0][family].items():
         assert cell["ema"] == [], (key, cell["ema"])
         assert cell["updates"][0] == cell["updates"][1] == STEPS, key
     for name, spec in ZOO[family].items():

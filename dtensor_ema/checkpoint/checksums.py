@@ -2,32 +2,20 @@
 
 DCP checks that its files exist and are long enough, but not what they hold: a flipped byte
 inside a ``.distcp`` file loads silently (a NaN in the EMA), and a flipped byte in
-``.metadata`` may change a shape or an offset. Here:
+``.metadata`` may change a shape or an offset. A :class:`Recording` writer remembers where
+each item went and carries the save's one id (:class:`RecordingWriter` for a folder,
+:class:`dtensor_ema.checkpoint.storage.ObjectWriter` for a store), then
+:func:`write_checksums` records the digests of those byte ranges (in the memory-mapped files
+just written, or as they streamed to the store; rank 0 adds ``.metadata``'s) in
+``__<rank>.checksums.json`` beside DCP's files, which DCP ignores: the save side, all local;
+the reading side is :meth:`dtensor_ema.checkpoint.reader.Checkpoint.verify_reads`. Every
+checksum file records the save id, so files of two saves never load together.
 
-* :class:`RecordingWriter` (a folder) and
-  :class:`dtensor_ema.checkpoint.storage.ObjectWriter` (a store) remember where DCP wrote
-  each item: its data file, offset and length (:class:`Recording`). Local.
-* :func:`write_checksums` then records the digests of those byte ranges (in place, in the
-  memory-mapped files; a store's as they streamed out): every item this rank wrote, each
-  tensor chunk (its local shard; a replicated tensor only on the rank DCP picked to write
-  it) and each non-tensor value, as stored; rank 0 adds ``.metadata``. They go in
-  ``__<rank>.checksums.json`` beside DCP's files (format ``dtensor_ema.checksums`` version
-  2), which DCP ignores: plain ``dcp.load`` works.
-* A save is one unit: all ranks of a :func:`~dtensor_ema.save_checkpoint` agree on one save
-  id when it starts; :class:`RecordingWriter` gives it to DCP (``StorageMeta.save_id`` in
-  ``.metadata``) and every checksum file records it (``"save_id"``), so a reader refuses
-  files of two saves mixed in one directory, and a checksum file without a save id (written
-  before save ids, or edited): deleting the ids must not let two saves load together.
-
-Digests (:data:`ALGORITHMS`): always the CRC-32 (``zlib.crc32``: the standard library,
-verifiable anywhere); and, when the optional ``xxhash`` package is installed when saving,
-also XXH3-64, which a reader with ``xxhash`` checks instead: about 4x faster than
-``zlib.crc32`` here (9.4 against 2.2 GB/s of CPU time), which is what keeps a verified load
-of large tensors close to an unverified one (numbers in ``docs/checkpoints.md``).
-
-Verification is on the reading side (:meth:`dtensor_ema.checkpoint.reader.Checkpoint.verify_reads`,
-inside every verified load): one pass over the byte ranges the load reads, before DCP
-deserializes them.
+Digests (:data:`ALGORITHMS`): always the CRC-32 (``zlib.crc32``: verifiable anywhere); and,
+when the optional ``xxhash`` package is installed when saving, also XXH3-64, which a reader
+with ``xxhash`` checks instead: about 4x faster here (9.4 against 2.2 GB/s of CPU time),
+which keeps a verified load of large tensors close to an unverified one (numbers in
+``docs/checkpoints.md``).
 """
 
 from __future__ import annotations
@@ -211,8 +199,7 @@ class Recording:
 
 
 class RecordingWriter(Recording, FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that records (:class:`Recording`) for
-    :func:`write_checksums`, into a local folder."""
+    """DCP's ``FileSystemWriter`` recording for :func:`write_checksums` (a folder)."""
 
     def digests_of(self, relative: str, places: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
         """The digests of each ``(offset, length)`` written to data file ``relative``."""
@@ -227,10 +214,8 @@ class RecordingWriter(Recording, FileSystemWriter):
 
 def write_checksums(writer: Any, rank: int, *, save_id: str | None = None) -> None:
     """Write ``__<rank>.checksums.json`` beside DCP's files: the digests (every algorithm of
-    :data:`ALGORITHMS`) of every item ``writer`` wrote (a :class:`Recording` writer, with
-    ``digests_of``, ``read_file`` and ``write_file``), and rank 0 those of ``.metadata``,
-    with the save's id (about a hundred bytes per item). Local: one pass over this rank's
-    own ranges, one file at a time."""
+    :data:`ALGORITHMS`) of every item the :class:`Recording` ``writer`` wrote, rank 0 those
+    of ``.metadata`` too, with the save's id (about a hundred bytes per item). Local."""
     by_file: dict[str, list[WriteResult]] = {}
     for result in writer.results:
         by_file.setdefault(result.storage_data.relative_path, []).append(result)

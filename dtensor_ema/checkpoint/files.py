@@ -68,8 +68,7 @@ class Url(str):
 
 
 class Files(Protocol):
-    """What a reader asks of one checkpoint's files, as a load first saw them:
-    :class:`CheckpointFiles` (a folder) or :class:`dtensor_ema.checkpoint.storage.ObjectFiles`."""
+    """One checkpoint's files as a load first saw them (a folder's, or a store's)."""
 
     changed: Callable[[str], Exception]
     save_id: str | None  # the save the storage says these are (a store's current.json)

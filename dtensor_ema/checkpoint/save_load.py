@@ -39,7 +39,7 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,43 +89,8 @@ from dtensor_ema.state import (
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
-_EMA_TENSORS = EMA_TENSORS
-
 
 # ---------------------------------------------------------------------------------- save
-@overload
-def save_checkpoint(
-    state: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    checksums: bool = True,
-    async_: Literal[False] = False,
-) -> None: ...
-
-
-@overload
-def save_checkpoint(
-    state: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    checksums: bool = True,
-    async_: Literal[True],
-) -> concurrent.futures.Future[None]: ...
-
-
-@overload
-def save_checkpoint(
-    state: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    checksums: bool = True,
-    async_: bool,
-) -> concurrent.futures.Future[None] | None: ...
-
-
 def save_checkpoint(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -138,66 +103,40 @@ def save_checkpoint(
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
     call this with the same keys and the same ``path``, after the same number of updates
-    of each EMA in ``state`` (the ranks agree on the EMAs and their counts first: one small
-    all-gather over the group, then one per mesh dim of each EMA's mesh,
-    :func:`~dtensor_ema._collectives.agree_on_call`; pipeline stages' EMAs each agree over
-    their own mesh). Without a process group it saves from one process.
-
-    ``path`` is a folder every rank sees, or the URL of a folder in an object store
-    (``s3://bucket/run/ema``, any fsspec protocol; a path that only looks like one,
-    ``s3:/bucket``, is refused, as is a protocol whose package is missing: the ranks agree
-    in one flag all-reduce). Then the ranks compare a digest of their resolved ``path``
-    (``Path.resolve()``; a URL as given), in one small all-reduce that also hands every rank
-    the save id rank 0 drew: if any rank's path differs (a per-rank timestamp in the name, a
-    link resolved per rank), every rank raises ``ValueError`` naming the paths of rank 0 and
-    the first differing ranks, before anything is written. The save id goes into
-    ``.metadata`` (DCP's ``StorageMeta.save_id``) and into every checksum file, so a load
-    refuses files of two saves mixed in one directory.
+    of each EMA in ``state``: the ranks agree that every one can reach ``path`` (a folder
+    every rank sees, or the URL of a folder in an object store, ``s3://bucket/run/ema``, any
+    fsspec protocol: one flag all-reduce; a path that only looks like a URL, ``s3:/b``, or
+    a protocol whose package is missing is refused), compare a digest of their resolved
+    ``path`` in one small all-reduce that also hands every rank rank 0's save id (a
+    differing path raises ``ValueError`` on every rank before anything is written), then
+    agree on the EMAs and their counts (one small all-gather over the group, then one per
+    mesh dim of each EMA's mesh, :func:`~dtensor_ema._collectives.agree_on_call`; pipeline
+    stages' EMAs each over their own mesh), and on their state dicts having been collected.
+    Without a process group it saves from one process. What each step guarantees:
+    ``docs/checkpoints.md`` ("What ``save_checkpoint`` adds to DCP", "Object storage").
 
     ``state`` is what ``dcp.save`` takes, e.g. ``{"ema": ema, "model": model_sd, "optim":
-    optim_sd}``; ``Stateful`` values (``ModelEMA`` is one) are asked for their state dict
-    first, on every rank, and all ranks agree that this worked before DCP starts, so an
-    error on one rank cannot leave the others waiting in DCP's collectives.
+    optim_sd}``. DCP writes into ``<path>.partial``; only when every rank's write succeeded
+    does rank 0 swap it in (``path -> <path>.previous``, ``<path>.partial -> path``, delete
+    ``<path>.previous``; a crash between the renames leaves the last good checkpoint in
+    ``<path>.previous``, which the next save puts back and :func:`load_checkpoint` falls back
+    to; in a store, the save's own prefix ``<url>/save-<save id>/``, made current by one
+    object ``<url>/current.json``, then the replaced save deleted). With
+    ``checksums=True`` (default) every rank records digests of the byte ranges it wrote in
+    ``__<rank>.checksums.json`` (local; CRC-32, and XXH3-64 with ``xxhash``), then one more
+    flag all-reduce, so rank 0 commits only once every checksum file is written. Peak extra
+    memory (blocking): DCP's write buffers; nothing is copied.
 
-    DCP writes into ``<path>.partial`` (in a store, ``<url>/save-<save id>/``). Only when
-    every rank's write succeeded does rank 0 commit: in a folder, ``path ->
-    <path>.previous``, ``<path>.partial -> path``, then delete ``<path>.previous`` (a crash
-    between the renames leaves the last good checkpoint in ``<path>.previous``, which the
-    next save puts back and :func:`load_checkpoint` falls back to); in a store, one small
-    object ``<url>/current.json`` naming the save, then the save it replaced is deleted.
-    Leftovers of an interrupted save are deleted by the next save.
-
-    With ``checksums=True`` (default) every rank then digests the byte ranges it wrote (each
-    tensor chunk and value, as DCP wrote them: in the memory-mapped files, or as they
-    streamed to the store; rank 0 also ``.metadata``) and records them in
-    ``__<rank>.checksums.json`` beside DCP's files: the CRC-32, and XXH3-64 too when the
-    optional ``xxhash`` package is installed (local, no communication; cost in
-    ``docs/checkpoints.md``). :func:`load_checkpoint` verifies them; plain ``dcp.load``
-    ignores these files. Then one more flag all-reduce, so rank 0 commits only once every
-    rank's checksum file is written. With ``DTENSOR_EMA_CHECK_COLLECTIVES=<seconds>`` a rank
-    that does not call this makes the others fail after that many seconds, naming it. Peak
-    extra memory (blocking): DCP's write buffers; nothing is copied.
-
-    **Background saves** (``async_=True``, as ``dcp.async_save``): the call agrees on the
-    path, the EMAs and their counts, collects the state dicts and copies every tensor of
-    ``state`` to the CPU (the EMA shards, and any model or optimizer tensors in ``state``;
-    a DTensor stays a DTensor of its mesh holding a copy of this rank's piece), then returns
-    a ``concurrent.futures.Future`` while one background thread per process writes that
-    copy with every promise above: committed only when every rank finished, the checksums,
-    the one save id. ``update()`` (and training) may run at once:
-    the checkpoint holds the state at the call. A crash during the write leaves the previous
-    checkpoint at ``path``. ``future.result()`` returns ``None`` or raises what a blocking
-    save would have (on every rank). The writes' collectives run on a gloo group over the
-    ranks of ``process_group``, created by the first background save of each group (every
-    rank of that group calls it first: ``dist.new_group``, local synchronization) and kept.
-    Every later :func:`save_checkpoint` of this process first waits for a pending background
-    write (so two saves never overlap); call ``future.result()`` before
-    loading what it wrote and before destroying the process group. Peak extra memory: one
-    CPU copy of ``state``'s tensors (for an EMA, its local shards: ``1/W`` of the tracked
-    tensors): the staging buffer, kept for the next background save, which copies into it
-    (:func:`dtensor_ema.checkpoint.background.release_staging` frees it). Training is blocked
-    for the agreement and the copy: 0.09-0.13 of a blocking save for GPT-2 at W=2
-    (``benchmarks/async_save.py``).
+    **Background saves** (``async_=True``): the call agrees as above, collects the state
+    dicts and copies every tensor of ``state`` to the CPU, then returns a
+    ``concurrent.futures.Future`` while a background thread writes that copy with every
+    promise above; ``update()`` may run meanwhile. The writes' collectives run on a gloo
+    group over the ranks of ``process_group``, created by the first background save of each
+    group (``dist.new_group``: every rank of that group) and kept. A later save first waits
+    for a pending one; call ``future.result()`` before loading what it wrote and before
+    destroying the process group. Peak extra memory: one CPU copy of ``state``'s tensors
+    (an EMA's local shards: ``1/W`` of its tracked tensors), kept for the next background
+    save (:func:`dtensor_ema.checkpoint.background.release_staging` frees it).
 
     Returns:
         ``None``; with ``async_=True`` the future of the background write.
@@ -240,9 +179,8 @@ def save_checkpoint(
 def _storage(
     group: dist.ProcessGroup | None, path: str | os.PathLike[str], call: str
 ) -> tuple[LocalStorage | ObjectStorage, str]:
-    """The storage of ``path`` (:func:`~dtensor_ema.checkpoint.storage.storage_for`), once
-    every rank found it (a URL needs its fsspec package on every rank), and the save id the
-    ranks drew as they agreed on the path (:func:`agree_on_path`). **Collective**."""
+    """The storage of ``path``, once every rank found it (a URL needs its package on every
+    rank), and the save id drawn as the ranks agree on it (:func:`agree_on_path`)."""
     error: Exception | None = None
     storage = None
     try:
@@ -333,90 +271,44 @@ def load_checkpoint(
     one in an object store: the save its ``current.json`` names), checking it first.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
-    call this with the same keys, the same EMAs and the same ``path`` (agreed first in small
-    all-gathers over the group and each EMA's mesh,
-    :func:`~dtensor_ema._collectives.agree_on_call`). Without a process group it loads in
-    one process. The checkpoint may come from any world size, and from
-    DDP or FSDP2 (DCP reshards). First the ranks compare a digest of their resolved
-    ``path`` in one small all-reduce; if any rank's differs, every rank raises
-    ``ValueError`` naming the paths of rank 0 and the first differing ranks, before anything
-    is read.
+    call this with the same keys, the same EMAs and the same ``path`` (agreed first: one
+    small all-reduce of the resolved path's digest, then small all-gathers over the group
+    and each EMA's mesh, :func:`~dtensor_ema._collectives.agree_on_call`). Without a process
+    group it loads in one process. The checkpoint may come from any world size, and from DDP
+    or FSDP2 (DCP reshards). What each step checks, with every refusal's message:
+    ``docs/checkpoints.md`` ("What ``save_checkpoint`` adds to DCP").
 
-    Nothing from the checkpoint is run, and every size it claims is checked against its
-    files (or objects) before anything is allocated or read
-    (:mod:`dtensor_ema.checkpoint.reader`): ``.metadata`` is unpickled building only DCP's
-    metadata classes, and checked field by field; every data file it names must be a plain
-    name inside ``path``, and every tensor's chunks must cover it exactly once; items are
-    read with ``torch.load(..., weights_only=True)`` and must be uncompressed and of the
-    dtype and size ``.metadata`` says. Each refusal is one :class:`CheckpointError` line
-    naming the file, the entry and what is wrong (a refused global by its name).
+    Nothing from the checkpoint is run (:mod:`dtensor_ema.checkpoint.reader`: ``.metadata``
+    through a restricted unpickler, every entry with ``torch.load(..., weights_only=True)``,
+    every file name inside ``path``, every size checked against the files, or objects,
+    before anything is allocated, every tensor's chunks covering it exactly once). Before
+    anything is written, the ranks agree that the checkpoint is complete and that it holds
+    exactly the tensors and accepted options of every :class:`~dtensor_ema.ModelEMA` in
+    ``state`` (a top-level value, or a member of a top-level
+    :class:`~dtensor_ema.MultiModelEMA`): all raise or none does, with one message naming
+    which rank saw what. Other entries (model, optimizer) get DCP's own checks.
 
-    Before anything is written, every rank checks that the checkpoint is complete (its
-    ``.metadata`` and every data file it names exist and are long enough) and, for every
-    :class:`~dtensor_ema.ModelEMA` in ``state`` (a top-level value, or one of a top-level
-    :class:`~dtensor_ema.MultiModelEMA`'s), that the checkpoint holds exactly
-    its tensors (no missing or extra names, same global shapes and dtypes) and options the
-    EMA accepts (``ModelEMA.load_state_dict`` decides, on the saved counter and options).
-    The ranks agree on the outcome, so all of them raise or none does, every rank with the
-    same message naming which rank saw what, and a refused checkpoint leaves every EMA
-    exactly as it was. Other entries (model, optimizer) get DCP's own checks: missing keys
-    and shape mismatches raise before anything is written. The saved counter must fit an
-    int64 and the numbers of the saved options be finite, checked with the options.
+    **A failed load changes no EMA.** Every EMA reads into staging buffers of its own layout
+    (:func:`~dtensor_ema.state.staging_state`) and is swapped in only when every rank has
+    read and checked everything (one more flag all-reduce); a failure anywhere, on any rank,
+    leaves every EMA's tensors, count, options and tracked set as they were. Peak extra
+    memory: one more copy of each loaded EMA's local shards (``1/W`` of its tracked
+    tensors), plus what DCP holds while it reads one item. Model and optimizer entries are
+    read in place, as DCP does (a failed load may leave them partly written). The directory
+    is opened once and every file read as first seen, so a save that commits to ``path``
+    meanwhile is not seen (where that cannot hold: :class:`~dtensor_ema.checkpoint.reader.
+    CheckpointChangedError`, one all-gather of four int64s per rank comparing the saves).
 
-    **A failed load changes no EMA.** Every EMA (and every member of a ``MultiModelEMA``)
-    reads into buffers of its own layout (:func:`~dtensor_ema.state.staging_state`: this
-    rank's pieces, as DTensors of its mesh), and is swapped in (copied into its live shards,
-    its counter set) only when every rank has read everything and checked what it read (one
-    more flag all-reduce): whatever fails in between, on any rank (an I/O error, a short
-    read, an exception of the storage layer, a refused entry, an out-of-range value, a
-    ``Stateful`` entry's ``load_state_dict``), every EMA keeps its tensors, update count,
-    options and tracked set, and keeps updating. Peak extra memory: one more copy of each
-    loaded EMA's local shards (``1/W`` of its tracked tensors; measured in
-    ``benchmarks/load_memory.py``), plus what DCP holds while it reads one item. Model and
-    optimizer entries keep DCP's behaviour: they are read in place, so a load that fails
-    while reading may leave them partly written (load them again).
-
-    **A load reads the bytes it verified.** The checkpoint directory is opened once, and
-    every file is read from that directory as it was first seen (same inode, size and
-    modification time), held open from the checksum pass to the item reads: a
-    :func:`save_checkpoint` of another job that commits to the same path meanwhile (it
-    renames the directory away) is not seen, and the load returns the save it began with.
-    In a store, the objects of the save ``current.json`` named are listed once and read by
-    byte range; its ``.metadata`` must carry that save id. Where that cannot hold (the
-    committed save deleted a file or object before this load read it, a file was rewritten
-    in place, the ranks opened different saves: one all-gather of four int64s per rank
-    compares them), every rank raises
-    :class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError` naming the saves and the
-    file, never "corrupted", with every EMA unchanged.
-
-    An EMA that tracks other tensors than the checkpoint's (``ModelEMA(track=...)``,
-    ``add_tensors``: the checkpoint's config lists what its EMA left untracked) is refused
-    the same way, naming the tensors each side tracks alone; with ``common_subset=True``
-    the tensors both track are loaded and the EMA's others keep their values (tensors of
-    another model, and other options, are still refused).
-
-    With ``verify=True`` (default) and a checkpoint written by :func:`save_checkpoint`,
-    ``.metadata`` is checked against the digest recorded at save time first, and then,
-    inside each DCP load, every saved item the rank is about to read (whole and as saved, so
-    a resharding load is verified too), in one pass over those byte ranges (memory-mapped:
-    no copy, no extra memory; from a store, one item at a time) in DCP's planning step,
-    whose failures DCP gathers to every rank before any rank reads. XXH3-64 is checked where
-    it was recorded and ``xxhash`` is installed, else the CRC-32. A mismatch raises
-    :class:`~dtensor_ema.checkpoint.reader.ChecksumError` (a :class:`CheckpointError`)
-    naming the file and the tensor or value ("does not match"; never a digest of the bytes
-    read), with nothing written; so does a checksum file of another save (its save id is not
-    ``.metadata``'s: files of two saves mixed). The pass deserializes nothing, so a verified
-    load costs little more than an unverified one (numbers in ``docs/checkpoints.md``);
-    ``verify=False`` skips it. A checkpoint without checksum files (plain ``dcp.save``,
-    ``checksums=False``) loads unverified with one
-    :class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning` under
-    ``verify=True``, and is refused under ``verify="require"``. A checksum file without a
-    save id (written before save ids, or with the id deleted) is refused too: load such a
-    checkpoint with ``verify=False``.
-
-    If ``path`` is missing but ``<path>.previous`` exists (a :func:`save_checkpoint`
-    interrupted while it swapped directories) the previous checkpoint is loaded, with a
-    warning.
+    ``common_subset=True``: an EMA that tracks other tensors than the checkpoint's
+    (``track=``, ``add_tensors``) loads the tensors both track (without it: refused, naming
+    the tensors each side tracks alone). ``verify=True`` (default): ``.metadata`` and every
+    item the rank reads are checked against the digests :func:`save_checkpoint` recorded
+    (one memory-mapped pass, no copy); a checkpoint without checksum files loads with an
+    :class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning`; ``"require"``
+    refuses it; ``False`` skips the pass. If ``path`` is missing but ``<path>.previous``
+    exists (a save interrupted between its renames) the previous checkpoint is loaded, with
+    a warning. In an object store a load reads the save ``current.json`` names, by byte
+    range; its ``.metadata`` must carry that save id.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (a store: no ``current.json``), or one
@@ -689,11 +581,11 @@ def _other_stages(
     entries are the other stages' extra tensors. **Collective** over ``group``: one
     all-reduce of one byte per saved tensor (every rank reads the same metadata, so the
     same list). A saved tensor no rank holds stays unexpected."""
-    prefix = f"{'.'.join(where)}.{_EMA_TENSORS}."
+    prefix = f"{'.'.join(where)}.{EMA_TENSORS}."
     names = sorted(
         k[len(prefix) :] for k in checkpoint.entries_under(where) if k.startswith(prefix)
     )
-    ours = set(ema.state_dict()[_EMA_TENSORS])
+    ours = set(ema.state_dict()[EMA_TENSORS])
     if group is None or not names:
         return frozenset()
     held = torch.tensor([n in ours for n in names], dtype=torch.uint8, device=reduce_device(group))
@@ -752,18 +644,18 @@ def _judge_saved_values(
     load when the tracked sets differ (``common_subset``), else ``None``. ``others``, the
     tensors of other pipeline stages, are left out."""
     key = ".".join(where)
-    prefix = f"{key}.{_EMA_TENSORS}."
+    prefix = f"{key}.{EMA_TENSORS}."
     tensors = {
         k[len(prefix) :]: _spec(md)
         for k, md in checkpoint.entries_under(where).items()
         if k.startswith(prefix) and k[len(prefix) :] not in others
     }
-    candidate = {**saved, _EMA_TENSORS: tensors}
+    candidate = {**saved, EMA_TENSORS: tensors}
     ours = ema.state_dict()
     diff = tracked_difference(tensors, saved.get("config"), ours)
     problems = compare_tensors(
         {k: v for k, v in tensors.items() if k not in diff.only_saved},
-        {k: v for k, v in ours[_EMA_TENSORS].items() if k not in diff.only_ours},
+        {k: v for k, v in ours[EMA_TENSORS].items() if k not in diff.only_ours},
     )
     if problems:
         raise ValueError(
@@ -805,7 +697,7 @@ def _without_tensors(value: Any) -> Any:
 
 def _short(dcp_key: str, key: str) -> str:
     """``ema.ema.blocks.0.w`` -> ``blocks.0.w``; ``ema.updates`` -> ``updates``."""
-    for prefix in (f"{key}.{_EMA_TENSORS}.", f"{key}."):
+    for prefix in (f"{key}.{EMA_TENSORS}.", f"{key}."):
         if dcp_key.startswith(prefix):
             return dcp_key[len(prefix) :]
     return dcp_key

@@ -5,24 +5,14 @@ picks a writer); :mod:`~dtensor_ema.checkpoint.save_load` drives either through
 ``prepare()`` (rank 0: tidy what an interrupted save left), ``writer(save_id)`` (DCP's
 writer, recording what it wrote for the checksums), ``commit(save_id)`` (rank 0, once every
 rank wrote) and ``committed()`` (what a load reads: a
-:class:`~dtensor_ema.checkpoint.files.Files`).
-
-* :class:`LocalStorage` (a path, ``file://`` too): ``<path>.partial`` renamed over
-  ``path`` (the previous one kept in ``<path>.previous`` between the two renames).
-* :class:`ObjectStorage` (any fsspec URL: ``s3://`` through ``s3fs``, ``gs://``, ``az://``,
-  ``memory://`` ...). A store cannot rename, so each save writes under its own prefix
-  ``<url>/save-<save id>/`` and is made current by one small object written last,
-  ``<url>/current.json``, naming its id (one PUT: whole or absent). A load reads only the
-  save it names, whose ``.metadata`` must carry that id. A failed save never wrote it, so
-  the previous save stays current; the next save deletes every other ``save-*`` prefix, and
-  a commit deletes the save it replaced (a load still reading it raises
-  :class:`~dtensor_ema.checkpoint.reader.CheckpointChangedError`, never mixes two saves).
-  Objects are read by byte range (:class:`ObjectFiles`) and digested as they stream out
-  (:class:`ObjectWriter`). Credentials, endpoints and timeouts are the fsspec
-  implementation's settings (``docs/checkpoints.md``).
-
-A path that only looks like a URL (``s3:/b/x``, what ``pathlib.Path("s3://b/x")`` makes), or
-a protocol with no implementation installed, is refused, never written as a local folder.
+:class:`~dtensor_ema.checkpoint.files.Files`). :class:`LocalStorage` (a path, ``file://``
+too) renames ``<path>.partial`` over ``path``. :class:`ObjectStorage` (any fsspec URL)
+cannot rename: each save writes under its own prefix ``<url>/save-<save id>/`` and is made
+current by one small object written last, ``<url>/current.json`` (one PUT: whole or
+absent); a load reads only the save it names; the next save deletes every other ``save-*``
+prefix, a commit the save it replaced. Objects are read by byte range (:class:`ObjectFiles`)
+and digested as they stream out (:class:`ObjectWriter`). The promises, what is atomic where,
+credentials and costs: ``docs/checkpoints.md`` ("Object storage").
 """
 
 from __future__ import annotations
@@ -54,7 +44,16 @@ from dtensor_ema.checkpoint.checksums import (
 from dtensor_ema.checkpoint.files import Url
 from dtensor_ema.checkpoint.reader import CheckpointChangedError, CheckpointError, one_line
 
-__all__ = ["POINTER", "LocalStorage", "ObjectFiles", "ObjectStorage", "ObjectWriter", "storage_for"]
+__all__ = [
+    "POINTER",
+    "LocalStorage",
+    "ObjectFiles",
+    "ObjectStorage",
+    "ObjectWriter",
+    "commit_partial",
+    "storage_for",
+    "tidy_interrupted",
+]
 
 PARTIAL_SUFFIX, PREVIOUS_SUFFIX = ".partial", ".previous"
 """Where a save to a folder writes; where the last good one waits while a commit swaps."""
@@ -104,31 +103,15 @@ class LocalStorage:
         folder. Rank 0."""
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"checkpoint path {self.root} exists and is not a directory")
-        if self.partial.exists():
-            shutil.rmtree(self.partial)
-        if self.previous.exists():
-            if self.root.exists():  # the commit finished; only deleting the old copy did not
-                shutil.rmtree(self.previous)
-            else:  # died between the two renames: the last good checkpoint goes back
-                os.rename(self.previous, self.root)
+        tidy_interrupted(self.root, self.partial, self.previous)
         self.partial.parent.mkdir(parents=True, exist_ok=True)
 
     def writer(self, save_id: str) -> RecordingWriter:
         return RecordingWriter(self.partial, save_id=save_id)
 
     def commit(self, save_id: str) -> None:
-        """Swap the finished checkpoint in. Rank 0. DCP already fsynced the files."""
-        if self.root.exists():
-            os.rename(self.root, self.previous)
-        os.rename(self.partial, self.root)
-        with contextlib.suppress(OSError):  # make the renames durable, where a folder opens
-            fd = os.open(self.root.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        if self.previous.exists():
-            shutil.rmtree(self.previous)
+        """Swap the finished checkpoint in. Rank 0."""
+        commit_partial(self.partial, self.root, self.previous)
 
     def committed(self) -> Path:
         """``path``, or the ``<path>.previous`` a save interrupted between its renames left
@@ -152,6 +135,35 @@ class LocalStorage:
         os.replace(self.root, target.root)
 
 
+def tidy_interrupted(path: Path, partial: Path, previous: Path) -> None:
+    """Undo what an interrupted save of the directory ``path`` left behind: its
+    ``partial`` deleted, its ``previous`` copy deleted or put back. Local (one process)."""
+    if partial.exists():
+        shutil.rmtree(partial)
+    if previous.exists():
+        if path.exists():  # the commit finished; only deleting the old copy did not
+            shutil.rmtree(previous)
+        else:  # died between the two renames: the last good checkpoint goes back
+            os.rename(previous, path)
+
+
+def commit_partial(partial: Path, path: Path, previous: Path) -> None:
+    """Swap the finished directory ``partial`` in at ``path`` (an existing one goes to
+    ``previous`` until the rename is durable, then is deleted). Local (one process); DCP
+    already fsynced the files."""
+    if path.exists():
+        os.rename(path, previous)
+    os.rename(partial, path)
+    with contextlib.suppress(OSError):  # make the renames durable, where a folder opens
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
 class ObjectStorage:
     """A checkpoint in an object store, any fsspec URL (see the module docstring)."""
 
@@ -159,15 +171,10 @@ class ObjectStorage:
         self.root = Url(url.rstrip("/"))
         try:
             self.fs, self.path = url_to_fs(self.root)
-        except ImportError as e:  # fsspec knows the protocol, its package is missing
-            raise ImportError(
-                f"checkpoint path {url!r}: {e} (pip install 'dtensor_ema[object_storage]' "
-                "installs s3fs)"
-            ) from None
-        except ValueError as e:
-            raise ValueError(
-                f"checkpoint path {url!r}: fsspec has no implementation of its protocol ({e}): "
-                "install the package that provides one"
+        except (ImportError, ValueError) as e:  # a missing package, an unknown protocol
+            raise type(e)(
+                f"checkpoint path {url!r}: {e}: install the fsspec implementation of its "
+                "protocol (s3://: pip install 'dtensor_ema[object_storage]')"
             ) from None
 
     def prepare(self) -> None:
@@ -261,11 +268,9 @@ def _asking(root: Url, what: str) -> Iterator[None]:
 
 
 class ObjectFiles:
-    """One save's objects as listed when a load opened it (its
-    :class:`~dtensor_ema.checkpoint.files.Files`), read by byte range with a read-ahead of
-    :data:`READ_BLOCK` bytes. A save's objects are never rewritten (a crafted rewrite fails
-    its checksum), so the size listed stands for the object; one deleted since (a later save
-    committed) raises ``changed``. Local (the store's requests)."""
+    """One save's objects as listed when a load opened it, read by byte range (read-ahead
+    :data:`READ_BLOCK`). Never rewritten (a crafted rewrite fails its checksum), an object
+    is its listed size; one deleted since (a later save committed) raises ``changed``."""
 
     def __init__(self, fs: Any, path: str, location: Url, save_id: str | None) -> None:
         self.fs, self._path, self.path, self.save_id = fs, path, location, save_id
@@ -310,10 +315,9 @@ class ObjectFiles:
 
 
 class ObjectWriter(Recording, FsspecWriter):
-    """DCP's ``FsspecWriter`` over ``fs`` that digests each item as it streams out, for
-    :func:`~dtensor_ema.checkpoint.checksums.write_checksums`. DCP asks a data file's
-    position before and after each item, so the bytes between two asks are one item; an
-    item seen otherwise is read back. ``.metadata`` is read back (rank 0, one request)."""
+    """DCP's ``FsspecWriter`` over ``fs`` that digests each item as it streams out: DCP asks
+    a data file's position before and after each item, so the bytes between two asks are
+    one item (an item seen otherwise is read back, as ``.metadata`` is)."""
 
     def __init__(self, url: Url, fs: Any, *, save_id: str) -> None:
         super().__init__(str(url), save_id=save_id, sync_files=False)  # objects: no fsync

@@ -1,41 +1,16 @@
 """ema-pytorch's ``PostHocEMA``, sharded, on :class:`dtensor_ema.PostHocEMA`:
 ``from dtensor_ema.compat.ema_pytorch import PostHocEMA``.
 
-Same constructor (``sigma_rels`` or ``gammas``, ``checkpoint_every_num_steps=1000``,
-``checkpoint_folder``, ``checkpoint_dtype=float16``, KarrasEMA keywords ``update_every=100``
-and ``param_or_buffer_names_no_ema``), methods (``update()``, ``checkpoint()``,
-``synthesize_ema_model(gamma=, sigma_rel=, step=)``, ``__call__``, ``copy_params_from_
-model_to_ema``) and attributes (``ema_models``, ``gammas``, ``step``). The numbers are
-ema-pytorch 0.8.3's (``tests/test_compat_posthoc.py``):
-
-* gammas from ``sigma_rels`` as ema-pytorch computes them (``numpy.roots``; they differ from
-  :func:`~dtensor_ema.posthoc.phema_math.sigma_rel_to_gamma` in the last bits);
-* call ``s`` (1, 2, ...) of ``update()`` averages when ``(s - 1) % update_every == 0`` with
-  ``beta = (1 - 1/(s + 1)) ** (gamma + 1)``, the first one a copy: the engine's power
-  schedule at ``t = s + 1`` (bit for bit);
-* ``checkpoint()`` stores every profile in ``checkpoint_dtype`` (bit for bit ema-pytorch's
-  tensors) as one sharded snapshot (``checkpoint_folder/step-<s>/``, DCP + manifest; each
-  rank writes its own shards) instead of one ``{index}.{s}.pt`` file per profile;
-* ``synthesize_ema_model`` solves ema-pytorch's system (snapshot times ``s``, gammas rounded
-  to float32, every snapshot in the folder, weights not normalized) in float64 and sums in
-  float64, where ema-pytorch sums float32 products in directory order: the results agree to
-  float32 rounding (a few ulps), and ours do not depend on the file system's listing order.
-  :func:`dtensor_ema.synthesize` on the same folder gives EDM2's own reconstruction.
-
-``ignore_names`` (exact names) and ``ignore_startswith_names`` (plain string prefixes of
-the names) leave tensors out as ema-pytorch does (neither averaged nor copied, nor summed by
-``synthesize_ema_model``), as the engine's ``track=`` predicate: an ignored tensor is not
-stored at all (snapshots and memory hold the other tensors only, ``1/W`` per rank) and is
-read from the model wherever a whole model is needed. ``param_or_buffer_names_no_ema``
-names that are also ignored are ignored, as in ema-pytorch.
-
-Deliberate differences: integer buffers follow the model (ema-pytorch keeps their
-construction values); ignored tensors in ``ema_models[i].ema_model`` are the model's live
-ones (ema-pytorch's copy keeps their values of the first update, and its checkpoints store
-them; for the frozen tensors one ignores, the same values); ``ema_models[i].ema_model`` and
-the synthesized model are sharded EMA modules (their forward is collective); ``ema_model``
-and ``frozen=True`` are refused (``ValueError``); ``state_dict()`` is the engine's
-(sharded, for ``dcp.save``).
+Same constructor (``sigma_rels`` or ``gammas``, ``checkpoint_every_num_steps``,
+``checkpoint_folder``, ``checkpoint_dtype``, KarrasEMA keywords), methods (``update()``,
+``checkpoint()``, ``synthesize_ema_model(gamma=, sigma_rel=, step=)``, ``__call__``) and
+attributes, with ema-pytorch 0.8.3's numbers: its gammas (:func:`sigma_rel_to_gamma`,
+``numpy.roots``), its ``beta = (1 - 1/(s + 1)) ** (gamma + 1)`` as the engine's power
+schedule (bit for bit), its snapshot tensors in ``checkpoint_dtype`` (as one sharded
+snapshot per ``checkpoint()``, each rank writing its own shards) and its synthesis system
+(solved and summed in float64: within float32 rounding). ``ignore_names`` /
+``ignore_startswith_names`` map onto ``track=`` (:class:`NotIgnored`: ignored tensors are
+not stored). The guide, with what differs: ``docs/migration-ema-pytorch.md#posthocema``.
 """
 
 from __future__ import annotations
@@ -51,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_ema._collectives import group_of
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.options import TrackSpec
+from dtensor_ema.options import TrackSpec, check_int
 from dtensor_ema.posthoc import PostHocEMA as _Engine
 from dtensor_ema.posthoc import Term, list_snapshots
 from dtensor_ema.posthoc.phema_math import profile_inner
@@ -189,8 +164,7 @@ class PostHocEMA(nn.Module):
             )
         if len(set(gammas)) != len(gammas):
             raise ValueError(f"gammas must be unique, got {gammas}")
-        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-            raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+        check_int("update_every", update_every, 1)
         every = checkpoint_every_num_steps
         bad = isinstance(every, bool) or not isinstance(every, int) or every < 1
         if every != "manual" and bad:

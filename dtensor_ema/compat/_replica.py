@@ -35,30 +35,24 @@ are the EMA's own; nothing to gather, every save works). FSDP2/TP models take th
 module on a one-rank mesh too (FSDP2 modules refuse ``deepcopy``, so no replica can be
 built); its parameters are the EMA's own there.
 
-The rules, the same in every facade:
-
-1. No hidden collective: a call that needs other ranks' pieces and that a library's
-   habit makes on one rank alone (the facade's ``state_dict()``, ``save_pretrained()``,
-   diffusers' ``copy_to``, ``module.state_dict()`` of a replica, or of the sharded module
-   of a plain model, and the replica's forward) reads the full tensors when unsharded or
-   after a ``materialize()`` that every rank reached since the last change; otherwise it
-   raises a ``RuntimeError`` at once naming the one-line fix (``<owner>.gather_for_save()``
-   on every rank). It never waits for other ranks and never returns one rank's piece.
-   ``materialize()`` itself (``gather_for_save()``, ``eval()``) is the one collective.
-2. Loading full tensors on every rank (the facade's ``load_state_dict`` or the replica's
-   ``module.load_state_dict``) restores each rank's piece of the engine. Local.
+The rules, the same in every facade (``docs/migration.md``, "one rule for every drop-in"):
+no hidden collective (a call a library's habit makes on one rank alone reads the full
+tensors only when unsharded or after a ``materialize()`` every rank reached since the last
+change, else raises a ``RuntimeError`` naming ``<owner>.gather_for_save()``; it never waits
+for other ranks nor returns one rank's piece), and loading full tensors on every rank
+restores each rank's piece (local).
 
 The module's hooks are module-level objects so that the module (or a ``deepcopy`` of it)
 still pickles. An :class:`EmaReplica` pickles as its engine and options and rebuilds its
 module around the unpickled engine (whose EMA tensors the module must share);
-:func:`facade_getstate`/:func:`facade_setstate` do the same for the facades that register
-that module as a child. The engine refuses to pickle at W > 1 (see
-:meth:`dtensor_ema.ModelEMA.__getstate__`).
+:class:`ReplicaFacade` does the same for the facades that register that module as a child.
+The engine refuses to pickle at W > 1 (see :meth:`dtensor_ema.ModelEMA.__getstate__`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,8 +64,7 @@ from dtensor_ema.zero_partition import drop_partition_hooks, is_partitioned, rea
 
 __all__ = [
     "EmaReplica",
-    "facade_getstate",
-    "facade_setstate",
+    "ReplicaFacade",
     "fix_message",
     "keeps_buffers_whole",
 ]
@@ -343,21 +336,83 @@ class EmaReplica:
         )
 
 
-def facade_getstate(facade: nn.Module, key: str) -> dict[str, Any]:
-    """``__getstate__`` of an ``nn.Module`` facade that registers its replica's module as
-    the child ``key``: everything but that module (rebuilt by the replica on load)."""
-    state = facade.__dict__.copy()
-    state["_modules"] = {k: v for k, v in state["_modules"].items() if k != key}
-    return state
+class ReplicaFacade(nn.Module):
+    """What the module drop-ins (timm, torch ``swa_utils``, ema-pytorch) share: their
+    :class:`~dtensor_ema.ModelEMA` (:attr:`engine`) and its :class:`EmaReplica`, whose module
+    is registered as the library's child (:attr:`MODULE`), the verbs that gather it, the
+    forward on it, and pickling. ``materialize()``, ``gather_for_save()`` and ``eval()`` are
+    **collective** over the EMA's mesh (every rank); the rest is local."""
 
+    MODULE = "module"
+    """The child name the library gives its copy (ema-pytorch: ``ema_model``)."""
+    ALWAYS_REGISTERED = False
+    """Register the sharded module as the child too (timm's ``.module`` always exists)."""
 
-def facade_setstate(facade: nn.Module, state: dict[str, Any], key: str, *, always: bool) -> None:
-    """``__setstate__`` matching :func:`facade_getstate`: re-register the rebuilt module as
-    ``key`` (``always``: also the sharded one, as timm's ``ModelEmaV3.module``)."""
-    nn.Module.__setstate__(facade, state)
-    replica: EmaReplica = facade.__dict__["_replica"]
-    if always or not replica.sharded:
-        facade._modules[key] = replica.module
+    @staticmethod
+    def check_evaluation(evaluation: str) -> None:
+        """Refuse an ``evaluation=`` other than ``"replica"`` or ``"sharded"``."""
+        if evaluation not in ("replica", "sharded"):
+            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
+
+    def attach(self, engine: ModelEMA, fix: str, evaluation: str) -> None:
+        """Hold ``engine`` and its replica (``fix``: :func:`fix_message`)."""
+        self._engine, self.evaluation = engine, evaluation
+        self._replica = EmaReplica(engine, fix, sharded=evaluation == "sharded")
+        self._register()
+
+    def _register(self) -> None:
+        if self.ALWAYS_REGISTERED or not self._replica.sharded:
+            self._modules[self.MODULE] = self._replica.module
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle/deepcopy: everything but the replica's module, which the replica rebuilds
+        on load around the unpickled engine (the engine refuses at W > 1, naming what to
+        save instead)."""
+        state = self.__dict__.copy()
+        state["_modules"] = {k: v for k, v in state["_modules"].items() if k != self.MODULE}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._register()
+
+    @property
+    def engine(self) -> ModelEMA:
+        """The sharded :class:`~dtensor_ema.ModelEMA` doing the work."""
+        return self._engine
+
+    def _change(self, apply: Callable[[], None]) -> None:
+        """Run ``apply`` (a change of the EMA) with the gathered copy released first: it is
+        stale from there on."""
+        self._replica.release()
+        apply()
+        self._replica.changed()
+
+    def materialize(self) -> None:
+        """Gather the full EMA on every rank until the next update (replica), or to rank
+        0's CPU (sharded). **Collective** (every rank). Peak: one full copy of the
+        parameters per rank (sharded: one full CPU copy on rank 0 only)."""
+        self._replica.materialize()
+
+    def gather_for_save(self) -> None:
+        """**Collective** (every rank) before rank 0 alone saves the library's state dict
+        (``eval()`` does it too): the same as :meth:`materialize`."""
+        self._replica.materialize()
+
+    def train(self, mode: bool = True) -> Any:
+        """``eval()`` gathers the replica (**collective**); ``train()`` is local and keeps it
+        until the next update (a forward in train mode, e.g. ``update_bn``'s, runs on it)."""
+        if not mode:
+            self._replica.prepare_eval()
+        if self._replica.sharded:
+            self._replica.module.train(mode)
+        return super().train(mode)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The average's forward. Local (replica): after an update, on the copy gathered by
+        ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
+        **collective** on every call with the sharded module, as an FSDP2 model's forward."""
+        return self._replica.forward_module()(*args, **kwargs)
 
 
 def _full_local(tensor: torch.Tensor) -> torch.Tensor:

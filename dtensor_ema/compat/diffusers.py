@@ -1,45 +1,25 @@
 """diffusers' ``EMAModel``, sharded: ``from dtensor_ema.compat.diffusers import EMAModel``.
 
 Same constructor (from a parameter iterator), ``step``, ``copy_to``, ``store``,
-``restore``, ``state_dict``/``load_state_dict``, ``save_pretrained``/``from_pretrained``
-(``model_cls``/``model_config``), and the same numbers bit for bit (``tests/test_compat.py``):
-:class:`~dtensor_ema.ModelEMA` with :class:`~dtensor_ema.decay.DiffusersDecay`
-(``(1 + s) / (10 + s)``) or, with ``use_ema_warmup``, :class:`~dtensor_ema.WarmupDecay`,
-diffusers' ``update_after_step``, and ``formula="subtract"`` (``ema - (1 - d) * (ema -
-param)``, applied at ``d = 0`` too, as diffusers does; ``foreach=True``:
-``"subtract_alpha"``, rounded as its ``_foreach_sub_`` rounds). Parameters with
-``requires_grad=False`` at construction are copied instead of averaged.
+``restore``, ``state_dict``/``load_state_dict``, ``save_pretrained``/``from_pretrained``,
+and the same numbers bit for bit (``tests/test_compat.py``): :class:`~dtensor_ema.ModelEMA`
+with :class:`~dtensor_ema.decay.DiffusersDecay` (or, with ``use_ema_warmup``,
+:class:`~dtensor_ema.WarmupDecay`) and ``formula="subtract"`` (``foreach=True``:
+``"subtract_alpha"``). Parameters with ``requires_grad=False`` at construction are copied.
+DTensor parameters keep their mesh and placements; plain ones are taken as replicated over
+the default group (DDP) and sharded over it; pass ``model=`` for FSDP2 models. The EMA holds
+only the parameters given (a LoRA run's adapters: ``1/W`` of their bytes per rank).
 
-Layout: DTensor parameters (FSDP2/TP) keep their own mesh and placements; plain
-parameters are taken as replicated over the default process group (DDP) and sharded over
-it. Pass ``model=`` (the module the parameters belong to) for FSDP2 models, so the EMA
-reads the sharded parameters even after a forward without backward; the EMA still holds
-only the parameters given (a LoRA run's adapters: their bytes, ``1/W`` per rank), not all of
-the module's. Deliberate
-differences: ``to()``/``pin_memory()`` cannot move the shards (use ``ModelEMA(offload=True)``);
-``load_state_dict`` refuses other hyper-parameters than the constructor's.
-
-diffusers' scripts call ``store``, ``copy_to`` (also on the tracked parameters, for
-validation and at the end of training), ``state_dict()`` and ``save_pretrained()`` on the
-main process alone. None of them is a collective here, so none can wait for ranks that
-never come (:mod:`dtensor_ema.compat._replica`): with more than one rank they read the full
-EMA gathered by ``ema.gather_for_save()`` on every rank since the last ``step`` (one
-collective; plain/DDP parameters: every rank then holds one full copy of the EMA, what
-diffusers keeps always, until the next ``step``; DTensor parameters: rank 0 alone holds one
-full CPU copy, and ``copy_to`` of the tracked parameters writes each rank's own pieces), and
-raise at once naming that fix otherwise. The scripts' fix is one line,
-``ema_unet.gather_for_save()`` on every rank before the main-process block.
-
-DeepSpeed ZeRO-3 parameters (placeholders over per-rank partitions): ``step`` averages
-each rank's own partition (``1/W``, no gather, unlike diffusers' ``GatheredParameters``
-around every step), ``gather_for_save()`` then ``state_dict()`` / ``save_pretrained()`` give
-the full EMA in real shapes; ``copy_to`` and ``restore`` into them raise, naming
-``ema.engine.average_parameters()`` (every rank) for validation.
-
-``copy.deepcopy(ema)`` is an independent EMA that steps from the same parameters (as a copy
-of diffusers' ``EMAModel``, which holds no model); ``pickle``/``torch.save`` carry the
-parameters along (load with ``torch.load(path, weights_only=False)``). Both raise at
-W > 1, naming what to save instead.
+diffusers' scripts call ``store``, ``copy_to``, ``state_dict()`` and ``save_pretrained()``
+on the main process alone; none is a collective here (:mod:`dtensor_ema.compat._replica`):
+with more than one rank they read the full EMA gathered by ``ema.gather_for_save()`` on
+every rank since the last ``step`` (**collective**; plain/DDP parameters: one full copy per
+rank until the next ``step``; DTensor parameters: one full CPU copy on rank 0, and
+``copy_to`` writes each rank's own pieces), and raise naming that fix otherwise. Under
+DeepSpeed ZeRO-3 ``step`` averages each rank's own partition; ``copy_to``/``restore`` into
+the partitions raise, naming ``ema.engine.average_parameters()``. Pickling works without a
+process group and raises at W > 1. The guide, with what differs:
+``docs/migration-diffusers.md``.
 """
 
 from __future__ import annotations

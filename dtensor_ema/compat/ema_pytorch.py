@@ -1,45 +1,23 @@
 """ema-pytorch's ``EMA``, sharded: ``from dtensor_ema.compat.ema_pytorch import EMA``.
 
 Same constructor (defaults ``beta=0.9999, update_after_step=100, update_every=10``),
-attributes and methods (``ema_model``, ``__call__``, ``update()``,
-``copy_params_from_model_to_ema``, ``get_current_decay``, ``state_dict``); the numbers come
-from :class:`~dtensor_ema.ModelEMA` with :class:`~dtensor_ema.decay.EmaPytorchDecay`, which
-rounds the warmup in float32 as ema-pytorch does. ema-pytorch's ``update_every=N`` counts
-steps and averages on steps ``0, N, 2N, ...`` with the plain decay (no ``** N``): mapped
-onto ``ModelEMA(update_every=N, updates=N - 1, update_after_step=N + update_after_step - 1)``
-with a schedule that does not raise the decay to ``N``. Bit for bit equal to ema-pytorch
-0.8.3 (``tests/test_compat.py``).
+attributes and methods; the numbers come from :class:`~dtensor_ema.ModelEMA` with
+:class:`~dtensor_ema.decay.EmaPytorchDecay` (the warmup rounded in float32, as ema-pytorch
+does). ema-pytorch's ``update_every=N`` averages on steps ``0, N, 2N, ...`` with the plain
+decay: mapped onto ``ModelEMA(update_every=N, updates=N - 1, update_after_step=N +
+update_after_step - 1)`` with a schedule that does not raise the decay to ``N``.
+``ignore_names``/``ignore_startswith_names`` map onto ``track=`` (ignored tensors are not
+stored), ``param_or_buffer_names_no_ema`` onto ``exclude=``; ``ema_model``,
+``update_model_with_ema_every``, ``forward_method_names`` and ``lazy_init_ema`` are refused.
 
-Evaluation (``ema(x)``, ``ema.eval()``, ``forward_eval``) runs on ``ema_model``, a replica
-gathered once per validation pass: ``ema.eval()`` or ``ema.gather_for_save()`` all-gathers
-the full parameters (**collective**: every rank calls it) and keeps them until the next
-``update()``, ``copy_params_from_model_to_ema()`` or load (``train()`` keeps them); each
-rank holds ``1/W`` of the parameters in between (peak while gathered: one full copy per
-rank, what ema-pytorch keeps always). ``ema(x)`` or ``ema.ema_model(x)`` after an update,
-before that gather, raises at once naming the fix: no hidden collective. Float buffers are
-kept whole on every rank (``replicate_buffers=True``), each rank averaging its own model's,
-as ema-pytorch's replica does. ``evaluation="sharded"`` (keyword) evaluates through the
-engine's FSDP2 module instead (one unit gathered per forward: peak about the largest unit,
-1.4-1.8x the replica's time per batch on ResNet-50); FSDP2/TP models always do. The rank-0 save
-``torch.save(ema.state_dict())`` works after ``ema.gather_for_save()`` (or ``ema.eval()``)
-on every rank and refuses naming that fix otherwise (see :mod:`dtensor_ema.compat._replica`).
-
-``pickle``/``torch.save(ema)``/``copy.deepcopy`` work without a process group (load with
-``torch.load(path, weights_only=False)``; a copy averages its own copy of the model) and
-raise at W > 1, naming what to save instead.
-
-``ignore_names``/``ignore_startswith_names`` map onto ``ModelEMA(track=...)``: ignored
-tensors are not stored at all (a LoRA run that ignores the frozen base holds the adapters'
-bytes only, ``1/W`` per rank); ``param_or_buffer_names_no_ema`` maps onto ``exclude=``
-(copied, within the tracked set; a name both ignored and listed is ignored, as in
-ema-pytorch).
-
-Deliberate differences: integer buffers (``num_batches_tracked``) follow the model
-(ema-pytorch leaves them at their construction value); ignored tensors are the model's own
-in ``ema_model`` (ema-pytorch's copy keeps their value from its last full copy, at
-construction and during ``update_after_step``: the same for frozen tensors); ``ema_model``,
-``update_model_with_ema_every``, ``forward_method_names`` and ``lazy_init_ema`` are refused
-(``ValueError``).
+Evaluation (``ema(x)``, ``ema.eval()``, ``forward_eval``) runs on ``ema_model`` and the
+rank-0 save ``torch.save(ema.state_dict())`` reads it, by the drop-ins' shared rules
+(:class:`~dtensor_ema.compat._replica.ReplicaFacade`): ``ema.eval()`` or
+``ema.gather_for_save()`` all-gathers the full parameters (**collective**: every rank; peak
+one full copy per rank, what ema-pytorch keeps always) until the next change.
+``evaluation="sharded"`` evaluates through the engine's FSDP2 module instead (FSDP2/TP
+models always do). The guide, with the numbers checked against ema-pytorch 0.8.3 and what
+differs: ``docs/migration-ema-pytorch.md``.
 """
 
 from __future__ import annotations
@@ -51,16 +29,11 @@ import torch
 from torch import nn
 
 from dtensor_ema.compat._ema_pytorch_posthoc import NotIgnored, PostHocEMA
-from dtensor_ema.compat._replica import (
-    EmaReplica,
-    facade_getstate,
-    facade_setstate,
-    fix_message,
-    keeps_buffers_whole,
-)
+from dtensor_ema.compat._replica import ReplicaFacade, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import EmaPytorchDecay
 from dtensor_ema.integrations._common import copy_ema_into_model
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import check_int
 
 __all__ = ["EMA", "PostHocEMA"]
 
@@ -72,7 +45,7 @@ _REFUSED: dict[str, Any] = {
 }
 
 
-class EMA(nn.Module):
+class EMA(ReplicaFacade):
     """ema-pytorch's ``EMA`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
@@ -80,6 +53,8 @@ class EMA(nn.Module):
     ``gather_for_save()`` are collective over the EMA's mesh (see the module docstring).
     ``evaluation`` and ``mesh`` (keyword only) are ours; other keywords go to ``ModelEMA``.
     """
+
+    MODULE = "ema_model"
 
     def __init__(
         self,
@@ -128,16 +103,14 @@ class EMA(nn.Module):
                 )
             # ema-pytorch skips them in every average: here they are not stored at all.
             engine["track"] = kept
-        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-            raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
-        if evaluation not in ("replica", "sharded"):
-            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
+        check_int("update_every", update_every, 1)
+        self.check_evaluation(evaluation)
         engine.setdefault("replicate_buffers", keeps_buffers_whole(model, evaluation))
         self.beta, self.inv_gamma, self.power, self.min_value = beta, inv_gamma, power, min_value
         self.update_every, self.update_after_step = update_every, update_after_step
         self.include_online_model = include_online_model
         self.online_model: Any = model if include_online_model else [model]
-        self._engine = ModelEMA(
+        average = ModelEMA(
             model,
             updates=update_every - 1,  # ema-pytorch averages on steps 0, N, 2N, ...
             schedule=EmaPytorchDecay(decay=beta, gamma=inv_gamma, power=power, min_decay=min_value),
@@ -147,14 +120,8 @@ class EMA(nn.Module):
             exclude={n for n in param_or_buffer_names_no_ema if kept.keeps(n)} or None,
             **engine,
         )
-        self.evaluation = evaluation
-        self._replica = EmaReplica(
-            self._engine,
-            fix_message("ema", also="`ema.eval()`"),
-            sharded=evaluation == "sharded",
-        )
-        if not self._replica.sharded:  # registered, as ema-pytorch registers its copy
-            self._modules["ema_model"] = self._replica.module
+        # The replica registered, as ema-pytorch registers its copy.
+        self.attach(average, fix_message("ema", also="`ema.eval()`"), evaluation)
 
     @property
     def model(self) -> nn.Module:
@@ -170,19 +137,6 @@ class EMA(nn.Module):
         ``evaluation="sharded"`` the engine's sharded module (collective forward)."""
         return self._replica.module
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
-        replica's module is rebuilt on load around the unpickled engine."""
-        return facade_getstate(self, "ema_model")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        facade_setstate(self, state, "ema_model", always=False)
-
-    @property
-    def engine(self) -> ModelEMA:
-        """The :class:`~dtensor_ema.ModelEMA` doing the work."""
-        return self._engine
-
     @property
     def step(self) -> torch.Tensor:
         """``update()`` calls so far (ema-pytorch's ``step`` buffer)."""
@@ -194,9 +148,7 @@ class EMA(nn.Module):
 
     def update(self) -> None:
         """One ema-pytorch step. Local: no communication."""
-        self._replica.release()
-        self._engine.update()
-        self._replica.changed()
+        self._change(self._engine.update)
 
     def get_current_decay(self) -> float:
         """The decay of the current ``step`` (0.0: a copy)."""
@@ -205,9 +157,7 @@ class EMA(nn.Module):
 
     def copy_params_from_model_to_ema(self) -> None:
         """Local: every rank copies its own piece."""
-        self._replica.release()
-        self._engine.set()
-        self._replica.changed()
+        self._change(self._engine.set)
 
     def copy_params_from_ema_to_model(self) -> None:
         """**Collective** (every rank): the model's tensors become the EMA's."""
@@ -220,16 +170,6 @@ class EMA(nn.Module):
         """``ema_model.eval()``, gathered first (**collective** after an update; replica)."""
         self._replica.prepare_eval()
         return self.ema_model.eval()
-
-    def train(self, mode: bool = True) -> EMA:
-        """``train(False)`` is ``eval()``; ``train()`` is local and keeps the gathered
-        replica until the next update (a forward in train mode, e.g. ``update_bn``, runs
-        on it)."""
-        if not mode:
-            self._replica.prepare_eval()
-        if self._replica.sharded:
-            self._replica.module.train(mode)
-        return super().train(mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``ema_model(*args)``. Local (replica): after an update, on the copy gathered by
@@ -244,16 +184,6 @@ class EMA(nn.Module):
         out = module(*args, **kwargs)
         module.train(training)
         return out
-
-    def materialize(self) -> None:
-        """Gather the full EMA on every rank until the next update (replica), or to rank
-        0's CPU (sharded). **Collective**. Peak: one full copy of the parameters."""
-        self._replica.materialize()
-
-    def gather_for_save(self) -> None:
-        """**Collective** (every rank) before a rank-0 ``torch.save(ema.state_dict())``:
-        the same as :meth:`materialize`."""
-        self._replica.materialize()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """ema-pytorch's keys (``initted``, ``step``, ``online_model.*``, ``ema_model.*``)

@@ -1,55 +1,21 @@
 """Lightning 2.6's ``WeightAveraging``/``EMAWeightAveraging``, sharded:
 ``from dtensor_ema.compat.lightning import EMAWeightAveraging``.
 
-Same arguments (``device``, ``use_buffers``, ``decay``, ``update_every_n_steps``,
-``update_starting_at_step``, ``update_starting_at_epoch``, ``avg_fn``/``multi_avg_fn``),
-the same overridable ``should_update(step_idx, epoch_idx)``, the same hooks (update after
-optimizer steps and epochs, the average swapped in for validation, copied into the module
-at the end of training) and the same checkpoint layout: ``state_dict`` holds the average
-(so ``load_from_checkpoint`` gives the averaged model), ``current_model_state`` the raw
-weights, ``averaging_state`` ``n_averaged``. The average is this package's
+Same arguments, the same overridable ``should_update(step_idx, epoch_idx)``, the same hooks
+(``_swap_models`` for validation, ``_copy_average_to_current`` at the end of training) and
+the same checkpoint layout (``state_dict`` the average, ``current_model_state`` the raw
+weights, ``averaging_state`` ``n_averaged``), over this package's
 :class:`~dtensor_ema.compat.swa_utils.AveragedModel` (``EMAWeightAveraging``: torch's
-``get_ema_avg_fn`` rounding, ``formula="weighted_sum"``), bit for bit equal to Lightning's
-(``tests/test_compat.py``), with each DDP rank holding ``1/W`` of it.
-
-Under ``ModelParallelStrategy`` (FSDP2 applied in ``configure_model``, after
-``parallelize_module`` for TP) the average follows the module's placements, split further
-over the ranks holding the same piece (TP-replicated tensors), so each rank holds ``1/W``;
-checkpoints stay sharded: every rank writes its own shards of the average as
-``state_dict`` (Lightning's layout, so the strategy's own load puts the average into the
-module) and of the raw weights under ``state_dict["current_model_state.<fqn>"]`` in the
-same DCP checkpoint, since the strategy writes only ``state_dict`` with DCP; ``meta.pt``'s
-``current_model_state`` is then the marker ``{"format": "dcp", "prefix":
-"current_model_state."}``. A resume reads both back (collective) and continues exactly
-(``tests/test_compat_lightning_model_parallel.py``). Lightning's own callback cannot run
-there: its ``setup`` calls ``configure_model`` itself and deep-copies the sharded module,
-which FSDP2 refuses (``AssertionError: FSDP does not support deepcopy``, Lightning 2.6.6).
-
-The average is built in ``setup``, as Lightning builds it (``configure_model`` first),
-where the module already sits on the training device (CPU runs); otherwise at
-``on_fit_start``, once the strategy has moved it (GPU) or sharded it
-(``ModelParallelStrategy``, ``FSDPStrategy``): our average tracks the module's own tensors,
-which must not move after it is built. Validation and the end of training go through
-Lightning's hooks ``_swap_models`` (twice per validation epoch) and
-``_copy_average_to_current``, so subclasses that override ``should_update`` or those
-hooks get Lightning's calls. Any averaging function Lightning accepts works
-(:mod:`dtensor_ema.compat.swa_utils`: torch's factories fused, other elementwise
-functions, such as the picklable function objects Lightning recommends for
-``ddp_spawn``, on each rank's pieces).
-
-Other keywords go to :class:`~dtensor_ema.ModelEMA`: ``track="trainable"`` averages a LoRA
-module's adapters only (their bytes, ``1/W`` per rank; the checkpoint's ``state_dict`` stays
-the whole module, the frozen base from the module). By default the whole module is
-averaged, as Lightning does. With ``track="trainable"`` the callback follows the trainable
-set, as an unfreezing callback (``BackboneFinetuning``) changes it: what a callback set up
-after this one freezes is left out before anything is averaged; a parameter unfrozen later
-is averaged from its value before the next step (``ModelEMA.add_tensors``, collective,
-logged once per change: the average Lightning's callback holds for a parameter that never
-moved while frozen, so the numbers match it); one frozen later keeps its average.
-
-Differences: integer buffers follow the model; float buffers that differ across DDP ranks
-(BatchNorm without ``SyncBatchNorm``) are averaged row-wise from each rank's own
-statistics (Lightning's checkpoint holds rank 0's).
+``get_ema_avg_fn`` rounding, ``formula="weighted_sum"``), with each rank holding ``1/W`` of
+the average. The average is built in ``setup`` as Lightning builds it where the module
+already sits on its training device, else at ``on_fit_start`` (it tracks the module's own
+tensors, which must not move after). Under ``ModelParallelStrategy`` (where Lightning's own
+callback cannot run) the checkpoint stays sharded: every rank writes its own shards of the
+average as ``state_dict`` and of the raw weights under ``current_model_state.<fqn>`` in the
+same DCP checkpoint. Other keywords go to :class:`~dtensor_ema.ModelEMA` (``track=
+"trainable"`` follows an unfreezing callback, :func:`~dtensor_ema.integrations._common.
+follow_trainable`). The guide, with the numbers checked against Lightning's callback and
+what differs: ``docs/migration-lightning.md``.
 """
 
 from __future__ import annotations

@@ -5,48 +5,22 @@ Same constructor, ``update_parameters(model)``, ``n_averaged``, ``use_buffers``,
 ``.module`` and forward, with every number from :class:`~dtensor_ema.ModelEMA`; the names
 torch's tests import (``get_ema_multi_avg_fn``, ``get_ema_avg_fn``, ``get_swa_multi_avg_fn``,
 ``get_swa_avg_fn``, ``update_bn``) are here too. The first ``update_parameters`` copies the
-model (``n_averaged == 0``), the next ones average, with any averaging function
-(:func:`averaging_of`):
+model (``n_averaged == 0``), the next ones average with any averaging function
+(:func:`averaging_of`: torch's factories on the fused path, any other elementwise callable
+on each rank's pieces); ``use_buffers=False`` copies the buffers on every call. Bit for bit
+equal to torch's ``AveragedModel`` (``tests/test_compat_upstream.py``), except integer
+buffers, which follow the model. ``device`` must be the model's device or ``None``. Float
+buffers are kept whole on every rank, each averaging its own model's, as torch's replica on
+that rank does.
 
-* torch's factories keep the fused path: ``get_ema_multi_avg_fn(d)``: ``ConstantDecay(d)``,
-  lerp (torch's kernel); ``get_ema_avg_fn(d)``: ``formula="weighted_sum"`` (``d * ema +
-  (1 - d) * model``, as torch rounds it); ``get_swa_multi_avg_fn()``:
-  :class:`~dtensor_ema.decay.RunningMeanDecay`, lerp; ``get_swa_avg_fn()``:
-  ``formula="divide"`` (``a + (b - a) / (n + 1)``); no function: ``formula="swa"``,
-  torch's device rule (foreach lerp on CUDA, the division on CPU);
-* any other callable, ``avg_fn(averaged, current, num_averaged)`` or
-  ``multi_avg_fn(averaged_list, current_list, num_averaged)`` as torch defines them
-  (a user's ``decay * p_avg + (1 - decay) * p``, Lightning's picklable function objects),
-  runs on the eager path, applied to each rank's local pieces with torch's
-  ``num_averaged``: :class:`~dtensor_ema.options.AveragingFunction`. The contract: the
-  function must be elementwise; construction checks it on a probe and raises
-  ``ValueError`` naming the function otherwise.
-* ``use_buffers=False`` copies the buffers from the model on every call
-  (``buffers="copy"``), ``True`` averages the float buffers.
-
-Bit for bit equal to torch's ``AveragedModel`` for all of these
-(``tests/test_compat_upstream.py``), except integer buffers (``num_batches_tracked``): they
-follow the model, where torch with ``use_buffers=True`` pushes them through the function
-too (its ``get_swa_multi_avg_fn`` then raises). ``device`` must be the model's device or
-``None``. Float buffers are kept whole on every rank (``replicate_buffers=True``) and each
-rank averages its own model's, as torch's replica on that rank does.
-
-Evaluation (``.module``, forward) runs on a replica gathered once per validation pass:
+Evaluation (``.module``, forward) and the rank-0 save ``torch.save(swa_model.state_dict())``
+follow the drop-ins' shared rules (:class:`~dtensor_ema.compat._replica.ReplicaFacade`):
 ``eval()`` or ``gather_for_save()`` all-gathers the full parameters (**collective**: every
-rank calls it) and keeps them until the next ``update_parameters`` or load (``train()``
-keeps them: ``update_bn(loader, swa_model)`` runs on them and recomputes the average's own
-BatchNorm statistics, each rank its own, as torch). A forward after an update without that
-gather raises at once naming it: no hidden collective. Each rank holds ``1/W`` of the
-parameters in between (peak while gathered: one full copy per rank, what torch's replica
-keeps always). ``evaluation="sharded"`` (keyword) evaluates through the engine's FSDP2
-module instead (one unit gathered per forward, collective per call: peak about the largest
-unit, 1.4-1.8x the replica's time per batch on ResNet-50, ``benchmarks/compat_eval.py``);
-FSDP2/TP models always do. The rank-0 save ``torch.save(swa_model.state_dict())`` works
-after ``gather_for_save()`` (or ``eval()``) on every rank and refuses naming that fix
-otherwise (see :mod:`dtensor_ema.compat._replica`). ``pickle``, ``torch.save(swa_model)``
-and ``copy.deepcopy`` work without a process group (load with ``torch.load(path,
-weights_only=False)``; a copy averages its own copy of the model) and raise at W > 1,
-naming what to save instead.
+rank; peak one full copy per rank, what torch's replica keeps always) until the next
+``update_parameters`` or load (``train()`` keeps them: ``update_bn(loader, swa_model)``
+recomputes the average's own BatchNorm statistics, each rank its own, as torch).
+``evaluation="sharded"`` evaluates through the engine's FSDP2 module instead (FSDP2/TP
+models always do). The guide: ``docs/migration-swa-utils.md``.
 """
 
 from __future__ import annotations
@@ -59,13 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import swa_utils as _torch_swa
 
-from dtensor_ema.compat._replica import (
-    EmaReplica,
-    facade_getstate,
-    facade_setstate,
-    fix_message,
-    keeps_buffers_whole,
-)
+from dtensor_ema.compat._replica import ReplicaFacade, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import ConstantDecay, DecaySchedule, RunningMeanDecay
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import AveragingFunction
@@ -150,7 +118,7 @@ def averaging_of(
     return AveragingFunction(fn, multi=multi), "lerp", 1
 
 
-class AveragedModel(nn.Module):
+class AveragedModel(ReplicaFacade):
     """torch's ``AveragedModel`` with each rank holding ``1/W`` of the average.
 
     Construction is collective where :class:`~dtensor_ema.ModelEMA`'s is (every rank);
@@ -172,8 +140,7 @@ class AveragedModel(nn.Module):
     ) -> None:
         super().__init__()
         schedule, formula, after = self.check_kwargs(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
-        if evaluation not in ("replica", "sharded"):
-            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
+        self.check_evaluation(evaluation)
         first = next(iter(model.parameters()))
         if device is not None and torch.device(device) != first.device:
             raise ValueError(
@@ -182,7 +149,7 @@ class AveragedModel(nn.Module):
             )
         self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
         engine.setdefault("replicate_buffers", keeps_buffers_whole(model, evaluation))
-        self._engine = ModelEMA(
+        average = ModelEMA(
             model,
             schedule=schedule,
             update_after_step=after,  # the first call (n_averaged == 0) copies
@@ -190,14 +157,8 @@ class AveragedModel(nn.Module):
             formula=formula,
             **engine,
         )
-        self.evaluation = evaluation
-        self._replica = EmaReplica(
-            self._engine,
-            fix_message("swa_model", also="`swa_model.eval()`"),
-            sharded=evaluation == "sharded",
-        )
-        if not self._replica.sharded:  # registered as torch registers its copy
-            self._modules["module"] = self._replica.module
+        # The replica registered as torch registers its copy.
+        self.attach(average, fix_message("swa_model", also="`swa_model.eval()`"), evaluation)
 
     @staticmethod
     def check_kwargs(
@@ -208,19 +169,6 @@ class AveragedModel(nn.Module):
         """:func:`averaging_of` the averaging function; raises for one that is not
         elementwise (before any model exists: Lightning's callback checks early)."""
         return averaging_of(avg_fn, multi_avg_fn)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
-        replica's module is rebuilt on load around the unpickled engine."""
-        return facade_getstate(self, "module")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        facade_setstate(self, state, "module", always=False)
-
-    @property
-    def engine(self) -> ModelEMA:
-        """The :class:`~dtensor_ema.ModelEMA` doing the work."""
-        return self._engine
 
     @property
     def module(self) -> nn.Module:
@@ -233,43 +181,14 @@ class AveragedModel(nn.Module):
     def n_averaged(self) -> Tensor:
         return torch.tensor(self._engine.updates, dtype=torch.long)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The average's forward. Local (replica): after an update, on the copy gathered by
-        ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
-        **collective** on every call with the sharded module."""
-        return self._replica.forward_module()(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> AveragedModel:
-        """``eval()`` gathers the replica (**collective**); ``train()`` is local and keeps
-        it until the next update (``update_bn``'s forwards in train mode run on it)."""
-        if not mode:
-            self._replica.prepare_eval()
-        if self._replica.sharded:
-            self._replica.module.train(mode)
-        return super().train(mode)
-
     def update_parameters(self, model: nn.Module) -> None:
         """One averaging step. Local: no communication. ``model`` must be the tracked one."""
-        self._replica.release()
-        self._engine.update(model)
-        self._replica.changed()
+        self._change(lambda: self._engine.update(model))
 
     def reset_to(self, model: nn.Module) -> None:
         """Copy ``model`` (the tracked one) into the average, keeping ``n_averaged``.
         Local."""
-        self._replica.release()
-        self._engine.set(model)
-        self._replica.changed()
-
-    def materialize(self) -> None:
-        """Gather the full average on every rank until the next update (replica), or to
-        rank 0's CPU (sharded). **Collective**. Peak: one full copy of the parameters."""
-        self._replica.materialize()
-
-    def gather_for_save(self) -> None:
-        """**Collective** (every rank) before a rank-0 ``torch.save(model.state_dict())``:
-        the same as :meth:`materialize`."""
-        self._replica.materialize()
+        self._change(lambda: self._engine.set(model))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """torch's keys (``module.*``, ``n_averaged``) with full tensors. Local; when

@@ -1,49 +1,26 @@
-"""timm's ``ModelEmaV3``/``ModelEmaV2`` over a sharded :class:`~dtensor_ema.ModelEMA`.
+"""timm's ``ModelEmaV3``/``ModelEmaV2`` over a sharded :class:`~dtensor_ema.ModelEMA`:
+``from dtensor_ema.compat.timm import ModelEmaV3``.
 
-Swap ``from timm.utils import ModelEmaV3`` for ``from dtensor_ema.compat.timm import
-ModelEmaV3``. Same constructor, attributes and verbs (``update(model, step=None)``,
-``set``, ``get_decay``, ``forward``, ``.module``); every number comes from the engine:
+Same constructor, attributes and verbs (``update(model, step=None)``, ``set``,
+``get_decay``, ``forward``, ``.module``); every number comes from the engine: ``use_warmup``
+is :class:`~dtensor_ema.WarmupDecay` with ``update_after_step``, without it
+:class:`~dtensor_ema.ConstantDecay` with ``update_after_step + 1`` (timm copies the model on
+the first step past it); ``update(model, step=s)`` sets the engine's counter to ``s - 1``
+first, so a resumed run lands on the same curve. ``exclude_buffers`` is ``buffers="copy"``;
+buffers are whole on every rank (each rank's are what timm's replica holds there, so
+``timm.utils.distribute_bn`` gives timm's values). Construction does not check that the
+ranks' weights agree (timm's ``train.py`` builds the EMA before DDP broadcasts): the first
+``update(model, step=1)`` copies the model.
 
-* ``use_warmup``: :class:`~dtensor_ema.WarmupDecay` (``warmup_gamma``, ``warmup_power``,
-  ``min_decay``) with ``update_after_step``; without it :class:`~dtensor_ema.ConstantDecay`
-  with ``update_after_step + 1``, since timm copies the model on the first step past
-  ``update_after_step`` (``get_decay`` returns 0 there). ``update(model, step=s)`` sets the
-  engine's counter to ``s - 1`` first, so a resumed run that passes its global step lands
-  on the same curve; ``step=None`` means timm's constant ``decay``.
-* ``exclude_buffers``: ``buffers="copy"``. Buffers are replicated
-  (``replicate_buffers=True``): each rank's EMA buffers are what timm's replica on that
-  rank holds, so ``timm.utils.distribute_bn(model_ema, world, reduce)`` gives timm's values.
-
-``.module`` has the model's structure; its parameters are gathered once per evaluation
-(``eval()`` or ``gather_for_save()``; **collective**: every rank validates, as timm's
-``train.py`` does) and freed by the next ``update()`` or ``set()`` (``train()`` keeps
-them). A forward or ``.module.state_dict()`` after an update, before that gather, raises
-at once naming it: no hidden collective. In between, each rank holds ``1/W`` of the
-parameters. Peak while gathered: one full copy
-of the parameters per rank (timm's replica keeps one always). ``evaluation="sharded"``
-(keyword) evaluates through the engine's FSDP2 module instead (one unit gathered per
-forward: peak about the largest unit, 1.4-1.8x the replica's time per batch on ResNet-50;
-see ``benchmarks/compat_eval.py``). The rank-0 save
-(``unwrap_model(model_ema).state_dict()``) works after ``eval()`` or ``gather_for_save()``
-on every rank, and refuses naming that fix otherwise; see
-:mod:`dtensor_ema.compat._replica`.
-
-``pickle``/``torch.save(model_ema)``/``copy.deepcopy`` work without a process group
-(load with ``torch.load(path, weights_only=False)``; a copy averages its own copy of the
-model) and raise at W > 1, naming what to save instead.
-
-Construction does not check that the ranks' weights agree (timm's ``train.py`` builds the
-EMA before DDP broadcasts rank 0's weights): the first ``update(model, step=1)`` copies
-the model. Seed every rank alike, or build after DDP, when calling ``update(model)``
-without ``step=`` (its first call averages, as timm's does, each rank its own rows).
-
-Differences, deliberate: a tied weight is averaged once (timm lerps it once per name, i.e.
-with ``decay**2``); ``device=`` other than the model's device, ``dtype=bfloat16`` with
-stochastic rounding are not supported. With an FSDP2 model ``.module`` is the engine's
-sharded module, whose ``state_dict()`` holds DTensors, as a real timm EMA of an FSDP2 model
-does: save with DCP. With ``evaluation="sharded"`` on a plain/DDP model, ``.module`` is that
-sharded module too, but its ``state_dict()`` follows the rank-0 rule above (full tensors on
-rank 0 after ``gather_for_save()`` on every rank, else a ``RuntimeError`` naming it).
+``.module`` has the model's structure; evaluation and the rank-0 save
+(``unwrap_model(model_ema).state_dict()``) follow the drop-ins' shared rules
+(:class:`~dtensor_ema.compat._replica.ReplicaFacade`): ``eval()`` or ``gather_for_save()``
+gathers its parameters (**collective**: every rank validates, as timm's ``train.py`` does;
+peak one full copy per rank, what timm's replica keeps always) until the next ``update()``
+or ``set()``. ``evaluation="sharded"`` (and any FSDP2 model) evaluates through the engine's
+FSDP2 module instead, whose ``state_dict()`` holds DTensors. The guide, with what differs
+(a tied weight averaged once; no ``device=``, no bf16 stochastic rounding):
+``docs/migration-timm.md``.
 """
 
 from __future__ import annotations
@@ -53,22 +30,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dtensor_ema.compat._replica import (
-    EmaReplica,
-    facade_getstate,
-    facade_setstate,
-    fix_message,
-    keeps_buffers_whole,
-)
+from dtensor_ema.compat._replica import ReplicaFacade, fix_message, keeps_buffers_whole
 from dtensor_ema.decay import ConstantDecay, WarmupDecay
 from dtensor_ema.model_ema import ModelEMA
+from dtensor_ema.options import check_int
 
 __all__ = ["ModelEmaV2", "ModelEmaV3"]
 
 _FIX = fix_message("model_ema", also="`model_ema.eval()`, as timm's validate() calls it")
 
 
-class ModelEmaV3(nn.Module):
+class ModelEmaV3(ReplicaFacade):
     """timm ``ModelEmaV3`` with its EMA sharded across ranks (see the module docstring).
 
     Construction is **collective** over the default group when one is initialized (the
@@ -81,6 +53,7 @@ class ModelEmaV3(nn.Module):
     """
 
     _FORMULA: Literal["lerp", "weighted_sum"] = "lerp"  # timm's _foreach_lerp_
+    ALWAYS_REGISTERED = True
 
     def __init__(
         self,
@@ -101,8 +74,7 @@ class ModelEmaV3(nn.Module):
         evaluation: Literal["replica", "sharded"] = "replica",
     ) -> None:
         super().__init__()
-        if evaluation not in ("replica", "sharded"):
-            raise ValueError(f"evaluation must be 'replica' or 'sharded', got {evaluation!r}")
+        self.check_evaluation(evaluation)
         if device is not None and torch.device(device) != next(model.parameters()).device:
             raise NotImplementedError(
                 f"device={device!r} (an EMA on another device than the model) is not "
@@ -142,23 +114,7 @@ class ModelEmaV3(nn.Module):
         self.stochastic_rounding = stochastic_rounding
         self.stochastic_rounding_seed = stochastic_rounding_seed
         self.exclude_buffers = exclude_buffers
-        self.evaluation = evaluation
-        self._replica = EmaReplica(engine, _FIX, sharded=evaluation == "sharded")
-        self.module = self._replica.module
-        self._engine = engine
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle/deepcopy: the engine refuses at W > 1 (naming what to save instead); the
-        replica's module is rebuilt on load around the unpickled engine."""
-        return facade_getstate(self, "module")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        facade_setstate(self, state, "module", always=True)
-
-    @property
-    def engine(self) -> ModelEMA:
-        """The sharded :class:`~dtensor_ema.ModelEMA` doing the work."""
-        return self._engine
+        self.attach(engine, _FIX, evaluation)
 
     def get_decay(self, step: int | None = None) -> float:
         """timm's decay for ``step`` (``decay`` when ``step`` is None), from the engine."""
@@ -182,44 +138,14 @@ class ModelEmaV3(nn.Module):
                     "warmup; pass step= (the global step) or use_warmup=False"
                 )
             engine.updates = max(engine.updates, engine.options.update_after_step)
-        elif isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"step must be an int >= 1, got {step!r}")
         else:
-            engine.updates = step - 1
-        self._replica.release()  # before the update: the full copy is stale from here on
-        engine.update(model)
-        self._replica.changed()
+            engine.updates = check_int("step", step, 1) - 1
+        self._change(lambda: engine.update(model))
 
     @torch.no_grad()
     def set(self, model: nn.Module) -> None:
         """Copy ``model`` into the EMA. Local."""
-        self._replica.release()
-        self._engine.set(model)
-        self._replica.changed()
-
-    def materialize(self) -> None:
-        """Gather the full EMA for evaluation and a rank-0 save until the next update.
-        **Collective** (every rank). Peak: one full copy of the parameters per rank
-        (``evaluation="sharded"``: one full CPU copy on rank 0 only)."""
-        self._replica.materialize()
-
-    def gather_for_save(self) -> None:
-        """The same as :meth:`materialize`: call it on every rank before rank 0 alone saves
-        ``unwrap_model(model_ema).state_dict()`` (``eval()`` does it too). **Collective**."""
-        self._replica.materialize()
-
-    def train(self, mode: bool = True) -> ModelEmaV3:
-        """``eval()`` gathers the parameters (**collective**, replica only); ``train()`` is
-        local and keeps them until the next update."""
-        if not mode:
-            self._replica.prepare_eval()
-        return super().train(mode)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The EMA module's forward. Local (replica): after an update, on the copy gathered
-        by ``eval()``/``gather_for_save()`` on every rank, else raises naming that fix;
-        with ``evaluation="sharded"`` collective per call, as an FSDP2 model's forward."""
-        return self._replica.forward_module()(*args, **kwargs)
+        self._change(lambda: self._engine.set(model))
 
 
 class ModelEmaV2(ModelEmaV3):

@@ -1,35 +1,16 @@
-"""ultralytics' (and yolov5's) ``ModelEMA`` over a sharded :class:`~dtensor_ema.ModelEMA`.
+"""ultralytics' (and yolov5's) ``ModelEMA`` over a sharded :class:`~dtensor_ema.ModelEMA`:
+``from dtensor_ema.compat.ultralytics import ModelEMA``.
 
-Swap ``from ultralytics.utils.torch_utils import ModelEMA`` (yolov5: ``from
-utils.torch_utils import ModelEMA``) for ``from dtensor_ema.compat.ultralytics import
-ModelEMA``. Same constructor ``ModelEMA(model, decay=0.9999, tau=2000, updates=0)``, the
-same ``.ema``, ``.updates``, ``.enabled``, ``.decay(x)``, ``update(model)`` and
-``update_attr(model, include, exclude)``. The ramp ``decay * (1 - exp(-updates / tau))``
-is the engine's default schedule; float buffers of plain/DDP models are replicated
-(``replicate_buffers=True``), so each rank's EMA buffers are its own replica's.
-
-``.ema`` has the model's structure; between gathers its parameters hold no storage and
-each rank keeps ``1/W`` of the EMA. ultralytics (8.4) validates ``ema.ema`` on every rank
-(after broadcasting rank 0's EMA buffers, which, whole on every rank, are the engine's own)
-and saves ``deepcopy(ema.ema)`` on rank 0 alone, where no collective can run: call
-``ema.materialize()`` (alias ``ema.gather_for_save()``) on every rank before validation
-(one line in the trainer, e.g. right after the epoch's last ``optimizer_step``); without
-it, a state dict or forward of ``.ema`` after an update raises a ``RuntimeError`` saying so
-instead of saving missing weights (a pickle of ``.ema`` made then refuses at load). Peak
-while gathered: one full copy of the parameters per rank, freed by the next update; see
-:mod:`dtensor_ema.compat._replica`. A single process, or a one-rank group, needs nothing:
-``.ema`` then holds the live EMA.
-
-``pickle``/``copy.deepcopy`` of the ``ModelEMA`` object itself work without a process group
-(a copy averages its own copy of the model) and raise at W > 1, naming what to save.
-
-FSDP2/TP models (which ultralytics' own ``ModelEMA`` cannot ``deepcopy``): ``.ema`` is the
-engine's sharded module (one unit all-gathered per forward, collective), whose
-``state_dict()`` holds DTensors: save with DCP (:func:`dtensor_ema.save_checkpoint`).
-
-Differences, deliberate: a tied weight is averaged once (ultralytics lerps it once per
-state-dict name, i.e. with ``d**2``). yolov5 computes ``v *= d; v += (1 - d) * m`` where
-ultralytics (8.x) and we lerp: at most a few ulp apart per step.
+Same constructor ``ModelEMA(model, decay=0.9999, tau=2000, updates=0)``, ``.ema``,
+``.updates``, ``.enabled``, ``.decay(x)``, ``update(model)`` and ``update_attr``; the ramp
+is the engine's default schedule, float buffers of plain/DDP models are whole on every rank
+(each rank's are its own replica's). ``.ema`` is a replica
+(:mod:`dtensor_ema.compat._replica`): ultralytics validates it on every rank and saves it on
+rank 0 alone, so ``ema.materialize()`` (alias ``gather_for_save()``) on every rank gathers
+its parameters first (**collective**; peak one full copy of the parameters per rank, freed
+by the next update); without it a state dict or forward of ``.ema`` raises naming it. FSDP2/TP
+models: ``.ema`` is the engine's sharded module (save with DCP). The guide, with what
+differs (tied weights averaged once, yolov5's rounding): ``docs/migration-ultralytics.md``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtensor_ema.model_ema import ModelEMA
-from dtensor_ema.options import UNSET, EmaOptions, resolve_schedule
+from dtensor_ema.options import EmaOptions, check_int
 from dtensor_ema.state import EMA_TENSORS
 from dtensor_ema.zero_partition import is_partitioned, partition_piece, whole_view
 
@@ -51,23 +51,8 @@ def check_ema_options(options: dict[str, Any]) -> None:
             "callback's own arguments)"
         )
     given = dict(options)
-    updates = given.pop("updates", 0)
-    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
-        raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-    bucket_view = given.pop("parameters_as_bucket_view", False)  # EmaOptions' bucket_view
-    schedule = resolve_schedule(
-        given.pop("decay", UNSET),
-        given.pop("tau", UNSET),
-        given.pop("half_life", None),
-        given.pop("schedule", None),
-    )
-    EmaOptions(schedule=schedule, bucket_view=bucket_view, **given)
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
+    check_int("updates", given.pop("updates", 0), 0)
+    EmaOptions.from_arguments(**given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +66,9 @@ class StepGate:
     start_epoch: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("update_every_n_steps", self.every, 1)
-        _check_int("start_step", self.start_step, 0)
-        _check_int("start_epoch", self.start_epoch, 0)
+        check_int("update_every_n_steps", self.every, 1)
+        check_int("start_step", self.start_step, 0)
+        check_int("start_epoch", self.start_epoch, 0)
 
     @property
     def delayed(self) -> bool:

@@ -1,32 +1,16 @@
-"""A Lightning ``Callback`` that keeps a sharded EMA of the ``LightningModule``'s weights.
-
-Two lines::
-
-    from dtensor_ema.integrations.lightning import EMACallback
+"""A Lightning ``Callback`` that keeps a sharded EMA of the ``LightningModule``'s weights::
 
     trainer = Trainer(..., callbacks=[EMACallback(decay=0.9999)])
 
-What it does, per trainer event (every rank runs every hook):
-
-* ``on_fit_start``: builds a :class:`~dtensor_ema.ModelEMA` of the module once the
-  strategy has set it up (DDP-wrapped, sharded by ``configure_model`` under
-  ``ModelParallelStrategy``, or wrapped and, at ZeRO stage 3, partitioned by
-  ``DeepSpeedStrategy``), so each rank holds ``1/W`` of the EMA;
-* ``on_train_batch_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer
-  step (local, no communication), from ``start_step`` / ``start_epoch`` on. With
-  ``track="trainable"``, ``on_train_batch_start`` (and ``on_train_batch_end``, for changes
-  made inside the step) first follows a trainable set that an unfreezing callback
-  (``BackboneFinetuning``) changed: newly trainable parameters are averaged from their
-  current values (``ModelEMA.add_tensors``: collective, and logged, only when the set
-  changed); frozen ones keep their average;
-* validation and test run with the EMA weights (``evaluate_with_ema=True``, the default,
-  like Lightning's ``WeightAveraging``), through :meth:`ModelEMA.average_parameters`;
-* checkpoints carry the EMA (see :meth:`EMACallback.on_save_checkpoint`), and ``ckpt_path``
-  resumes it exactly, at the same or another number of devices (DeepSpeed ZeRO-3: the
-  same, as DeepSpeed's own checkpoint);
-* ``copy_to_model_on_train_end=True`` leaves the final EMA weights in the module.
-
-Requires the ``lightning`` package (``pip install "dtensor_ema[lightning]"``).
+Every rank runs every hook. ``on_fit_start`` builds a :class:`~dtensor_ema.ModelEMA` once
+the strategy has set the module up (DDP, FSDP2 through ``ModelParallelStrategy``, DeepSpeed
+ZeRO: at stage 3 each rank averages its own partitions), each rank holding ``1/W`` of it;
+``on_train_batch_end`` updates it after every ``update_every_n_steps``-th optimizer step
+(local), following the trainable set first with ``track="trainable"``; validation and test
+run with the EMA swapped in (``evaluate_with_ema``); checkpoints carry it
+(:meth:`EMACallback.on_save_checkpoint`) and ``ckpt_path`` resumes it exactly;
+``copy_to_model_on_train_end`` leaves the final EMA in the module. Requires ``lightning``.
+The guide: ``docs/trainers.md#lightning``.
 """
 
 from __future__ import annotations

@@ -1,46 +1,22 @@
-"""An OLMo-core ``Callback`` that keeps sharded EMAs of the model's weights.
-
-One line on OLMo-core's own ``Trainer``::
-
-    from dtensor_ema.integrations.olmo_core import EMACallback
+"""An OLMo-core ``Callback`` that keeps sharded EMAs of the model's weights::
 
     trainer_config = TrainerConfig(...).with_callback("ema", EMACallback(decays=[0.999, 0.9999]))
 
-* **Update**: in ``post_train_batch``, after every optimizer step (``optim_step`` and the
-  model's ``post_optim_step`` are done), at priority 2: OLMo-core runs callbacks highest
-  priority first and its ``CheckpointerCallback`` (priority 1) saves in the same event, so
-  a checkpoint holds the EMA of the step it saves (a lower priority would save it one
-  update behind). Steps the trainer skips (``steps_to_skip``) are not averaged. One
-  :class:`~dtensor_ema.MultiModelEMA` holds every decay; each rank holds ``1/W`` of each
-  EMA; the update is local.
-* **Evaluation**: whenever one of the trainer's ``EvaluatorCallback`` s evaluates (its
-  ``eval_interval``, ``fixed_steps``, ``eval_on_startup``, ``eval_on_finish``), each EMA is
-  swapped into the model (:meth:`~dtensor_ema.ModelEMA.average_parameters`) and evaluated
-  by the same callback's ``perform_eval(prefix="eval/ema/<name>")``, as OLMo-core's
-  ``ModelMergeCallback`` evaluates under ``eval/merged``: metrics such as
-  ``eval/ema/decay_0_9999/lm/CE loss`` beside ``eval/lm/CE loss``. The swap reshards every
-  FSDP2 module before it writes and again before it restores, so modules OLMo-core leaves
-  unsharded after a forward (``lm_head``, ``reshard_after_forward=False``) come back with
-  the training weights exactly.
-* **Checkpoints**: OLMo-core keeps callback state in ``<checkpoint>/train/rank{N}.pt``
-  (``torch.save`` per rank; a resume at another world size reads ``rank0.pt`` on every
-  rank), which cannot hold a sharded EMA. The EMA goes to ``<checkpoint>/ema/`` instead,
-  beside ``model_and_optim/``, with :func:`~dtensor_ema.save_checkpoint` (DCP, sharded,
-  checksummed) when the trainer starts a checkpoint, at the step saved; in the background
-  (``async_=True``) when OLMo-core's checkpointer saves asynchronously. It is staged under
-  ``<save_folder>/.ema-staging/step<N>`` (the checkpoint folder must be empty when OLMo-core
-  starts it) and moved in once OLMo-core reports the checkpoint saved and the EMA's write
-  finished. The per-rank pickles hold only which step and EMAs were saved. A resume
-  (``load_checkpoint`` with the trainer state) loads the EMA with
-  :func:`~dtensor_ema.load_checkpoint`, at any world size; a load without trainer state
-  (fine-tuning), or of a checkpoint saved without this callback, restarts every EMA from
-  the loaded weights.
+* **Update**: in ``post_train_batch`` after every optimizer step, at priority 2 (before
+  OLMo-core's ``CheckpointerCallback``, so a checkpoint holds the EMA of the step it
+  saves), through one :class:`~dtensor_ema.MultiModelEMA` for every decay: local, each rank
+  holding ``1/W`` of each EMA.
+* **Evaluation**: whenever an ``EvaluatorCallback`` evaluates, each EMA is swapped into the
+  model (:meth:`~dtensor_ema.ModelEMA.average_parameters`, collective) and evaluated by the
+  same callback under ``eval/ema/<name>``.
+* **Checkpoints**: OLMo-core's per-rank callback pickles cannot hold a sharded EMA, so it
+  goes to ``<checkpoint>/ema/`` with :func:`~dtensor_ema.save_checkpoint` (collective, DCP;
+  in the background when OLMo-core's checkpointer saves asynchronously; a URL
+  ``save_folder`` too), staged under ``<save_folder>/.ema-staging/step<N>`` and moved in
+  once OLMo-core reports the checkpoint saved; a resume with trainer state loads it at any
+  world size, any other load restarts the EMAs from the loaded weights.
 
-A URL ``save_folder`` (``s3://``, ``gs://``) keeps the EMA in the bucket beside OLMo-core's
-checkpoint, through fsspec (:mod:`dtensor_ema.checkpoint.storage`; the move is a copy inside
-the store); paths are joined, and finished checkpoints recognised, by OLMo-core's own I/O.
-Requires ``ai2-olmo-core`` 2.x (``pip install "dtensor_ema[olmo]"``; ``[object_storage]``
-for URLs).
+Requires ``ai2-olmo-core`` 2.x. The guide: ``docs/trainers.md#olmo-core``.
 """
 
 from __future__ import annotations
@@ -192,9 +168,8 @@ class EMACallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Called by the trainer on every rank when it starts a checkpoint: writes the EMA
-        (staged, in the background when the checkpointer saves asynchronously: see the
-        module docstring; collective) and returns what the per-rank pickle keeps: the step
-        and the EMAs' names."""
+        (staged, see the module docstring; collective) and returns what the per-rank
+        pickle keeps: the step and the EMAs' names."""
         if not self.enabled:
             return {}
         step = self.trainer.global_step

@@ -1,39 +1,18 @@
-"""Live recovery with torchft: a restarted replica group gets its EMA back from a peer.
-
-torchft (PyTorch's fault-tolerant training) keeps the healthy replica groups training when
-one fails, and heals the group that restarts from a live peer: every piece of state
-registered with the group's ``torchft.Manager`` (``register_state_dict_fn``) is sent by the
-peer with the same group rank, over torchft's HTTP or process-group checkpoint transport.
-State that is not registered restarts from scratch. One call registers an EMA::
-
-    from dtensor_ema.integrations.torchft import register_ema
+"""Live recovery with torchft: a restarted replica group gets its EMA back from a peer::
 
     optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.AdamW(...))
     ema = ModelEMA(model, mesh)            # sharded over the replica group
     register_ema(manager, ema, optimizer)  # on every rank of every group
 
-What :func:`register_ema` does, on each rank:
-
-* registers ``ema`` with the manager under ``key``: a recovering rank receives the EMA
-  shards, update count and options of the peer with its group rank, and loads them with
-  ``ema.load_state_dict`` (which checks the shards' layout and options first);
-* updates ``ema`` only on committed steps. torchft's ``OptimizerWrapper.step()`` steps the
-  optimizer it wraps only when ``manager.should_commit()`` says so; a step post-hook on
-  that optimizer calls :meth:`FaultTolerantEMA.update`, which also checks that the
-  manager's committed-step count moved since the last update. So a step that torchft
-  skips (a peer died inside the all-reduce) updates nothing, and a hook that runs twice
-  for one step (an optimizer container whose ``step`` wraps the inner one, as torchtitan's
-  torchft optimizer does) updates once;
-* serves a committed EMA under torchft's default **async** quorum, where the manager calls
-  the registered ``state_dict`` from its quorum thread while the main thread trains: see
-  :meth:`FaultTolerantEMA.state_dict`.
-
-It is for per-step fault tolerance (torchft's ``OptimizerWrapper`` loop; torchtitan's
-torchft runs without ``semi_sync_method``). With LocalSGD/DiLoCo the manager commits once
-per synchronization, so the EMA would update once per synchronization: not supported.
-
-Requires the ``torchft`` package (``pip install "dtensor_ema[torchft]"``); this module
-imports it only to recognise ``OptimizerWrapper``.
+:func:`register_ema` registers ``ema`` with the group's ``torchft.Manager`` (a recovering
+rank receives the shards, count and options of the peer with its group rank, checked by
+``ema.load_state_dict``), updates it only on committed steps (a post-hook on the optimizer
+torchft's ``OptimizerWrapper`` steps, checking that the committed-step count moved: a
+skipped step updates nothing, a hook that runs twice updates once), and serves a committed
+EMA to torchft's async quorum thread (:meth:`FaultTolerantEMA.state_dict`). Per-step fault
+tolerance only: with LocalSGD/DiLoCo the manager commits once per synchronization (not
+supported). Requires ``torchft``; imported only to recognise ``OptimizerWrapper``. The
+guide: ``docs/fault-tolerance.md``.
 """
 
 from __future__ import annotations

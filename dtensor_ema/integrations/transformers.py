@@ -1,28 +1,16 @@
 """A Hugging Face ``TrainerCallback`` that keeps a sharded EMA of the model's weights, and
-the ``Trainer`` mixin that makes ``evaluate()`` run with them.
-
-Two lines::
-
-    from dtensor_ema.integrations.transformers import EMACallback, EMATrainer
+the ``Trainer`` mixin that makes ``evaluate()`` run with them::
 
     trainer = EMATrainer(model=model, args=args, ..., callbacks=[EMACallback(decay=0.9999)])
 
-* ``on_train_begin``: builds a :class:`~dtensor_ema.ModelEMA` of the model once the
-  ``Trainer`` (accelerate) has prepared it (DDP, FSDP2 sharded in place, or DeepSpeed ZeRO
-  with ``deepspeed=``: at stage 3 each rank averages its own partitions), so each rank
-  holds ``1/W`` of the EMA; on ``resume_from_checkpoint`` it restores the EMA saved there;
-* ``on_step_end``: ``ema.update()`` after every ``update_every_n_steps``-th optimizer step
-  (local, no communication), from ``start_step`` on;
-* ``on_save``: writes the EMA into the checkpoint folder, ``checkpoint-<step>/ema/``, as a
-  sharded DCP checkpoint (every rank writes its own shards; nothing is gathered);
-* :class:`EMATrainerMixin` (``EMATrainer``): ``evaluate()`` (also the evaluations inside
-  ``train()``) runs with the EMA weights swapped in, and ``train()`` tells the callback
-  which checkpoint it resumes from. There is no callback event before an evaluation, hence
-  the mixin: put it first among the bases of your own ``Trainer`` subclass;
-* :meth:`EMACallback.save_pretrained` / :meth:`EMATrainerMixin.save_ema_model`: the EMA
-  weights as a ``save_pretrained`` folder that ``from_pretrained`` loads.
-
-Requires ``transformers`` (``pip install "dtensor_ema[transformers]"``).
+``on_train_begin`` builds a :class:`~dtensor_ema.ModelEMA` once the ``Trainer`` has prepared
+the model (DDP, FSDP2, DeepSpeed ZeRO; each rank holds ``1/W`` of the EMA) and restores the
+one saved in the checkpoint it resumes from; ``on_step_end`` updates it (local);
+``on_save`` writes it to ``checkpoint-<step>/ema/`` with DCP (every rank its own shards).
+:class:`EMATrainerMixin` (``EMATrainer``) evaluates with the EMA swapped in (no callback
+event precedes an evaluation, hence the mixin: first among your ``Trainer``'s bases);
+:meth:`EMACallback.save_pretrained` writes a ``from_pretrained`` folder. Requires
+``transformers``. The guide: ``docs/trainers.md#hugging-face-trainer``.
 """
 
 from __future__ import annotations

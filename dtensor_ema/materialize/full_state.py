@@ -23,7 +23,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_ema.layout import PlanEntry, ema_local_from_full, model_geometry, model_shape
-from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors, gather_to_rank0
+from dtensor_ema.materialize.gather import (
+    LocalPiece,
+    consecutive_runs,
+    gather_full_tensors,
+    gather_to_rank0,
+)
 from dtensor_ema.model_keys import from_model_keys, hooked_prefixes, to_model_keys
 from dtensor_ema.plan import EmaPlan
 from dtensor_ema.state import TensorSpec, compare_tensors
@@ -174,17 +179,9 @@ def _key_groups(plan: EmaPlan, model: nn.Module, bucket_bytes: int) -> Iterator[
         tensor = plan.untracked.get(key)
         return 0 if tensor is None else math.prod(model_shape(tensor)) * tensor.element_size()
 
-    group: list[str] = []
-    size = 0
-    for keys in units.values():
-        unit_bytes = sum(nbytes(k) for k in keys)
-        if group and size + unit_bytes > bucket_bytes:
-            yield group
-            group, size = [], 0
-        group += keys
-        size += unit_bytes
-    if group:
-        yield group
+    sizes = [sum(nbytes(k) for k in keys) for keys in units.values()]
+    for run in consecutive_runs(list(units.values()), sizes, bucket_bytes):
+        yield [k for keys in run for k in keys]
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "LocalPiece",
     "SplitPiece",
+    "consecutive_runs",
     "gather_full_tensors",
     "gather_to_rank0",
     "iter_unsplit",
@@ -142,12 +143,13 @@ def _buckets(
 ) -> Iterable[list[int]]:
     """Consecutive runs of pieces whose gathered (piece-sized) bytes stay under the bound."""
     sizes = [math.prod(pieces[i].piece_shape) * pieces[i].local.element_size() for i in indices]
-    return _consecutive_runs(indices, sizes, bucket_bytes)
+    return consecutive_runs(indices, sizes, bucket_bytes)
 
 
-def _consecutive_runs(items: Sequence[T], sizes: Sequence[int], bound: int) -> Iterator[list[T]]:
+def consecutive_runs(items: Sequence[T], sizes: Sequence[int], bound: int) -> Iterator[list[T]]:
     """Split ``items`` into consecutive runs whose ``sizes`` add up to at most ``bound``
-    (a single item larger than ``bound`` forms a run of its own)."""
+    (a single item larger than ``bound`` forms a run of its own): every bucketed pass of
+    the package packs its work this way."""
     run: list[T] = []
     total = 0
     for item, size in zip(items, sizes, strict=True):
@@ -275,7 +277,21 @@ def gather_full_tensors(
     Returns:
         ``fqn -> full tensor`` of shape ``piece.shape`` and dtype ``piece.out_dtype``,
         contiguous, sharing no memory with the pieces.
+
+    Raises:
+        ValueError: a piece is a tensor subclass (a model tensor the EMA does not hold, such
+            as QLoRA's NF4 weights, see :func:`~dtensor_ema.layout.plain_tensor`), on
+            every rank before any collective.
     """
+    odd = [
+        f"{p.fqn!r} ({type(p.local).__name__})" for p in pieces if type(p.local) is not torch.Tensor
+    ]
+    if odd:
+        raise ValueError(
+            f"cannot copy the model's {', '.join(odd[:3])} into a plain full tensor: a tensor "
+            "subclass the EMA does not hold. Take the tracked tensors only (get_ema_state_dict()"
+            ", export_peft_adapter), or evaluate in the model with ema.average_parameters()"
+        )
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded: list[LocalPiece] = []
@@ -399,7 +415,7 @@ def _gather_sharded(
         if keep:
             out[piece.fqn] = _to_output(full, piece.out_dtype, cpu)
     sizes = [math.prod(p.shape) * p.local.element_size() for p, _ in staged]
-    for run in _consecutive_runs(staged, sizes, bucket_bytes):
+    for run in consecutive_runs(staged, sizes, bucket_bytes):
         current = [piece.local for piece, _ in run]
         for k in range(max(len(stages) for _, stages in run)):
             groups: dict[tuple[Any, ...], list[int]] = {}

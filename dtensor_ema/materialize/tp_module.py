@@ -42,7 +42,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dtensor_ema.layout import PlanEntry, ReplicaLevel, chunk_range, contiguous_stride
+from dtensor_ema.layout import (
+    PlanEntry,
+    ReplicaLevel,
+    chunk_range,
+    contiguous_stride,
+    model_piece,
+)
 from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors
 from dtensor_ema.materialize.twin import (
     SharedSlots,
@@ -134,8 +140,7 @@ class _Untracked:
         return self.local().shape
 
     def local(self) -> torch.Tensor:
-        source = self.source
-        return (source.to_local() if isinstance(source, DTensor) else source).detach()
+        return model_piece(self.source)
 
     def resting(self) -> torch.Tensor:
         return self.source

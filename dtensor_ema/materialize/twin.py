@@ -26,7 +26,7 @@ from dtensor_ema._collectives import check_all_ranks_enter
 from dtensor_ema.layout import PlanEntry
 from dtensor_ema.materialize.gather import LocalPiece, gather_full_tensors
 from dtensor_ema.model_keys import canonical_fqn
-from dtensor_ema.plan import EmaPlan
+from dtensor_ema.plan import EmaPlan, listed
 
 __all__ = [
     "SharedSlots",
@@ -151,7 +151,7 @@ def guard_untracked_loads(twin: nn.Module, plan: EmaPlan) -> None:
     def refuse(shared: list[str]) -> None:
         if shared:
             raise ValueError(
-                f"ema.module.load_state_dict: {_few(shared)} are the model's own tensors "
+                f"ema.module.load_state_dict: {listed(shared)} are the model's own tensors "
                 "(untracked: track=), shared by ema.module; loading other values would write "
                 "into the model. Leave them out of the state and pass strict=False, or load "
                 "the EMA with ema.load_state_dict()"
@@ -170,11 +170,6 @@ def guard_untracked_loads(twin: nn.Module, plan: EmaPlan) -> None:
             f == module_fqn or not module_fqn or f.startswith(module_fqn + ".") for f in owner_fqns
         ):
             module.register_load_state_dict_pre_hook(check_root)
-
-
-def _few(names: list[str], limit: int = 5) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
 
 
 def _data_ptr(tensor: torch.Tensor) -> int:
@@ -324,8 +319,6 @@ def _fsdp_hook(hook: Any) -> bool:
 
 
 # ------------------------------------------------------------------------- callables
-# Per-instance attributes that hold callables a clone would otherwise share with the model.
-_CALLABLE_SLOTS = ("forward", *_HOOK_DICTS[:5])
 
 
 def rebind_callables(model: nn.Module, twin: nn.Module) -> None:

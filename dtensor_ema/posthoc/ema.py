@@ -37,7 +37,7 @@ from dtensor_ema.checkpoint.checksums import RecordingWriter, write_checksums
 from dtensor_ema.checkpoint.same_path import agree_on_path
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
-from dtensor_ema.options import ExcludeSpec, TrackSpec
+from dtensor_ema.options import ExcludeSpec, TrackSpec, check_int
 from dtensor_ema.plan import model_tensors
 from dtensor_ema.posthoc import snapshots as snap
 from dtensor_ema.posthoc.phema_math import (
@@ -271,10 +271,8 @@ class PostHocEMA:
             ValueError: ``samples`` not a positive int, or mixed with sample-less calls.
         """
         unit: Literal["steps", "samples"] = "steps" if samples is None else "samples"
-        if samples is not None and (
-            isinstance(samples, bool) or not isinstance(samples, int) or samples < 1
-        ):
-            raise ValueError(f"samples must be an int >= 1, got {samples!r}")
+        if samples is not None:
+            check_int("samples", samples, 1)
         if self._time is not None and unit != self._time:
             raise ValueError(
                 f"update(samples={samples}) but this PostHocEMA counts time in {self._time}: "

@@ -21,22 +21,13 @@ Inside the checkpoint, profile ``i``'s tensors live under ``p<i>`` (``{"p0": {fq
 ...}``) and, when every float tensor of the model is tracked, the integer buffers the EMA
 does not average (BatchNorm's ``num_batches_tracked``) under ``followed``.
 
-A snapshot is bound like a checkpoint of :func:`~dtensor_ema.save_checkpoint`: all ranks
-agree on one save id when it starts, DCP records it in ``.metadata``, every rank's checksum
-file records it with the digests of the bytes it wrote, and the manifest names it
-(``save_id``). A reader refuses a folder whose data, checksums and manifest are not of one
-save (step 8's data file copied into step 12's folder, another run's data), and verifies
-every byte it reads.
-
-Reading is strict (:func:`read_manifest`): a snapshot folder must be a plain
-``step-<12 digits>`` entry of the directory being read (a symlink may not lead out of it,
-nor may ``manifest.json`` or ``.metadata`` lead out of the snapshot folder), its manifest
-(at most :data:`MAX_MANIFEST_BYTES`, read by :mod:`dtensor_ema.checkpoint.bounded_json`) must match
-:data:`FORMAT`'s schema field by field (ints within int64, at most :data:`MAX_PROFILES`
-profiles, shapes of at most 64 dims), name the folder's own step, and carry the SHA-256 of
-its content (``checksum``), so a hand-edited ``t`` or profile is refused. Every problem
-raises :class:`SnapshotError` (``"<file>: <what is wrong>"``) before any tensor is read,
-in time linear in the manifest's size.
+A snapshot is bound like a checkpoint of :func:`~dtensor_ema.save_checkpoint` (one save id
+in ``.metadata``, every rank's checksum file and the manifest), so a reader refuses a folder
+whose data, checksums and manifest are not of one save, and verifies every byte it reads.
+Reading is strict (:func:`read_manifest`): a plain ``step-<12 digits>`` entry of the
+directory read, no link leading out, a manifest of :data:`FORMAT`'s schema (at most
+:data:`MAX_MANIFEST_BYTES`, read within bounds) naming its own step and carrying the SHA-256
+of its content; every problem raises :class:`SnapshotError` before any tensor is read.
 """
 
 from __future__ import annotations
@@ -47,7 +38,6 @@ import math
 import os
 import re
 import reprlib
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +47,7 @@ import torch
 
 from dtensor_ema.checkpoint.bounded_json import JsonProblem, read_json
 from dtensor_ema.checkpoint.metadata_check import MAX_DIMS, MAX_ELEMENTS
+from dtensor_ema.checkpoint.storage import commit_partial, tidy_interrupted
 
 __all__ = [
     "FORMAT",
@@ -193,16 +184,8 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 def prepare(snapshot_dir: Path, name: str) -> Path:
     """Rank 0, before a snapshot: tidy leftovers of a crashed one; return the partial path."""
     snapshot_dir.mkdir(parents=True, exist_ok=True)
-    final = snapshot_dir / name
     partial = snapshot_dir / (name + PARTIAL_SUFFIX)
-    old = snapshot_dir / (name + OLD_SUFFIX)
-    if partial.exists():
-        shutil.rmtree(partial)
-    if old.exists():
-        if final.exists():
-            shutil.rmtree(old)
-        else:  # died while replacing a snapshot of the same step: put the old one back
-            os.rename(old, final)
+    tidy_interrupted(snapshot_dir / name, partial, snapshot_dir / (name + OLD_SUFFIX))
     return partial
 
 
@@ -210,28 +193,10 @@ def commit(snapshot_dir: Path, name: str, manifest: dict[str, Any]) -> Path:
     """Rank 0, after every rank wrote: add the manifest, rename ``.partial`` into place."""
     final = snapshot_dir / name
     partial = snapshot_dir / (name + PARTIAL_SUFFIX)
-    old = snapshot_dir / (name + OLD_SUFFIX)
     write_manifest(partial, manifest)
-    if final.exists():  # the same step again (a resumed run): replace it
-        os.rename(final, old)
-    os.rename(partial, final)
-    _fsync_dir(snapshot_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    # The same step again (a resumed run) replaces it.
+    commit_partial(partial, final, snapshot_dir / (name + OLD_SUFFIX))
     return final
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- reading

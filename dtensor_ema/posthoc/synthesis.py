@@ -28,7 +28,7 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +50,8 @@ from dtensor_ema.checkpoint.reader import (
 from dtensor_ema.checkpoint.save_load import save_checkpoint
 from dtensor_ema.export.state_file import check_destination, write_state_file
 from dtensor_ema.layout import chunk_range
+from dtensor_ema.materialize.gather import consecutive_runs
+from dtensor_ema.options import check_int
 from dtensor_ema.posthoc.phema_math import (
     DEFAULT_MAX_CONDITION,
     check_sigma_rel,
@@ -192,9 +194,7 @@ def merge_terms(
         raise ValueError("pass exactly one of last=K (uniform average) or weights={step: w}")
     available = list_snapshots(snapshot_dir)
     if last is not None:
-        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
-            raise ValueError(f"last must be an int >= 1, got {last!r}")
-        if last > len(available):
+        if check_int("last", last, 1) > len(available):
             raise ValueError(
                 f"last={last} but {snapshot_dir} holds only {len(available)} snapshots"
             )
@@ -428,7 +428,8 @@ def combine(
     mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
     active = [t for t in terms if t.weight != 0.0]
     opened = _open_snapshots(active, latest, group)
-    buckets = list(_buckets(order, spec, bucket_bytes))
+    sizes = [8 * math.prod(spec[k]["shape"]) for k in order]  # float64 accumulators
+    buckets = list(consecutive_runs(order, sizes, bucket_bytes))
     bar = _progress_bar(len(buckets) * len(active), progress)
     out: StateDict = {}
     for bucket in buckets:
@@ -461,20 +462,6 @@ def combine(
             state[key] = out[latest.manifest["aliases"][key]]
     state.update({k: v for k, v in out.items() if k not in state})
     return state
-
-
-def _buckets(order: list[str], spec: Mapping[str, Any], limit: int) -> Iterator[list[str]]:
-    bucket: list[str] = []
-    size = 0
-    for k in order:
-        nbytes = 8 * math.prod(spec[k]["shape"])
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(k)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _placements(shape: Sequence[int]) -> list[Shard | Replicate]:

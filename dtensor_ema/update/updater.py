@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dtensor_ema.options import check_int
 from dtensor_ema.update.counter import DeviceStep, UpdateCounter
 from dtensor_ema.update.fused_update import UpdateGroup, apply_groups_, lerp_step_
 
@@ -61,7 +62,7 @@ class Updater(ABC):
 
     checks_sources: bool = True
     """Whether the caller re-binds the plan's views (``EmaEngine.sync_sources``) before
-    each :meth:`run`: one integer compare and one ``data_ptr`` per tensor on the host.
+    each :meth:`run` (:meth:`~dtensor_ema.plan.EmaPlan.sync`: a few C-level passes).
     ``False`` for :class:`CapturableUpdater`, whose ``run`` compiles into one graph."""
 
     def __init__(self, groups: list[UpdateGroup]) -> None:
@@ -86,9 +87,14 @@ class Updater(ABC):
         """Block until every submitted step has been applied; raise a failed one's error."""
 
     def rebind(self, groups: list[UpdateGroup]) -> None:
-        """Work on new groups from now on (the model re-allocated its tensors)."""
+        """Work on new groups from now on (the model re-allocated its tensors), with the
+        updater's own buffers for them (:meth:`_stage`)."""
         self.wait()
         self.groups = groups
+        self._stage(groups)
+
+    def _stage(self, groups: list[UpdateGroup]) -> None:  # noqa: B027 (most keep no buffers)
+        """Make the updater's buffers for ``groups``."""
 
     def invalidate(self) -> None:  # noqa: B027 (only a captured graph holds state to drop)
         """Forget state derived from the EMA's values (a load wrote them in place)."""
@@ -116,6 +122,13 @@ class Updater(ABC):
 
 class InlineUpdater(Updater):
     """Applies each step at once: one fused call per group."""
+
+    def run(self, counter: UpdateCounter) -> None:
+        self.ensure_open()
+        call = counter.host_step()
+        if call.step is not None:
+            apply_groups_(self.groups, call.step)
+        counter.record(call.updates, call.decay)
 
     def submit(self, step: float, done: Done | None = None) -> None:
         self.ensure_open()
@@ -235,12 +248,6 @@ class OffloadUpdater(Updater):
         if done is not None:
             done()
 
-    def rebind(self, groups: list[UpdateGroup]) -> None:
-        """New groups, new staging buffers; the same worker thread."""
-        self.wait()
-        self.groups = groups
-        self._stage(groups)
-
     def close(self) -> None:
         """Join the pending step and shut the worker thread down. Idempotent; raises a
         pending step's error after the thread is gone."""
@@ -271,8 +278,7 @@ def offload_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[Slice]]
     Raises:
         ValueError: ``chunk_numel < 1`` or a negative numel.
     """
-    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
-        raise ValueError(f"chunk_numel must be an int >= 1, got {chunk_numel!r}")
+    check_int("chunk_numel", chunk_numel, 1)
     chunks: list[list[Slice]] = []
     current: list[Slice] = []
     used = 0
@@ -347,9 +353,7 @@ class ChunkedOffloadUpdater(Updater):
 
     def __init__(self, groups: list[UpdateGroup], chunk_bytes: int = OFFLOAD_CHUNK_BYTES) -> None:
         super().__init__(groups)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         self._done: Any = None
         self._hook: Any = None
         self._stage(groups)
@@ -476,12 +480,6 @@ class ChunkedOffloadUpdater(Updater):
         done, self._done = self._done, None
         if done is not None:
             done.synchronize()
-
-    def rebind(self, groups: list[UpdateGroup]) -> None:
-        """New groups, new chunk plans (scratch reused where large enough)."""
-        self.wait()
-        self.groups = groups
-        self._stage(groups)
 
     def close(self) -> None:
         """Finish the pending step and remove the optimizer hook. Idempotent."""

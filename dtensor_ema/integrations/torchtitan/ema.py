@@ -17,20 +17,11 @@ The math, per EMA, is torchtitan's (read from its development branch)::
 
 EMAs start as a copy of the weights at construction. Parameters with ``requires_grad`` are
 averaged; buffers only when their canonical fqn matches one of ``buffer_patterns``
-(``fnmatch``). The others (frozen parameters, unmatched buffers) follow the model: the EMA
-neither stores nor updates them (``track=``), so they cost no EMA memory, a swap leaves
-them unchanged and exports read them from the model. With
-pipeline parallelism each model part (stage) gets its own EMAs over the stage's mesh.
-Use it in a training loop as torchtitan does::
-
-    ema = TorchtitanEMA(TorchtitanEMA.Config(enable=True, decays=[0.999]), model_parts=[m])
-    states = {"ema": ema}            # DCP / CheckpointManager(states=...) key ``ema``
-    ...; optimizer.step(); ema.step(current_step)
-    with ema.average_parameters():   # evaluate through the first EMA
-        ...
-
-This module does not import torchtitan; :mod:`dtensor_ema.integrations.torchtitan.trainer`
-wires it into torchtitan's own ``Trainer``.
+(``fnmatch``); the others follow the model (``track=``: no EMA memory). With pipeline
+parallelism each model part (stage) gets its own EMAs over the stage's mesh. A loop of
+one's own uses it as torchtitan does (``docs/trainers.md``, "In a hand-written loop");
+:mod:`dtensor_ema.integrations.torchtitan.trainer` wires it into torchtitan's ``Trainer``.
+This module does not import torchtitan.
 """
 
 from __future__ import annotations

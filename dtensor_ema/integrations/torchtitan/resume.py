@@ -14,6 +14,7 @@ stages' tensors only. Nothing here imports torchtitan.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from dtensor_ema.integrations._common import is_rank0
 from dtensor_ema.integrations.torchtitan.ema import TorchtitanEMA
 from dtensor_ema.integrations.torchtitan.qkv import QKVConversion, convert, find_conversions
 from dtensor_ema.layout import ema_local_from_full
+from dtensor_ema.materialize.gather import consecutive_runs
 from dtensor_ema.model_keys import canonical_fqn
 from dtensor_ema.state import EMA_TENSORS
 
@@ -168,20 +170,12 @@ class EMALoad:
         return done
 
     def _buckets(self) -> list[list[tuple[str, QKVConversion]]]:
-        buckets: list[list[tuple[str, QKVConversion]]] = []
-        size = 0
-        for name, conversions in self.conversions.items():
-            for conversion in conversions:
-                nbytes = 0
-                for fqn in conversion.saved:
-                    shape, dtype = self._spec(name, fqn)
-                    nbytes += torch.Size(shape).numel() * torch.empty((), dtype=dtype).itemsize
-                if not buckets or (buckets[-1] and size + nbytes > self.bucket_bytes):
-                    buckets.append([])
-                    size = 0
-                buckets[-1].append((name, conversion))
-                size += nbytes
-        return buckets
+        items = [(name, c) for name, conversions in self.conversions.items() for c in conversions]
+        sizes = []
+        for name, conversion in items:
+            specs = [self._spec(name, fqn) for fqn in conversion.saved]
+            sizes.append(sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs))
+        return list(consecutive_runs(items, sizes, self.bucket_bytes))
 
     def _spec(self, name: str, fqn: str) -> tuple[tuple[int, ...], torch.dtype]:
         md = self.checkpoint.metadata.state_dict_metadata[f"{EMA}.{name}.{EMA_TENSORS}.{fqn}"]

@@ -1,37 +1,18 @@
 """torchtitan's own ``Trainer``, with a sharded EMA stepped, checkpointed, validated, exported.
 
-:class:`EMATrainer` is a subclass of torchtitan 0.3.0's ``Trainer`` with its own
-``Config`` (an ``ema`` section: :class:`~dtensor_ema.integrations.torchtitan.TorchtitanEMA`
-``.Config``, on by default). ``config.build()`` makes it, so ``torchtitan.train`` runs it
-unchanged (see :mod:`dtensor_ema.integrations.torchtitan.config_registry`). After
-torchtitan builds, parallelizes and initializes the model parts, it:
-
-* builds one EMA per model part with ``mesh=None`` (the world torchtitan's
-  ``ParallelDims`` built: FSDP2, HSDP, TP, EP, CP), or over the stage's own mesh (the world
-  without ``pp``) with pipeline parallelism; every EMA element lives on exactly one rank;
-* steps it in a post-hook of torchtitan's ``OptimizersContainer`` (after every
-  ``optimizer.step()``, with the trainer's step; ``start_step`` and
-  ``update_every_n_steps`` decide which steps average);
-* saves and loads it through torchtitan's own ``CheckpointManager`` under the key ``ema``
-  of its ``states`` (:class:`EMACheckpointManager`): DCP, so a checkpoint reshards to any
-  other layout, ``async_mode`` included; a model-only load (``initial_load_model_only``,
-  a seed checkpoint, HF weights) or a checkpoint without EMA re-copies the loaded model
-  into the EMA; a resume is logged once on rank 0; the entry keeps the EMA's own
-  parameter names, so a resume into the other fused/unfused QKV setting is refused at once
-  (see :class:`EMACheckpointManager`); with ``last_save_model_only`` (torchtitan's
-  default) the final checkpoint holds the model only, so the EMA is written beside it, in
-  the same format, under ``step-N/ema/<name>``;
-* evaluates through it in torchtitan's own validator (:class:`EMAValidator`): the EMA loss
-  is logged under ``validation_metrics/ema_loss/<name>`` beside ``validation_metrics/loss``;
-* exports it (or the raw weights) in Hugging Face format (:meth:`EMATrainer.export_hf`),
-  also with pipeline parallelism (each stage's part gathered, rank 0 writes one file).
-
-Importing it registers one parsing rule in torchtitan's ``ConfigManager`` registry: a
-``list[float]`` flag (``--ema.decays``, ``--ema.half_life_fractions``) takes one
-comma-separated value, as torchtitan's own ``list[str]`` rule does for every list flag it
-has (``--checkpoint.exclude_from_loading dataloader,optimizer``,
-``--ema.buffer_patterns "*.a,*.b"``). torchtitan 0.3.0 has no ``list[float]`` field of its
-own, so no other flag changes.
+:class:`EMATrainer` subclasses torchtitan 0.3.0's ``Trainer`` with an ``ema`` section in its
+``Config`` (:class:`~dtensor_ema.integrations.torchtitan.TorchtitanEMA` ``.Config``), so
+``torchtitan.train`` runs it unchanged (:mod:`dtensor_ema.integrations.torchtitan.
+config_registry`). Once the model parts are built, it keeps one EMA per part (over
+``ParallelDims``' world, or the stage's mesh with pipeline parallelism), steps it in a
+post-hook of the ``OptimizersContainer``, saves and loads it through torchtitan's
+``CheckpointManager`` under the key ``ema`` (:class:`EMACheckpointManager`: DCP, resharding,
+model-only loads re-copy the model), evaluates through it in torchtitan's validator
+(:class:`EMAValidator`: ``validation_metrics/ema_loss/<name>``) and exports it in Hugging
+Face format (:meth:`EMATrainer.export_hf`). Importing it registers one parsing rule in
+torchtitan's ``ConfigManager``: a ``list[float]`` flag (``--ema.decays``) takes one
+comma-separated value, as its ``list[str]`` rule does (torchtitan has no ``list[float]``
+field of its own). The guide: ``docs/trainers.md#torchtitan``.
 """
 
 from __future__ import annotations
