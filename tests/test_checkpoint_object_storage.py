@@ -223,8 +223,8 @@ def w3_body(rank: int, world: int, endpoint: str, tmp: str) -> dict[str, Any]:
 
 
 def kill_body(rank: int, world: int, endpoint: str, tmp: str) -> str:
-    """Save once; then both ranks are SIGKILLed by the store when rank 1 uploads its data
-    file of the second save."""
+    """Save once; then both ranks are SIGKILLed by the store when rank 1 uploads its checksum
+    file of the second save: after every data file and ``.metadata``, before the commit."""
     url = f"s3://{BUCKET}/killed/ckpt"
     run = Run()
     run.advance(K)
@@ -235,8 +235,8 @@ def kill_body(rank: int, world: int, endpoint: str, tmp: str) -> str:
     dist.all_gather_object(pids, os.getpid())
     run.advance(1)
     if rank == 0:
-        plant(endpoint, pattern=r"^PUT /ckpts/killed/ckpt/save-[^/]+/__1_0", action="kill",
-              pids=pids)  # fmt: skip
+        plant(endpoint, pattern=r"^PUT /ckpts/killed/ckpt/save-[^/]+/__1\.checksums",
+              action="kill", pids=pids)  # fmt: skip
     _barrier()
     save_checkpoint({"ema": run.ema}, url)
     (Path(tmp) / f"survived{rank}").touch()
