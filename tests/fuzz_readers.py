@@ -58,6 +58,7 @@ READERS = [
         "checkpoint.files",
         "checkpoint.checksums",
         "checkpoint.coverage",
+        "checkpoint.storage",
         "export.full_weights",
         "checkpoint.metadata_check",
         "posthoc.cli",

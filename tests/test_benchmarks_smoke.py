@@ -120,6 +120,29 @@ def test_deepspeed_zero_benchmark(tmp_path: Path) -> None:
             assert _positive(r[key]), (key, r)
 
 
+def test_object_storage_benchmark(tmp_path: Path) -> None:
+    """``benchmarks/object_storage.py --quick``: a tiny GPT-2's EMA at W=2, saved to and
+    loaded from moto's S3 server on loopback and a folder: every time is positive, the
+    store saw the saves' and the loads' requests (a commit's PUTs among them), the folder
+    runs none."""
+    for module in ("s3fs", "moto", "transformers"):
+        pytest.importorskip(module, reason="test extra: pip install '.[test,transformers]'")
+    out = tmp_path / "store.json"
+    script = str(ROOT / "benchmarks" / "object_storage.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code, stdout, stderr = run_script([script, "--quick", "--out", str(out)], tmp_path, env)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        for key in ("folder_save", "store_save", "folder_load", "store_load", "ema_bytes"):
+            assert _positive(r[key]), (key, r)
+    counts = rows[0]["counts"]
+    assert not any(counts[k] for k in ("folder_save", "folder_load")), counts
+    assert counts["store_save"]["PUT"] >= 5 and counts["store_load"]["GET"] > 0, counts
+    assert "requests per save (all ranks)" in stdout
+
+
 _FAILING_BODY = """
 import torch.distributed as dist
 

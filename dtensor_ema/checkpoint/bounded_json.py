@@ -65,7 +65,11 @@ def read_at_most(file: Path | IO[bytes], max_bytes: int) -> bytes | None:
     sizes its buffer by ``n``, not by the file)."""
     with contextlib.ExitStack() as stack:
         f = stack.enter_context(open(file, "rb")) if isinstance(file, Path) else file
-        size = os.fstat(f.fileno()).st_size
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except OSError:  # no descriptor (an object in a store): its size, from a seek
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
         if size > max_bytes:
             return None
         data = f.read(size + 1)  # one more: a file that grew since is refused, not cut

@@ -37,9 +37,9 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
-__all__ = ["HELD_DIRECTORIES", "HELD_FILES", "CheckpointFiles"]
+__all__ = ["HELD_DIRECTORIES", "HELD_FILES", "CheckpointFiles", "Files", "Url"]
 
 HELD_FILES = 128
 """How many data files all loads of this process keep open at once (the most recently
@@ -60,6 +60,29 @@ _held_files: collections.OrderedDict[tuple[int, str], tuple[CheckpointFiles, Bin
 _held_directories: collections.OrderedDict[int, CheckpointFiles] = collections.OrderedDict()
 
 
+class Url(str):
+    """A URL that joins like a path: ``Url("s3://b/x") / "y"`` is ``"s3://b/x/y"``."""
+
+    def __truediv__(self, name: str) -> Url:
+        return Url(f"{self}/{name}")
+
+
+class Files(Protocol):
+    """One checkpoint's files as a load first saw them (a folder's, or a store's)."""
+
+    changed: Callable[[str], Exception]
+    save_id: str | None  # the save the storage says these are (a store's current.json)
+
+    @property
+    def path(self) -> Path | Url: ...
+
+    def names(self) -> list[str]: ...
+    def size(self, name: str) -> int | None: ...
+    def read_once(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
+    def opened(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
+    def close(self) -> None: ...
+
+
 def _identity(st: os.stat_result) -> Identity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -74,6 +97,8 @@ class CheckpointFiles:
 
     Use as a context manager, or call :meth:`close`. Local; one load at a time.
     """
+
+    save_id: str | None = None
 
     def __init__(self, path: Path, changed: Callable[[str], Exception]) -> None:
         self.path = Path(path)

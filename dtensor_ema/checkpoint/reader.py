@@ -58,7 +58,6 @@ import os
 import pickle
 import re
 import sys
-import warnings
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -93,13 +92,12 @@ from dtensor_ema.checkpoint.checksums import (
     sidecar_name,
 )
 from dtensor_ema.checkpoint.coverage import coverage_problem
-from dtensor_ema.checkpoint.files import CheckpointFiles
+from dtensor_ema.checkpoint.files import CheckpointFiles, Files, Url
 from dtensor_ema.checkpoint.metadata_check import Facts, MetadataProblem, check_metadata
 from dtensor_ema.checkpoint.pickle_scan import memo_problem
 
 __all__ = [
     "METADATA_GLOBALS",
-    "PREVIOUS_SUFFIX",
     "Checkpoint",
     "CheckpointChangedError",
     "CheckpointError",
@@ -109,7 +107,7 @@ __all__ = [
     "Verify",
     "check_coverage",
     "coverage_problem",
-    "existing_checkpoint",
+    "one_line",
     "open_checkpoint",
     "path_inside",
     "verification",
@@ -149,10 +147,6 @@ Verify = bool | Literal["require"]
 has them, warn where it has none), ``"require"`` (refuse a checkpoint without them),
 ``False`` (skip)."""
 
-
-PREVIOUS_SUFFIX = ".previous"
-"""``<path>.previous``: the last good checkpoint while a
-:func:`~dtensor_ema.save_checkpoint` commit swaps the directories."""
 
 METADATA_FLOOR_BYTES = 4 << 20
 """A ``.metadata`` may be as large as the other files of its directory together, or this
@@ -220,7 +214,7 @@ class _Unreadable(Exception):
     the bytes it could not read)."""
 
 
-def _unpickle_metadata(data: bytes, file: Path) -> object:
+def _unpickle_metadata(data: bytes, file: Path | Url) -> object:
     problem = memo_problem(data)  # before the C unpickler sizes its memo by it
     if problem is not None:
         raise MetadataProblem(f"its pickle names {problem}, not a pickle DCP writes")
@@ -238,10 +232,10 @@ def _unpickle_metadata(data: bytes, file: Path) -> object:
 
 @dataclass(slots=True)
 class Checkpoint:
-    """One DCP checkpoint directory whose ``.metadata`` was read safely and checked
-    (:func:`open_checkpoint`)."""
+    """One DCP checkpoint directory (or save in an object store) whose ``.metadata`` was read
+    safely and checked (:func:`open_checkpoint`)."""
 
-    path: Path
+    path: Path | Url
     metadata: Metadata
     metadata_digests: dict[str, int]
     """Digests of the ``.metadata`` bytes that were read, by algorithm
@@ -255,18 +249,18 @@ class Checkpoint:
     """The most bytes a checksum file of this checkpoint may have (from its items)."""
     _recorded: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Checksum files read so far, by name."""
-    files: CheckpointFiles | None = None
+    files: Files | None = None
     """The directory as :func:`open_checkpoint` opened it: every file is read from it, as
     first seen (:mod:`dtensor_ema.checkpoint.files`)."""
 
     @property
-    def metadata_file(self) -> Path:
+    def metadata_file(self) -> Path | Url:
         return self.path / METADATA_FILE
 
-    def opened(self) -> CheckpointFiles:
+    def opened(self) -> Files:
         """:attr:`files` (opened now if this checkpoint was built without)."""
         if self.files is None:
-            self.files = CheckpointFiles(self.path, self.changed)
+            self.files = CheckpointFiles(Path(self.path), self.changed)
         return self.files
 
     def close(self) -> None:
@@ -494,7 +488,7 @@ class Checkpoint:
             self._recorded[name] = payload
         return self._recorded[name]
 
-    def _check_same_save(self, file: Path, payload: Mapping[str, Any]) -> None:
+    def _check_same_save(self, file: Path | Url, payload: Mapping[str, Any]) -> None:
         """A checksum file records the id of its save; it must be ``.metadata``'s."""
         if self.save_id is None:
             raise ChecksumError(
@@ -575,7 +569,7 @@ class Checkpoint:
                 (exc,) = failures.values()
                 if isinstance(exc, CheckpointError):
                     raise exc from None
-                raise CheckpointError(f"{self.path}: loading failed: {_one_line(exc)}") from None
+                raise CheckpointError(f"{self.path}: loading failed: {one_line(exc)}") from None
             # DCP gathered every rank's failure to every rank: the same message everywhere,
             # as agree() would, without DCP's traceback text.
             shown = dict(list(failures.items())[:MESSAGE_RANKS])
@@ -584,14 +578,14 @@ class Checkpoint:
             error = same_error(
                 f"{what} {self.path}",
                 list(failures),
-                {r: (describe(exc)[0], _one_line(exc, typed=False)) for r, exc in shown.items()},
+                {r: (describe(exc)[0], one_line(exc, typed=False)) for r, exc in shown.items()},
             )
             if not ours:
                 error = CheckpointError(str(error))
             raise error from None
 
 
-def _one_line(error: BaseException, *, typed: bool = True) -> str:
+def one_line(error: BaseException, *, typed: bool = True) -> str:
     """``"Type: first line of the message"`` (at most 300 characters)."""
     lines = str(error).strip().splitlines()
     text = lines[0] if lines else ""
@@ -599,9 +593,10 @@ def _one_line(error: BaseException, *, typed: bool = True) -> str:
     return f"{type(error).__name__}: {text}" if typed else text
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Read and check the ``.metadata`` of the DCP checkpoint directory ``path``, running no
-    code. Local.
+def open_checkpoint(path: str | Path | Files) -> Checkpoint:
+    """Read and check the ``.metadata`` of the DCP checkpoint directory ``path`` (or of the
+    save in an object store that ``path``, its :class:`~dtensor_ema.checkpoint.files.Files`,
+    lists), running no code. Local.
 
     ``.metadata`` may be as large as the directory's other files together (or
     :data:`METADATA_FLOOR_BYTES`): what DCP writes is a fraction of the data it describes.
@@ -627,15 +622,19 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             of a tensor uncovered (or covered twice).
         ChecksumError: ``.metadata`` is corrupted (its digest differs from the recorded one).
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"checkpoint path {path} is not a directory (a DCP checkpoint is)"
-            if path.exists()
-            else f"no checkpoint at {path}: the directory does not exist"
-        )
+    if isinstance(path, str | os.PathLike):
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint path {path} is not a directory (a DCP checkpoint is)"
+                if path.exists()
+                else f"no checkpoint at {path}: the directory does not exist"
+            )
+        folder = path
+        files: Files = CheckpointFiles(path, lambda d: CheckpointChangedError(f"{folder}: {d}"))
+    else:
+        files, path = path, path.path
     file = path_inside(path, METADATA_FILE, f"checkpoint {path}")
-    files = CheckpointFiles(path, lambda detail: CheckpointChangedError(f"{path}: {detail}"))
     try:
         if files.size(METADATA_FILE) is None:
             raise FileNotFoundError(
@@ -672,6 +671,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         )
         checkpoint.files = files
         files.changed = checkpoint.changed
+        if files.save_id is not None and checkpoint.save_id != files.save_id:
+            raise ChecksumError(
+                f"{file}: written by save {checkpoint.save_id!r}, but {path} holds save "
+                f"{files.save_id!r}: refused (files of two saves)"
+            )
         checkpoint.check_paths()
         checkpoint.check_files()
         checkpoint.check_coverage()
@@ -706,7 +710,7 @@ def _sidecar_bytes(metadata: Metadata) -> int:
     )
 
 
-def _metadata_corruption(files: CheckpointFiles, data: bytes) -> ChecksumError | None:
+def _metadata_corruption(files: Files, data: bytes) -> ChecksumError | None:
     """:class:`ChecksumError` when rank 0's checksum file records a digest of ``.metadata``
     that ``data`` does not match (a corrupted file explains the failure better than what
     it happens to hold); ``None`` when nothing can be said."""
@@ -731,11 +735,14 @@ def _metadata_corruption(files: CheckpointFiles, data: bytes) -> ChecksumError |
     )
 
 
-def _save_id_at(path: Path) -> str | None:
+def _save_id_at(path: Path | Url) -> str | None:
     """The save id of the ``.metadata`` at ``path`` now, ``None`` where there is none or it
-    cannot be read: for the message of :class:`CheckpointChangedError`. Read by path (the
-    save now there, not the one this load opened), within the bounds :func:`open_checkpoint`
-    sets and with the same restricted unpickler."""
+    cannot be read (or ``path`` is in an object store): for the message of
+    :class:`CheckpointChangedError`. Read by path (the save now there, not the one this load
+    opened), within the bounds :func:`open_checkpoint` sets and with the same restricted
+    unpickler."""
+    if not isinstance(path, Path):
+        return None
     try:
         data = read_at_most(path / METADATA_FILE, _metadata_limit(_other_files_sizes(path)))
         metadata = None if data is None else _unpickle_metadata(data, path / METADATA_FILE)
@@ -745,7 +752,7 @@ def _save_id_at(path: Path) -> str | None:
     return save_id if isinstance(save_id, str) else None
 
 
-def path_inside(directory: Path, name: object, what: str) -> Path:
+def path_inside(directory: Path | Url, name: object, what: str) -> Path | Url:
     """``directory / name`` for a file name read from a file of the checkpoint (or snapshot
     directory) ``directory``, refused unless it stays inside.
 
@@ -777,7 +784,7 @@ def path_inside(directory: Path, name: object, what: str) -> Path:
             "separator, no '..', not absolute): refused before any file was opened"
         )
     target = directory / name
-    if target.is_symlink():
+    if isinstance(directory, Path) and isinstance(target, Path) and target.is_symlink():
         root = directory.resolve()
         resolved = target.resolve()
         if resolved != root and root not in resolved.parents:
@@ -839,29 +846,6 @@ def verification(checkpoint: Checkpoint, verify: Verify) -> tuple[bool, str | No
         f"{why}: it was loaded, but nothing was verified; pass verify=False to load it without "
         "this warning, or verify='require' to refuse it"
     )
-
-
-def existing_checkpoint(path: Path) -> Path:
-    """``path``, or, when it is missing, its ``<path>.previous`` left by a
-    :func:`~dtensor_ema.save_checkpoint` interrupted while it swapped directories (with a
-    warning).
-
-    Raises:
-        FileNotFoundError: neither exists, or ``path`` is not a directory.
-    """
-    if path.is_dir():
-        return path
-    previous = path.with_name(path.name + PREVIOUS_SUFFIX)
-    if not path.exists() and (previous / METADATA_FILE).is_file():
-        warnings.warn(
-            f"no checkpoint at {path}, loading {previous}: a save_checkpoint() was "
-            "interrupted while it swapped directories; the next save_checkpoint() puts it back",
-            stacklevel=4,
-        )
-        return previous
-    if path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} is not a directory (a DCP checkpoint is)")
-    raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist")
 
 
 # ---------------------------------------------------------------------------- items
@@ -941,7 +925,7 @@ def _load_item(stream: _Slice, where: str, *, checked: bool = False) -> object:
     except MemoryError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{where} is corrupted: {_one_line(e)}") from None
+        raise CheckpointError(f"{where} is corrupted: {one_line(e)}") from None
 
 
 def _check_archive(stream: _Slice, length: int, where: str) -> None:
@@ -972,7 +956,7 @@ def _check_archive(stream: _Slice, length: int, where: str) -> None:
             raise CheckpointError(f"{where} is corrupted: a record of its archive lies outside it")
 
 
-def _where(file: Path, index: MetadataIndex) -> str:
+def _where(file: Path | Url, index: MetadataIndex) -> str:
     chunk = "" if index.offset is None else f" (chunk at offsets {tuple(index.offset)})"
     return f"{file}: entry {index.fqn!r}{chunk}"
 
@@ -983,7 +967,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     their archive is checked; one that holds anything else raises :class:`CheckpointError`
     naming the checkpoint (``checkpoint``) and the entry."""
 
-    def __init__(self, *args: Any, checkpoint: Path | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, checkpoint: Path | Url | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoint = checkpoint
 
@@ -1051,12 +1035,19 @@ class _Reader(FileSystemReader):
                 for index in sorted(found, key=lambda i: storage[i].offset):
                     info = storage[index]
                     with _Slice(f, info.offset, info.length) as stream:
+                        stream.seek(-min(info.length, 1 << 16), os.SEEK_END)
+                        stream.read()  # the tail, in one request from a store (read ahead)
                         _check_archive(stream, info.length, _where(file, index))
 
     def _item_stream(self, file: IO[bytes], info: Any) -> _Slice:
         """The bytes of one item to read (``info``: its ``_StorageInfo``) in the held data
         ``file``: where :meth:`read_data` reads from the storage (as DCP's
-        ``_slice_file``)."""
+        ``_slice_file``); from a store, read in one request (one item more in memory)."""
+        try:
+            file.fileno()
+        except OSError:  # an object: torch.load's small reads would each be a request
+            file.seek(info.offset)
+            return _Slice(io.BytesIO(file.read(info.length)), 0, info.length)
         return _Slice(file, info.offset, info.length)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -1142,7 +1133,7 @@ _DIGEST = (1 << 64) - 1
 _BYTES = (1 << 63) - 1
 
 
-def _read_sidecar(name: str, files: CheckpointFiles, limit: int) -> dict[str, Any]:
+def _read_sidecar(name: str, files: Files, limit: int) -> dict[str, Any]:
     """One rank's checksum file ``name`` of the directory ``files`` opened (as first seen),
     read within ``limit`` bytes and checked field by field: its format and version, its
     save id, each item's file (inside the directory), offset, length and digests (ints),
@@ -1209,7 +1200,7 @@ def _is_count(value: object, most: int) -> bool:
     return type(value) is int and 0 <= value <= most
 
 
-def _algorithm(recorded: Mapping[str, Any], file: Path, what: str) -> str:
+def _algorithm(recorded: Mapping[str, Any], file: Path | Url, what: str) -> str:
     """The fastest digest algorithm both recorded for ``what`` and available here."""
     algorithm = available(recorded)
     if algorithm is None:

@@ -11,30 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dtensor_ema._collectives import MESSAGE_BYTES, MESSAGE_RANKS, all_reduce, reduce_device
+from dtensor_ema.checkpoint.files import Url
 
-__all__ = ["Agreed", "agree_on_path"]
+__all__ = ["agree_on_path"]
 
 _DIGEST_BYTES = 16
 
 
-@dataclass(frozen=True, slots=True)
-class Agreed:
-    """What the ranks agreed on."""
-
-    resolved: Path
-    """The path every rank resolved (absolute, links followed)."""
-    save_id: str
-    """An id drawn by rank 0 for this call, the same on every rank (a UUID)."""
-
-
-def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agreed:
+def agree_on_path(group: dist.ProcessGroup | None, path: Path | Url, call: str) -> str:
     """Check that every rank of ``group`` resolves ``path`` to the same directory.
 
     **Collective** over ``group`` (``None``: one process, no communication): one all-reduce
@@ -44,20 +34,20 @@ def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agr
 
     Args:
         group: the process group of the call.
-        path: this rank's path (resolved here: ``Path.resolve()``).
+        path: this rank's path (resolved here: ``Path.resolve()``), or URL (as given).
         call: the public call, for the message (``"save_checkpoint"``).
 
     Returns:
-        The resolved path and the id rank 0 drew.
+        The id rank 0 drew for this call, the same on every rank (a UUID).
 
     Raises:
         ValueError: on every rank, when some rank's resolved path differs from rank 0's,
             naming rank 0's path and those of the first differing ranks.
     """
-    resolved = Path(path).resolve()
+    resolved = path.resolve() if isinstance(path, Path) else path
     drawn = uuid.uuid4()
     if group is None or dist.get_world_size(group) == 1:
-        return Agreed(resolved, str(drawn))
+        return str(drawn)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = reduce_device(group)
     rows = torch.zeros(world + 1, _DIGEST_BYTES, dtype=torch.uint8, device=device)
@@ -70,7 +60,7 @@ def agree_on_path(group: dist.ProcessGroup | None, path: Path, call: str) -> Agr
     save_id = str(uuid.UUID(bytes=bytes(rows[world].numpy().tobytes())))
     differing = [r for r in range(1, world) if not torch.equal(rows[r], rows[0])]
     if not differing:
-        return Agreed(resolved, save_id)
+        return save_id
     shown = [0, *differing[: MESSAGE_RANKS - 1]]
     paths = torch.zeros(len(shown), MESSAGE_BYTES, dtype=torch.uint8, device=device)
     if rank in shown:

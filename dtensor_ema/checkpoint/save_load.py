@@ -5,9 +5,9 @@ checkpoint before touching anything.
 ``dcp.load`` work and reshard across world sizes and between DDP and FSDP2. This module adds
 what plain DCP does not do:
 
-* :func:`save_checkpoint` writes into a sibling ``<path>.partial`` directory and renames it
-  over ``path`` only after every rank finished writing, so a save that dies halfway (a rank
-  raises, a process is killed) leaves the previous checkpoint at ``path`` intact; it records
+* :func:`save_checkpoint` commits only after every rank finished writing, to a local folder
+  or an object store (:mod:`dtensor_ema.checkpoint.storage`), so a save that dies halfway (a
+  rank raises, a process is killed) leaves the previous checkpoint intact; it records
   checksums of every byte range DCP wrote (:mod:`dtensor_ema.checkpoint.checksums`); with
   ``async_=True`` it copies the state and writes in the background
   (:mod:`dtensor_ema.checkpoint.background`), with the same promises.
@@ -25,8 +25,8 @@ what plain DCP does not do:
 
 Reading runs no code from the checkpoint: ``.metadata`` is unpickled with a restricted
 unpickler and non-tensor values with ``torch.load(..., weights_only=True)``
-(:mod:`dtensor_ema.checkpoint.reader`, which every reader of the package shares). Plain ``dcp.load``
-unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
+(:mod:`dtensor_ema.checkpoint.reader`, which every reader of the package shares). Plain
+``dcp.load`` unpickles both unrestricted. The inventory: ``docs/guarantees.md``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,10 @@ import concurrent.futures
 import contextlib
 import functools
 import os
-import shutil
 import uuid
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,19 +60,19 @@ from dtensor_ema._collectives import (
     reduce_device,
 )
 from dtensor_ema.checkpoint import background
-from dtensor_ema.checkpoint.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.checksums import write_checksums
 from dtensor_ema.checkpoint.reader import (
-    PREVIOUS_SUFFIX,
     Checkpoint,
     CheckpointChangedError,
     CheckpointError,
     UnverifiedCheckpointWarning,
     Verify,
-    existing_checkpoint,
+    one_line,
     open_checkpoint,
     verification,
 )
 from dtensor_ema.checkpoint.same_path import agree_on_path
+from dtensor_ema.checkpoint.storage import LocalStorage, ObjectStorage, storage_for
 from dtensor_ema.engine import EmaEngine
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
@@ -89,16 +87,7 @@ from dtensor_ema.state import (
     validate_state,
 )
 
-__all__ = [
-    "CheckpointError",
-    "commit_partial",
-    "load_checkpoint",
-    "save_checkpoint",
-    "tidy_interrupted",
-]
-
-PARTIAL_SUFFIX = ".partial"
-"""``<path>.partial``: where :func:`save_checkpoint` writes before it commits."""
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 
 # ---------------------------------------------------------------------------------- save
@@ -114,21 +103,25 @@ def save_checkpoint(
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
     call this with the same keys and the same ``path``, after the same number of updates
-    of each EMA in ``state``: the ranks compare a digest of their resolved ``path`` in one
-    small all-reduce that also hands every rank rank 0's save id (a differing path raises
-    ``ValueError`` on every rank before anything is written), then agree on the EMAs and
-    their counts (one small all-gather over the group, then one per mesh dim of each EMA's
-    mesh, :func:`~dtensor_ema._collectives.agree_on_call`; pipeline stages' EMAs each over
-    their own mesh), and on their state dicts having been collected. Without a process
-    group it saves from one process. What each step guarantees: ``docs/checkpoints.md``
-    ("What ``save_checkpoint`` adds to DCP").
+    of each EMA in ``state``: the ranks agree that every one can reach ``path`` (a folder
+    every rank sees, or the URL of a folder in an object store, ``s3://bucket/run/ema``, any
+    fsspec protocol: one flag all-reduce; a path that only looks like a URL, ``s3:/b``, or
+    a protocol whose package is missing is refused), compare a digest of their resolved
+    ``path`` in one small all-reduce that also hands every rank rank 0's save id (a
+    differing path raises ``ValueError`` on every rank before anything is written), then
+    agree on the EMAs and their counts (one small all-gather over the group, then one per
+    mesh dim of each EMA's mesh, :func:`~dtensor_ema._collectives.agree_on_call`; pipeline
+    stages' EMAs each over their own mesh), and on their state dicts having been collected.
+    Without a process group it saves from one process. What each step guarantees:
+    ``docs/checkpoints.md`` ("What ``save_checkpoint`` adds to DCP", "Object storage").
 
     ``state`` is what ``dcp.save`` takes, e.g. ``{"ema": ema, "model": model_sd, "optim":
     optim_sd}``. DCP writes into ``<path>.partial``; only when every rank's write succeeded
     does rank 0 swap it in (``path -> <path>.previous``, ``<path>.partial -> path``, delete
     ``<path>.previous``; a crash between the renames leaves the last good checkpoint in
     ``<path>.previous``, which the next save puts back and :func:`load_checkpoint` falls back
-    to). ``path`` and its siblings must be on a filesystem every rank sees. With
+    to; in a store, the save's own prefix ``<url>/save-<save id>/``, made current by one
+    object ``<url>/current.json``, then the replaced save deleted). With
     ``checksums=True`` (default) every rank records digests of the byte ranges it wrote in
     ``__<rank>.checksums.json`` (local; CRC-32, and XXH3-64 with ``xxhash``), then one more
     flag all-reduce, so rank 0 commits only once every checksum file is written. Peak extra
@@ -149,63 +142,54 @@ def save_checkpoint(
         ``None``; with ``async_=True`` the future of the background write.
 
     Raises:
-        ValueError: ``path`` exists and is not a directory, or the ranks were given
-            different paths (nothing written).
+        ValueError: ``path`` exists and is not a directory, only looks like a URL, or the
+            ranks were given different paths (nothing written).
+        ImportError: ``path`` is a URL whose fsspec package is not installed.
         RuntimeError: a rank failed; the message says which. ``path`` is unchanged.
     """
     group = group_of(process_group)
     background.wait_pending()
     with entering("save_checkpoint", group=group):
-        agreed = agree_on_path(group, Path(path), "save_checkpoint")
+        storage, save_id = _storage(group, path, "save_checkpoint")
         _agree_on_emas("save_checkpoint", state, group, counted=True)
-        if async_:
-            return _save_in_background(state, Path(path), group, checksums, agreed.save_id)
-        _save(state, Path(path), group, checksums, agreed.save_id)
-        return None
+        _prepare(storage, group)
+        path = storage.root
+        error: Exception | None = None
+        staged: dict[str, Any] = {}
+        try:
+            staged = _state_dicts(state)
+            if async_:
+                staged = background.cpu_copy(staged)
+        except (Exception, CheckpointException) as e:
+            error = _ordinary(e, f"collecting the state to save to {path}")
+        agree(group, error, f"collecting the state to save to {path}")
+        if not async_:
+            _write_and_commit(staged, storage, group, checksums, save_id)
+            return None
+        writer_group = background.background_group(group)
+        # No quiet_single_process() there: warnings.catch_warnings is not thread-safe.
+        return background.submit(
+            functools.partial(
+                _write_and_commit, staged, storage, writer_group, checksums, save_id,
+                quiet=False,
+            )
+        )  # fmt: skip
 
 
-def _save(
-    state: Mapping[str, Any],
-    path: Path,
-    group: dist.ProcessGroup | None,
-    checksums: bool,
-    save_id: str,
-) -> None:
-    _prepare(path, group)
+def _storage(
+    group: dist.ProcessGroup | None, path: str | os.PathLike[str], call: str
+) -> tuple[LocalStorage | ObjectStorage, str]:
+    """The storage of ``path``, once every rank found it (a URL needs its package on every
+    rank), and the save id drawn as the ranks agree on it (:func:`agree_on_path`)."""
     error: Exception | None = None
+    storage = None
     try:
-        staged = _state_dicts(state)
-    except (Exception, CheckpointException) as e:
-        error = _ordinary(e, f"collecting the state to save to {path}")
-    agree(group, error, f"collecting the state to save to {path}")
-    _write_and_commit(staged, path, group, checksums, save_id)
-
-
-def _save_in_background(
-    state: Mapping[str, Any],
-    path: Path,
-    group: dist.ProcessGroup | None,
-    checksums: bool,
-    save_id: str,
-) -> concurrent.futures.Future[None]:
-    """Copy the state now, write and commit it on the background writer."""
-    error: Exception | None = None
-    staged: dict[str, Any] = {}
-    try:
-        if rank_of(group) == 0 and path.exists() and not path.is_dir():
-            raise ValueError(f"checkpoint path {path} exists and is not a directory")
-        staged = background.cpu_copy(_state_dicts(state))
-    except (Exception, CheckpointException) as e:
-        error = _ordinary(e, f"collecting the state to save to {path}")
-    agree(group, error, f"collecting the state to save to {path}")
-    writer_group = background.background_group(group)
-
-    def write() -> None:
-        _prepare(path, writer_group)
-        # No quiet_single_process() here: warnings.catch_warnings is not thread-safe.
-        _write_and_commit(staged, path, writer_group, checksums, save_id, quiet=False)
-
-    return background.submit(write)
+        storage = storage_for(path)
+    except (ImportError, ValueError) as e:
+        error = e
+    agree(group, error, f"{call}() of {os.fspath(path)!r}")
+    assert storage is not None
+    return storage, agree_on_path(group, storage.root, call)
 
 
 def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,58 +198,54 @@ def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
-def _prepare(path: Path, group: dist.ProcessGroup | None) -> None:
-    """Rank 0 refuses a path that is a file, tidies what an interrupted save left and makes
-    the parent folder; the ranks agree."""
-    partial, previous = _siblings(path)
+def _prepare(storage: LocalStorage | ObjectStorage, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 refuses a path that is a file and tidies what an interrupted save left; the
+    ranks agree."""
     error: Exception | None = None
     if rank_of(group) == 0:
         try:
-            if path.exists() and not path.is_dir():
-                raise ValueError(f"checkpoint path {path} exists and is not a directory")
-            tidy_interrupted(path, partial, previous)
-            partial.parent.mkdir(parents=True, exist_ok=True)
-        except (OSError, ValueError) as e:
+            storage.prepare()
+        except Exception as e:  # an object store's client raises its own types
             error = e
-    agree(group, error, f"preparing to save {path}")
+    agree(group, error, f"preparing to save {storage.root}")
 
 
 def _write_and_commit(
     staged: dict[str, Any],
-    path: Path,
+    storage: LocalStorage | ObjectStorage,
     group: dist.ProcessGroup | None,
     checksums: bool,
     save_id: str,
     *,
     quiet: bool = True,
 ) -> None:
-    """DCP writes ``staged`` into ``<path>.partial``; every rank records its checksums; rank
-    0 commits once every rank succeeded. **Collective** over ``group``. ``quiet``: hide
-    DCP's warning that one process saves alone (the foreground only)."""
-    partial, previous = _siblings(path)
+    """DCP writes ``staged`` through the storage's writer; every rank records its
+    checksums; rank 0 commits once every rank succeeded. **Collective** over ``group``.
+    ``quiet``: hide DCP's warning that one process saves alone (the foreground only)."""
+    path = storage.root
     error: Exception | None = None
-    writer = RecordingWriter(partial, save_id=save_id)
+    writer = storage.writer(save_id)
     try:
         with quiet_single_process() if quiet else contextlib.nullcontext():
             dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
-    except CheckpointException as e:  # a BaseException: make it an ordinary error
+    except CheckpointException as e:  # a BaseException: one line of each rank's failure
+        failures = sorted(e.failures.items())
         raise CheckpointError(
-            f"saving {path} failed, the checkpoint there is unchanged: {e}"
+            f"saving {path} failed, the checkpoint there is unchanged: "
+            + "; ".join(f"rank {r}: {one_line(exc)}" for r, (exc, _) in failures[:4])
         ) from e
     if checksums:
         try:
-            rank = rank_of(group)
-            payload = record_checksums(partial, writer.results, metadata=rank == 0, save_id=save_id)
-            write_sidecar(partial, rank, payload)
-        except OSError as e:
+            write_checksums(writer, rank_of(group), save_id=save_id)
+        except Exception as e:
             error = e
-        agree(group, error, f"writing the checksums of {partial}")
+        agree(group, error, f"writing the checksums of {writer.path}")
     if rank_of(group) == 0:
         try:
-            commit_partial(partial, path, previous)
-        except OSError as e:
+            storage.commit(save_id)
+        except Exception as e:
             error = e
-    agree(group, error, f"committing {partial} to {path}")
+    agree(group, error, f"committing {writer.path} to {path}")
 
 
 def _ordinary(error: BaseException, what: str) -> Exception:
@@ -278,44 +258,6 @@ def _ordinary(error: BaseException, what: str) -> Exception:
     return wrapped
 
 
-def _siblings(path: Path) -> tuple[Path, Path]:
-    return path.with_name(path.name + PARTIAL_SUFFIX), path.with_name(path.name + PREVIOUS_SUFFIX)
-
-
-def tidy_interrupted(path: Path, partial: Path, previous: Path) -> None:
-    """Undo what an interrupted save of the directory ``path`` left behind: its
-    ``partial`` deleted, its ``previous`` copy deleted or put back. Local (one process)."""
-    if partial.exists():
-        shutil.rmtree(partial)
-    if previous.exists():
-        if path.exists():  # the commit finished; only deleting the old copy did not
-            shutil.rmtree(previous)
-        else:  # died between the two renames: the last good checkpoint goes back
-            os.rename(previous, path)
-
-
-def commit_partial(partial: Path, path: Path, previous: Path) -> None:
-    """Swap the finished directory ``partial`` in at ``path`` (an existing one goes to
-    ``previous`` until the rename is durable, then is deleted). Local (one process); DCP
-    already fsynced the files."""
-    if path.exists():
-        os.rename(path, previous)
-    os.rename(partial, path)
-    _fsync_dir(path.parent)
-    if previous.exists():
-        shutil.rmtree(previous)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the renames durable; not every platform can open a directory."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # ---------------------------------------------------------------------------------- load
 def load_checkpoint(
     state: dict[str, Any],
@@ -325,7 +267,8 @@ def load_checkpoint(
     verify: Verify = True,
     common_subset: bool = False,
 ) -> None:
-    """Load ``state`` in place from the DCP checkpoint at ``path``, checking it first.
+    """Load ``state`` in place from the DCP checkpoint at ``path`` (a folder, or the URL of
+    one in an object store: the save its ``current.json`` names), checking it first.
 
     **Collective**: every rank of ``process_group`` (default: the whole default group) must
     call this with the same keys, the same EMAs and the same ``path`` (agreed first: one
@@ -337,13 +280,13 @@ def load_checkpoint(
 
     Nothing from the checkpoint is run (:mod:`dtensor_ema.checkpoint.reader`: ``.metadata``
     through a restricted unpickler, every entry with ``torch.load(..., weights_only=True)``,
-    every file name inside ``path``, every size checked against the files before anything is
-    allocated, every tensor's chunks covering it exactly once). Before anything is written,
-    the ranks agree that the checkpoint is complete and that it holds exactly the tensors
-    and accepted options of every :class:`~dtensor_ema.ModelEMA` in ``state`` (a top-level
-    value, or a member of a top-level :class:`~dtensor_ema.MultiModelEMA`): all raise or none
-    does, with one message naming which rank saw what. Other entries (model, optimizer) get
-    DCP's own checks.
+    every file name inside ``path``, every size checked against the files, or objects,
+    before anything is allocated, every tensor's chunks covering it exactly once). Before
+    anything is written, the ranks agree that the checkpoint is complete and that it holds
+    exactly the tensors and accepted options of every :class:`~dtensor_ema.ModelEMA` in
+    ``state`` (a top-level value, or a member of a top-level
+    :class:`~dtensor_ema.MultiModelEMA`): all raise or none does, with one message naming
+    which rank saw what. Other entries (model, optimizer) get DCP's own checks.
 
     **A failed load changes no EMA.** Every EMA reads into staging buffers of its own layout
     (:func:`~dtensor_ema.state.staging_state`) and is swapped in only when every rank has
@@ -364,13 +307,16 @@ def load_checkpoint(
     :class:`~dtensor_ema.checkpoint.reader.UnverifiedCheckpointWarning`; ``"require"``
     refuses it; ``False`` skips the pass. If ``path`` is missing but ``<path>.previous``
     exists (a save interrupted between its renames) the previous checkpoint is loaded, with
-    a warning.
+    a warning. In an object store a load reads the save ``current.json`` names, by byte
+    range; its ``.metadata`` must carry that save id.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``, or one that misses ``.metadata`` or
-            data files (an interrupted plain ``dcp.save``).
-        ValueError: the ranks were given different paths, the checkpoint does not match an
-            EMA (names, shapes, dtypes, options), or has no EMA state under that EMA's key.
+        FileNotFoundError: no checkpoint at ``path`` (a store: no ``current.json``), or one
+            that misses ``.metadata`` or data files (an interrupted plain ``dcp.save``).
+        ValueError: the ranks were given different paths, ``path`` only looks like a URL,
+            the checkpoint does not match an EMA (names, shapes, dtypes, options), or has no
+            EMA state under that EMA's key.
+        ImportError: ``path`` is a URL whose fsspec package is not installed.
         CheckpointError: ``.metadata`` refers to a global that is not DCP metadata (a
             crafted checkpoint; nothing was run), is not what DCP writes or claims more
             than its files hold, names a file outside ``path``, leaves part of a tensor
@@ -385,25 +331,26 @@ def load_checkpoint(
     """
     group = group_of(process_group)
     with entering("load_checkpoint", group=group):
-        agree_on_path(group, Path(path), "load_checkpoint")
+        storage, _ = _storage(group, path, "load_checkpoint")
         _agree_on_emas("load_checkpoint", state, group, counted=False)
-        _load(state, Path(path), group, verify, common_subset)
+        _load(state, storage, group, verify, common_subset)
 
 
 def _load(
     state: dict[str, Any],
-    path: Path,
+    storage: LocalStorage | ObjectStorage,
     group: dist.ProcessGroup | None,
     verify: Verify,
     common_subset: bool = False,
 ) -> None:
+    path = storage.root
     emas = _emas_in(state)
     error: Exception | None = None
     checkpoint: Checkpoint | None = None
     unverified: str | None = None
     check = False
     try:
-        checkpoint = open_checkpoint(existing_checkpoint(path))
+        checkpoint = open_checkpoint(storage.committed())
         check, unverified = verification(checkpoint, verify)
         if check:  # first: a corrupted .metadata must not pass for another model
             checkpoint.verify_metadata()

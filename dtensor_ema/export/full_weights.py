@@ -22,10 +22,10 @@ from dtensor_ema._collectives import agree_on_call, entering, is_mesh_first, mes
 from dtensor_ema.checkpoint.reader import (
     UnverifiedCheckpointWarning,
     Verify,
-    existing_checkpoint,
     open_checkpoint,
     verification,
 )
+from dtensor_ema.checkpoint.storage import storage_for
 from dtensor_ema.export.state_file import SUFFIXES, check_destination, write_state_file
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.state import EMA_TENSORS
@@ -180,7 +180,7 @@ def convert_checkpoint(
     error = check_destination(Path(path))
     if error is not None:
         raise error
-    checkpoint = open_checkpoint(existing_checkpoint(Path(checkpoint_dir)))
+    checkpoint = open_checkpoint(storage_for(checkpoint_dir).committed())
     check, unverified = verification(checkpoint, verify)
     checkpoint.check_files()
     planner_data = checkpoint.metadata.planner_data or {}

@@ -10,30 +10,31 @@
   model (:meth:`~dtensor_ema.ModelEMA.average_parameters`, collective) and evaluated by the
   same callback under ``eval/ema/<name>``.
 * **Checkpoints**: OLMo-core's per-rank callback pickles cannot hold a sharded EMA, so it
-  goes to ``<checkpoint>/ema/`` with :func:`~dtensor_ema.save_checkpoint` (collective, DCP),
-  staged under ``<save_folder>/.ema-staging/step<N>`` and moved in once OLMo-core reports
-  the checkpoint saved; a resume with trainer state loads it at any world size, any other
-  load restarts the EMAs from the loaded weights.
+  goes to ``<checkpoint>/ema/`` with :func:`~dtensor_ema.save_checkpoint` (collective, DCP;
+  in the background when OLMo-core's checkpointer saves asynchronously; a URL
+  ``save_folder`` too), staged under ``<save_folder>/.ema-staging/step<N>`` and moved in
+  once OLMo-core reports the checkpoint saved; a resume with trainer state loads it at any
+  world size, any other load restarts the EMAs from the loaded weights.
 
-Local (shared) filesystem save folders only. Requires ``ai2-olmo-core`` 2.x. The guide:
-``docs/trainers.md#olmo-core``.
+Requires ``ai2-olmo-core`` 2.x. The guide: ``docs/trainers.md#olmo-core``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-import os
-import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from olmo_core.io import is_url
-from olmo_core.train.callbacks import Callback, EvaluatorCallback
+from olmo_core.io import get_parent, join_path
+from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
 
+from dtensor_ema.checkpoint.background import release_staging
 from dtensor_ema.checkpoint.save_load import load_checkpoint, save_checkpoint
+from dtensor_ema.checkpoint.storage import storage_for
 from dtensor_ema.integrations._common import StepGate, decay_name, is_rank0
 from dtensor_ema.multi import MultiModelEMA
 
@@ -95,7 +96,9 @@ class EMACallback(Callback):
     _emas: MultiModelEMA | None = field(default=None, init=False, repr=False, compare=False)
     _started: bool = field(default=False, init=False, repr=False, compare=False)
     _resumed: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
-    _staged: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _staged: dict[str, tuple[str, concurrent.futures.Future[None] | None]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.decays:
@@ -131,11 +134,6 @@ class EMACallback(Callback):
     def pre_train(self) -> None:
         if not self.enabled:
             return
-        if not self.trainer.no_checkpoints and is_url(self.trainer.save_folder):
-            raise NotImplementedError(
-                f"EMACallback saves the EMA with DCP's file system writer; save_folder "
-                f"{self.trainer.save_folder} is a URL: use a local or shared file system folder"
-            )
         self._build()
         self._evaluate_if(lambda cb: cb.eval_on_startup)
 
@@ -176,26 +174,31 @@ class EMACallback(Callback):
             return {}
         step = self.trainer.global_step
         folder = self.trainer.checkpointer.checkpoint_dirname(step)
-        checkpoint = Path(self.trainer.save_folder, folder)
-        staged = checkpoint.parent / STAGING / checkpoint.name
-        save_checkpoint(self._state(step), staged)
-        self._staged[str(checkpoint)] = str(staged)
+        checkpoint = str(join_path(self.trainer.save_folder, folder))
+        staged = str(join_path(self.trainer.save_folder, STAGING, folder))
+        checkpointers = self.trainer.callbacks.values()
+        in_background = any(
+            isinstance(cb, CheckpointerCallback) and cb.save_async for cb in checkpointers
+        )
+        future = save_checkpoint(self._state(step), staged, async_=in_background)
+        self._staged[checkpoint] = (staged, future)
         return {"step": step, "names": self.names, "folder": EMA_FOLDER}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed = dict(state_dict) if state_dict else None
 
     def post_checkpoint_saved(self, path: Any) -> None:
-        staged = self._staged.pop(str(path), None)
-        if staged is not None:
-            _commit(Path(staged), Path(path))
+        staged = self._staged.get(str(path))
+        if staged is not None:  # forgotten once moved: close() moves it if this comes late
+            _commit(*staged, str(path))
+            self._staged.pop(str(path), None)
 
     def post_checkpoint_loaded(self, path: Any) -> None:
         if not self.enabled:
             return
         emas = self._build()
         resumed, self._resumed = self._resumed, None
-        checkpoint = Path(str(path))
+        checkpoint = str(path)
         found = _find(checkpoint)
         if resumed is None:  # no trainer state of ours: a fine-tune, or a run without EMA
             for ema in emas.values():
@@ -210,8 +213,8 @@ class EMACallback(Callback):
         if found is None:
             raise FileNotFoundError(
                 f"checkpoint {checkpoint}: its trainer state says the EMA of step "
-                f"{resumed.get('step')} was saved in {checkpoint / EMA_FOLDER}, which does not "
-                "exist (nor a staged copy)"
+                f"{resumed.get('step')} was saved in {join_path(checkpoint, EMA_FOLDER)}, which "
+                "does not exist (nor a staged copy)"
             )
         state = self._state(-1)
         load_checkpoint(state, found)  # names, shapes, options checked before anything is written
@@ -231,9 +234,11 @@ class EMACallback(Callback):
 
     def close(self) -> None:
         for checkpoint, staged in list(self._staged.items()):
-            if Path(checkpoint).is_dir():  # the trainer finished it; the report may be late
+            # The trainer finished it (OLMo-core's check); the report may be late.
+            if self.trainer.checkpointer.dir_is_checkpoint(checkpoint):
                 self._staged.pop(checkpoint, None)
-                _commit(Path(staged), Path(checkpoint))
+                _commit(*staged, checkpoint)
+        release_staging()  # waits for a background write, frees its CPU copy
 
     # ------------------------------------------------------------------ internals
     def _build(self) -> MultiModelEMA:
@@ -276,25 +281,31 @@ class EMACallback(Callback):
                     callback.perform_eval(prefix=f"{self.eval_prefix}/{name}")
 
 
-def _find(checkpoint: Path) -> Path | None:
+def _find(checkpoint: str) -> str | None:
     """The EMA of ``checkpoint``: its ``ema`` folder, or a staged one that was never moved
     in (the run stopped between OLMo-core's commit and the move)."""
-    for candidate in (checkpoint / EMA_FOLDER, checkpoint.parent / STAGING / checkpoint.name):
-        if candidate.is_dir():
-            return candidate
+    name = checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    for candidate in (
+        join_path(checkpoint, EMA_FOLDER),
+        join_path(get_parent(checkpoint), STAGING, name),
+    ):
+        if storage_for(str(candidate)).exists():
+            return str(candidate)
     return None
 
 
-def _commit(staged: Path, checkpoint: Path) -> None:
-    """Move a staged EMA into its checkpoint folder (rank 0; the folder is shared)."""
+def _commit(staged: str, future: concurrent.futures.Future[None] | None, checkpoint: str) -> None:
+    """Once the EMA's write finished (``future``: a background write), move it into its
+    checkpoint folder (rank 0; the folder is shared)."""
+    if future is not None:
+        future.result()
     if not is_rank0():
         return
     with _MOVES:
-        if not staged.is_dir():
+        source = storage_for(staged)
+        if not source.exists():
             return
-        target = checkpoint / EMA_FOLDER
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
-        with contextlib.suppress(OSError):  # other EMAs still staged there
-            staged.parent.rmdir()
+        source.move_to(storage_for(str(join_path(checkpoint, EMA_FOLDER))))  # type: ignore[arg-type]
+        if isinstance(source.root, Path):
+            with contextlib.suppress(OSError):  # other EMAs still staged there
+                source.root.parent.rmdir()

@@ -33,7 +33,7 @@ from dtensor_ema._collectives import agree_on_call
 from dtensor_ema._collectives import group_of as _group
 from dtensor_ema._collectives import quiet_single_process as _quiet_single_process
 from dtensor_ema._collectives import rank_of as _rank
-from dtensor_ema.checkpoint.checksums import RecordingWriter, record_checksums, write_sidecar
+from dtensor_ema.checkpoint.checksums import RecordingWriter, write_checksums
 from dtensor_ema.checkpoint.same_path import agree_on_path
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
@@ -354,7 +354,7 @@ class PostHocEMA:
             agree_on_call("snapshot", ema.engine.call_identity, mesh=ema.mesh)
         name = snap.snapshot_name(self._steps)
         partial = self.snapshot_dir / (name + snap.PARTIAL_SUFFIX)
-        agreed = agree_on_path(group, partial, "PostHocEMA.snapshot")
+        save_id = agree_on_path(group, partial, "PostHocEMA.snapshot")
         error: Exception | None = None
         if _rank(group) == 0:
             try:
@@ -363,8 +363,8 @@ class PostHocEMA:
                 error = e
         _agree(group, error, f"preparing snapshot {self.snapshot_dir / name}")
         state, manifest = self._snapshot_state(copy=self.async_save, world=group)
-        manifest["save_id"] = agreed.save_id
-        writer = RecordingWriter(partial, save_id=agreed.save_id)
+        manifest["save_id"] = save_id
+        writer = RecordingWriter(partial, save_id=save_id)
         if self.async_save:
             self._pending = (self._save_async(state, writer, group), writer, name, manifest)
             return None
@@ -419,10 +419,7 @@ class PostHocEMA:
         error: Exception | None = None
         rank = _rank(group)
         try:
-            payload = record_checksums(
-                partial, writer.results, metadata=rank == 0, save_id=manifest["save_id"]
-            )
-            write_sidecar(partial, rank, payload)
+            write_checksums(writer, rank, save_id=manifest["save_id"])
         except OSError as e:
             error = e
         _agree(group, error, f"writing the checksums of snapshot {partial}")

@@ -47,7 +47,7 @@ import torch
 
 from dtensor_ema.checkpoint.bounded_json import JsonProblem, read_json
 from dtensor_ema.checkpoint.metadata_check import MAX_DIMS, MAX_ELEMENTS
-from dtensor_ema.checkpoint.save_load import commit_partial, tidy_interrupted
+from dtensor_ema.checkpoint.storage import commit_partial, tidy_interrupted
 
 __all__ = [
     "FORMAT",
