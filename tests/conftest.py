@@ -64,6 +64,8 @@ LONGEST_FIRST = (
     "test_deepspeed_distributed.py",
     "test_integration_torchtitan.py",
     "test_examples_smoke.py",
+    "test_subclass_distributed.py",
+    "test_checkpoint_object_storage.py",
     "test_readme.py",
     "test_compat_upstream.py",
     "test_checkpoint_distributed.py",
