@@ -3,6 +3,7 @@
     python benchmarks/host_overhead.py                     # the table (about 3 minutes here)
     python benchmarks/host_overhead.py --quick             # smoke run: 10 tensors, one process
     python benchmarks/host_overhead.py --baseline cee6376  # which commit is "before"
+    python benchmarks/host_overhead.py --primitives        # what each candidate check costs
 
 One torch thread, CPU, fp32 ``Linear(4, 4)`` tensors (one bias-free layer when the count is
 odd), a constant decay. Each row times ``ema.update()`` against the floor: one bare
@@ -247,6 +248,110 @@ def baseline_tree(ref: str, into: Path) -> Path:
     return into
 
 
+# --------------------------------------------------------------------------- primitives
+def _guard_tree(containers: list[dict[str, Any]], tensor_match: bool) -> Callable[[], bool] | None:
+    """A dynamo ``RootGuardManager`` over ``containers`` (the model's ``_parameters``
+    dictionaries): an ``ID_MATCH`` guard per registered tensor, with ``tensor_match`` a
+    ``TENSOR_MATCH`` too (dtype, device, sizes, strides, requires_grad), evaluated in C++.
+    ``None`` where this torch's private guard API differs (it changes between releases)."""
+    try:
+        from torch._C._dynamo.guards import RootGuardManager
+        from torch._dynamo.guards import GuardManagerType
+
+        kind = GuardManagerType.GUARD_MANAGER
+        root = RootGuardManager()
+        for i, held in enumerate(containers):
+            manager = root.list_getitem_manager(i, f"c[{i}]", held, kind)
+            for name, tensor in held.items():
+                if tensor is None:
+                    continue
+                leaf = manager.dict_getitem_manager(name, f"c[{i}][{name!r}]", tensor, kind)
+                leaf.add_id_match_guard(id(tensor), ["id"], None)
+                if tensor_match:
+                    leaf.add_tensor_match_guard(
+                        tensor, list(tensor.shape), list(tensor.stride()), name, ["tensor"],
+                        None, type(tensor), torch._C._dispatch_keys(tensor),
+                    )  # fmt: skip
+        if not root.check(containers):
+            return None
+    except Exception:  # a private API: any mismatch means "not available in this torch"
+        return None
+    return lambda: root.check(containers)
+
+
+def primitives(tensors: int, blocks: int) -> list[tuple[str, float | None]]:
+    """Nanoseconds per tensor of each way to look at every tracked tensor once per call
+    (the candidates for ``update()``'s model check), beside the floor, on the fp32 model of
+    :func:`make_model`. One process, one thread; median of ``blocks`` blocks."""
+    import operator
+
+    torch.set_num_threads(1)
+    model = make_model(tensors)
+    params = list(model.parameters())
+    emas = [p.detach().clone() for p in params]
+    registered = [
+        (m._parameters, n)
+        for m in model.modules()
+        for n, t in m._parameters.items()
+        if t is not None
+    ]
+    containers, names = [c for c, _ in registered], [n for _, n in registered]
+    assert [c[n] for c, n in registered] == params
+    pointers = [p.data_ptr() for p in params]
+    storages = [p.untyped_storage() for p in params]
+    dtypes = [p.dtype for p in params]
+    indices = list(range(len(params)))
+    unique = [m._parameters for m in model.modules() if m._parameters]
+    same_ptrs = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    candidates: dict[str, Callable[[], object] | None] = {
+        "floor: torch._foreach_lerp_": lambda: torch._foreach_lerp_(emas, params, 1 - DECAY),
+        "registered objects by identity (dict.get, is)": lambda: all(
+            map(operator.is_, map(dict.get, containers, names), params)
+        ),
+        "data_ptr() of each tensor, compared (today's probe)": lambda: (
+            list(map(torch.Tensor.data_ptr, params)) == pointers
+        ),
+        "untyped_storage() of each tensor, by identity": lambda: all(
+            map(operator.is_, map(torch.Tensor.untyped_storage, params), storages)
+        ),
+        "dtype of each tensor (any tensor attribute)": lambda: (
+            list(map(operator.attrgetter("dtype"), params)) == dtypes
+        ),
+        "torch._C._tensors_data_ptrs_at_indices_equal (pybind)": (
+            (lambda: same_ptrs(params, pointers, indices)) if same_ptrs else None
+        ),
+        "dynamo C++ guards: ID_MATCH": _guard_tree(unique, tensor_match=False),
+        "dynamo C++ guards: ID_MATCH + TENSOR_MATCH": _guard_tree(unique, tensor_match=True),
+    }
+    rows: list[tuple[str, float | None]] = []
+    reps = max(20, 20_000 // tensors)
+    for name, fn in candidates.items():
+        if fn is None:
+            rows.append((name, None))
+            continue
+        times = [median_block(fn, reps, no_grad=True) for _ in range(blocks)]
+        rows.append((name, statistics.median(times) / tensors * 1e9))
+    return rows
+
+
+def report_primitives(rows: list[tuple[str, float | None]], tensors: int) -> str:
+    floor = rows[0][1]
+    assert floor is not None
+    lines = [
+        f"{tensors} fp32 Linear(4, 4) tensors, one thread: ns per tensor per call. The 1.2x "
+        f"bound leaves {0.2 * floor:.0f} ns per tensor for everything update() adds.",
+        "",
+        "| primitive | ns per tensor | share of the 1.2x budget |",
+        "|---|---|---|",
+    ]
+    for name, ns in rows:
+        cells = "not available in this torch | -" if ns is None else f"{ns:.1f} | "
+        if ns is not None:
+            cells += "-" if ns is floor else f"{ns / (0.2 * floor):.0%}"
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- report
 def bound(case: Case, floor: float, update: float) -> tuple[str, bool]:
     """Issue 48's bound for the row and whether ``update`` meets it (seconds per call)."""
@@ -308,9 +413,21 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu: the timing thread's CPU time (default); wall: perf_counter",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument(
+        "--primitives",
+        type=int,
+        nargs="?",
+        const=1000,
+        default=None,
+        metavar="TENSORS",
+        help="time the per-tensor primitives a model check could use (default 1000 tensors)",
+    )
     args = p.parse_args(argv)
     if args.worker is not None:
         worker(args.worker)
+        return 0
+    if args.primitives is not None:
+        print(report_primitives(primitives(args.primitives, args.blocks or 9), args.primitives))
         return 0
     blocks = args.blocks or (3 if args.quick else 15)
     block_s = (args.block_ms or (5 if args.quick else 40)) / 1e3

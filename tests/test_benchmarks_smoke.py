@@ -209,6 +209,28 @@ def test_host_overhead_quick_runs_both_trees(tmp_path: Path) -> None:
     assert f"'after W=1': '{ROOT / 'dtensor_ema' / '__init__.py'}'" in stdout, stdout
 
 
+def test_host_overhead_primitives_time_every_candidate(tmp_path: Path) -> None:
+    """``host_overhead.py --primitives`` (issue 48): a row per candidate check, each a
+    positive time per tensor or "not available in this torch", beside the floor and its
+    budget. Timings are not asserted."""
+    script = str(ROOT / "benchmarks" / "host_overhead.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code, stdout, stderr = run_script(
+        [script, "--primitives", "21", "--blocks", "1"], tmp_path, env
+    )
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = [
+        line.split(" | ")
+        for line in stdout.splitlines()
+        if line.startswith("| ") and "---" not in line
+    ]
+    assert rows[0][0] == "| primitive" and len(rows) == 9, stdout
+    assert "leaves" in stdout and "ns per tensor for everything update() adds" in stdout, stdout
+    for cells in rows[1:]:
+        if "not available" not in cells[1]:
+            assert float(cells[1]) > 0, cells
+
+
 _STUCK_BODY = """
 import time
 
