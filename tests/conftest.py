@@ -5,7 +5,8 @@ of one core; collecting the suite imports the same libraries in this process for
 long. Started at session start, the two run side by side on two cores instead of one after
 the other. Only when the paths pytest was given hold a test that launches processes through
 the harness (a run of single-process tests starts no server). What the server's imports
-print goes to ``dtensor-ema-forkserver-<pid>.log`` in the temporary folder.
+print goes to ``dtensor-ema-forkserver-<pid>.log`` in the temporary folder, kept when the
+session fails.
 
 Also a quiet log: torch's profiler (``torch.profiler.profile``, which several tests use to
 count collectives) runs Kineto, whose C++ logger writes ``USDT: ...
@@ -102,6 +103,9 @@ def _launches(paths: list[Path]) -> bool:
     return False
 
 
+_FORKSERVER_LOG = pytest.StashKey[Path]()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     args = session.config.args or [str(session.config.rootpath)]
     paths = [Path(session.config.invocation_params.dir, a.split("::")[0]) for a in args]
@@ -111,7 +115,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         import dist_harness
 
         log = Path(tempfile.gettempdir(), f"dtensor-ema-forkserver-{os.getpid()}.log")
+        session.config.stash[_FORKSERVER_LOG] = log
         dist_harness.start_forkserver(log)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The forkserver's log is kept for a failed session only (one file per session would
+    pile up in the temporary folder)."""
+    log = session.config.stash.get(_FORKSERVER_LOG, None)
+    if log is not None and exitstatus == 0:
+        log.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)
