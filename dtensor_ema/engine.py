@@ -191,11 +191,6 @@ class EmaEngine:
         return self._updater.graph if isinstance(self._updater, GraphedUpdater) else None
 
     @property
-    def swapped(self) -> bool:
-        """Whether the EMA weights are swapped into the model (:meth:`swapped_in`)."""
-        return self._swapped
-
-    @property
     def module(self) -> nn.Module | None:
         """The EMA module :meth:`build_module` built (``None`` before)."""
         return self._module
