@@ -160,20 +160,33 @@ def agree(group: dist.ProcessGroup | None, error: BaseException | None, what: st
         if error is not None:
             raise error
         return
-    device = _reduce_device(group)
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
-    rank = dist.get_rank(group)
-    flags[rank] = int(error is not None)
-    all_reduce(flags, group=group)
-    failed = flags.nonzero().flatten().tolist()
+    ranks = list(range(dist.get_world_size(group)))
+    _agree_over([group], ranks, dist.get_rank(group), error, what)
+
+
+def _agree_over(
+    groups: list[dist.ProcessGroup],
+    ranks: list[int],
+    rank: int,
+    error: BaseException | None,
+    what: str,
+) -> None:
+    """:func:`agree`'s flag and message all-reduces, each summed over every one of
+    ``groups`` (together spanning ``ranks``, as they name them; ``rank``: this one's)."""
+    flags = torch.zeros(len(ranks), dtype=torch.int32, device=_reduce_device(groups[0]))
+    flags[ranks.index(rank)] = int(error is not None)
+    for group in groups:
+        all_reduce(flags, group=group)
+    failed = [ranks[i] for i in flags.nonzero().flatten().tolist()]
     if not failed:
         return
     shown = failed[:MESSAGE_RANKS]
-    rows = torch.zeros(len(shown), MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    rows = torch.zeros(len(shown), MESSAGE_BYTES, dtype=torch.uint8, device=flags.device)
     if error is not None and rank in shown:
         encoded = _encode(error)
         rows[shown.index(rank), : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
-    all_reduce(rows, group=group)
+    for group in groups:
+        all_reduce(rows, group=group)
     messages = dict(zip(shown, (_decode(row) for row in rows.cpu()), strict=True))
     raise same_error(what, failed, messages) from error
 
@@ -251,23 +264,7 @@ def mesh_agree(mesh: DeviceMesh | None, error: BaseException | None, what: str) 
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "mesh_agree called on a rank outside the mesh"
     groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-    flags = torch.zeros(len(ranks), dtype=torch.int32, device=_reduce_device(groups[0]))
-    flags[ranks.index(dist.get_rank())] = int(error is not None)
-    for group in groups:
-        all_reduce(flags, group=group)
-    failed = [ranks[i] for i in flags.nonzero().flatten().tolist()]
-    if not failed:
-        return
-    shown = failed[:MESSAGE_RANKS]
-    rows = torch.zeros(len(shown), MESSAGE_BYTES, dtype=torch.uint8, device=flags.device)
-    if error is not None and dist.get_rank() in shown:
-        encoded = _encode(error)
-        row = shown.index(dist.get_rank())
-        rows[row, : len(encoded)] = torch.frombuffer(encoded, dtype=torch.uint8)
-    for group in groups:
-        all_reduce(rows, group=group)
-    messages = dict(zip(shown, (_decode(row) for row in rows.cpu()), strict=True))
-    raise same_error(what, failed, messages) from error
+    _agree_over(groups, ranks, dist.get_rank(), error, what)
 
 
 def mesh_gather_rows(mesh: DeviceMesh, values: Sequence[int]) -> list[tuple[int, ...]]:

@@ -167,13 +167,7 @@ class WarmupDecay(_PowerForEvery):
         return torch.where(s <= 0, torch.zeros_like(value), value)
 
     def config(self) -> dict[str, Any]:
-        return {
-            "schedule": "warmup",
-            "decay": float(self.decay),
-            "gamma": float(self.gamma),
-            "power": float(self.power),
-            "min_decay": float(self.min_decay),
-        }
+        return _warmup_config("warmup", self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -274,13 +268,7 @@ class EmaPytorchDecay:
         return torch.where(s <= 0, torch.zeros_like(value), value)
 
     def config(self) -> dict[str, Any]:
-        return {
-            "schedule": "ema_pytorch",
-            "decay": float(self.decay),
-            "gamma": float(self.gamma),
-            "power": float(self.power),
-            "min_decay": float(self.min_decay),
-        }
+        return _warmup_config("ema_pytorch", self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -347,3 +335,9 @@ def _check_warmup(
     if gamma == 0 or power == 0:
         raise ValueError(f"gamma and power must be > 0, got {gamma}, {power}")
     _check_number("min_decay", min_decay, 0.0, min_decay_max)
+
+
+def _warmup_config(schedule: str, warmup: WarmupDecay | EmaPytorchDecay) -> dict[str, Any]:
+    """The ``config()`` of the two warmup schedules: their four numbers, under ``schedule``."""
+    numbers = ("decay", "gamma", "power", "min_decay")
+    return {"schedule": schedule, **{name: float(getattr(warmup, name)) for name in numbers}}

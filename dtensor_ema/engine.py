@@ -18,10 +18,8 @@
 :class:`~dtensor_ema.MultiModelEMA`, the drop-ins, the trainer integrations and the PEFT
 export use this class's public surface (``ema.engine``), never ``ModelEMA``'s internals.
 
-Data flow: model -> :func:`~dtensor_ema.plan.build_plan` (entries made one tensor at a
-time by :func:`~dtensor_ema.layout.make_entry`) -> :func:`~dtensor_ema.update.fused_update.
-update_groups` -> :meth:`EmaEngine.step` (``updater.run(counter)``: one fused call per group) ->
-materialize/swap/checkpoint read :attr:`EmaEngine.plan`.
+The data flow, from the model to the kernels and the readers of :attr:`EmaEngine.plan`:
+``docs/architecture.md``, "The flow".
 """
 
 from __future__ import annotations
@@ -189,11 +187,6 @@ class EmaEngine:
     def graph(self) -> GraphedStep | None:
         """The captured step while the updater replays a CUDA graph, else ``None``."""
         return self._updater.graph if isinstance(self._updater, GraphedUpdater) else None
-
-    @property
-    def swapped(self) -> bool:
-        """Whether the EMA weights are swapped into the model (:meth:`swapped_in`)."""
-        return self._swapped
 
     @property
     def module(self) -> nn.Module | None:

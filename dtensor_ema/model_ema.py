@@ -22,12 +22,8 @@ Because ``lerp`` is elementwise, the sharded result equals an unsharded EMA bit 
 
 :class:`ModelEMA` is the user-facing face: it resolves the arguments into one
 :class:`~dtensor_ema.options.EmaOptions` and delegates to its
-:class:`~dtensor_ema.engine.EmaEngine` (``ema.engine``), which owns the plan (the
-model-to-EMA binding over the world mesh, :mod:`dtensor_ema.plan`), the counter, the update
-groups, the updater (inline, device, offloaded, CUDA-graph replay) and the EMA module it
-built. Full state dicts (:mod:`dtensor_ema.materialize.full_state`), the local checkpoint
-state (:mod:`dtensor_ema.state`) and the EMA module (:mod:`dtensor_ema.materialize.
-ema_module`) read the engine's plan.
+:class:`~dtensor_ema.engine.EmaEngine` (``ema.engine``), which owns the EMA's state (what
+it owns, and who reads its plan: :mod:`dtensor_ema.engine`, ``docs/architecture.md``).
 """
 
 from __future__ import annotations

@@ -8,13 +8,9 @@ Lightning drop-in's and callback's loads of sharded checkpoints.
 
 * :func:`open_checkpoint` reads ``.metadata`` (refused when larger than the data files it
   could describe, or when its memo indices exceed its size:
-  :mod:`dtensor_ema.checkpoint.pickle_scan`)
-  with a restricted unpickler. torch's ``FileSystemReader.read_metadata`` calls
-  ``pickle.load``, so a crafted ``.metadata`` runs its code in plain ``dcp.load`` before any
-  check. Here only the globals DCP's metadata is made of
-  (:data:`METADATA_GLOBALS`, and torch dtypes) can be built; any other global raises
-  :class:`CheckpointError` naming it and the file, before anything else of the checkpoint
-  is read.
+  :mod:`dtensor_ema.checkpoint.pickle_scan`) with a restricted unpickler that builds only
+  :data:`METADATA_GLOBALS` and torch dtypes, before anything else of the checkpoint is read
+  (why: ``docs/guarantees.md``, "Reading a checkpoint runs no code from it").
 * Then, before any data file is opened, every field of the metadata is checked
   (:func:`~dtensor_ema.checkpoint.metadata_check.check_metadata`: types, at most 64 dims, no
   compression transforms, every chunk's storage item at least as long as its elements

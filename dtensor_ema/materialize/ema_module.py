@@ -322,21 +322,7 @@ def _sharded_twin(
     """FSDP2 over the EMA mesh; the plan's replicated entries are re-pointed at its
     parameters."""
     by_fqn = plan.by_fqn()
-    memo: dict[int, Any] = {}
-    model_dtypes: dict[str, torch.dtype] = {}
-    for fqn, tensor, _, _, kind in slots(model):
-        if id(tensor) in memo:
-            continue
-        entry = by_fqn.get(plan.aliases.get(fqn, fqn))
-        if kind == "param":
-            dtype = entry.ema_local.dtype if entry is not None else tensor.dtype
-            memo[id(tensor)] = nn.Parameter(
-                torch.empty(tensor.shape, dtype=dtype, device="meta"), requires_grad=False
-            )
-            model_dtypes[fqn] = tensor.dtype
-        else:
-            dtype = compute_dtype if compute_dtype and entry is not None else tensor.dtype
-            memo[id(tensor)] = torch.empty(tensor.shape, dtype=dtype, device="meta")
+    memo, model_dtypes = _meta_memo(model, plan, compute_dtype)
     twin = prepare_twin(model, copy.deepcopy(model, memo))
     # fully_shard refuses 0-dim parameters: they stay plain and share the EMA's
     # (replicated) tensor.
@@ -370,6 +356,29 @@ def _sharded_twin(
     plan.rebind_ema(tensors)
     install_forward_hooks(model, twin, plan)
     return twin
+
+
+def _meta_memo(
+    model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | None
+) -> tuple[dict[int, Any], dict[str, torch.dtype]]:
+    """The copy memo of a twin on the meta device (parameters in their EMA's dtype, tracked
+    buffers in ``compute_dtype`` if given, the rest in their own), and the model's dtype of
+    each parameter by fqn."""
+    by_fqn = plan.by_fqn()
+    memo: dict[int, Any] = {}
+    model_dtypes: dict[str, torch.dtype] = {}
+    for fqn, tensor, _, _, kind in slots(model):
+        if id(tensor) in memo:
+            continue
+        tracked = by_fqn.get(plan.aliases.get(fqn, fqn))
+        if kind == "param":
+            dtype = tracked.ema_local.dtype if tracked is not None else tensor.dtype
+            model_dtypes[fqn] = tensor.dtype
+        else:
+            dtype = compute_dtype if compute_dtype and tracked is not None else tensor.dtype
+        meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=False) if kind == "param" else meta
+    return memo, model_dtypes
 
 
 def _mp_policy(
@@ -429,17 +438,7 @@ def _fsdp_mirror(model: nn.Module, plan: EmaPlan, compute_dtype: torch.dtype | N
                 "HSDP's (Replicate(), Shard(d))) are mirrored; use ema.average_parameters()"
             )
         layouts[entry.fqn] = (source.device_mesh, last)
-    memo: dict[int, Any] = {}
-    for fqn, tensor, _, _, kind in slots(model):
-        if id(tensor) in memo:
-            continue
-        tracked = by_fqn.get(plan.aliases.get(fqn, fqn))
-        if kind == "param":
-            dtype = tracked.ema_local.dtype if tracked is not None else tensor.dtype
-        else:
-            dtype = compute_dtype if compute_dtype and tracked is not None else tensor.dtype
-        meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, requires_grad=False) if kind == "param" else meta
+    memo, _ = _meta_memo(model, plan, compute_dtype)
     twin = prepare_twin(model, clone_without_fsdp(model, memo))
     twin_fqn = {id(p): canonical_fqn(fqn) for fqn, p in twin.named_parameters()}
     units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]

@@ -295,15 +295,7 @@ def gather_full_tensors(
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded: list[LocalPiece] = []
-    split = [
-        SplitPiece(
-            p.local,
-            p.piece_shape if p.piece_shape is not None else p.local.shape,
-            p.levels,
-            p.out_dtype if _is_full(p) else p.local.dtype,
-        )
-        for p in pieces
-    ]
+    split = [_split_of(p) for p in pieces]
     for bucket in iter_unsplit(split, bucket_bytes=bucket_bytes):
         for i, piece_tensor in bucket:
             piece = pieces[i]
@@ -583,8 +575,11 @@ def gather_to_rank0(
 
 
 def _split_of(piece: LocalPiece) -> SplitPiece:
+    """``piece`` as :func:`iter_unsplit` takes it: a full one in its output dtype, a
+    sharded one (gathered over its mesh afterwards) in its own."""
     shape = piece.piece_shape if piece.piece_shape is not None else piece.local.shape
-    return SplitPiece(piece.local, shape, piece.levels, piece.out_dtype)
+    dtype = piece.out_dtype if _is_full(piece) else piece.local.dtype
+    return SplitPiece(piece.local, shape, piece.levels, dtype)
 
 
 def _gather_to_root(

@@ -1,17 +1,8 @@
 """Replaying ``update()`` as a captured CUDA graph: when it is safe, and the graph itself.
 
-On a GPU the sharded update is bound by host launch cost, not by memory: one fused
-``_foreach_lerp_`` per group still costs 0.2-1 ms of Python and dispatch for a few hundred
-tensors, while a ``copy_`` of the same bytes takes 0.04-0.11 ms (benchmarks/README.md, "GPU").
-A CUDA graph of the capturable update (counter and decay on the device) replays all of it
-with one launch.
-
-Graph replay is **opt-in until proven on hardware**: :data:`AUTO_REPLAY` is ``False``, so
-``cuda_graph=None`` (the default) runs eagerly on CUDA too, with a reason saying replay would
-be safe, and ``cuda_graph=True`` turns replay on where it is safe. The GPU run that proves
-replay exact in the common cases (``benchmarks/gpu_suite.py``: FSDP2 parameters, bf16
-parameters with a float32 EMA, no offload) flips :data:`AUTO_REPLAY`, in the same change
-that records its numbers.
+A CUDA graph of the capturable update (counter and decay on the device) replays it with
+one launch, where the eager update is bound by host launch cost; replay is **opt-in until
+proven on hardware** (:data:`AUTO_REPLAY`): both in ``docs/performance-cuda.md``.
 
 When it is safe (:func:`decide`, a pure function of its inputs so CPU tests cover every
 reason):

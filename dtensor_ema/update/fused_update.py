@@ -179,26 +179,9 @@ class UpdateGroup:
             if kernel(self.source_locals, [weight]):
                 return
             self.kernel = "eager"
-        if self.source_locals[0].dtype == self.ema_locals[0].dtype:
-            torch._foreach_lerp_(
-                self.ema_locals, self.source_locals, [weight] * len(self.ema_locals)
-            )
-            return
-        # Mixed dtypes: upcast through the reused scratch (the same cache entry as
-        # lerp_groups_), so a step's temporaries stay bounded (and a CUDA graph's pool small).
-        sources = self.source_locals
-        staged = self.cached(
-            ("staged", id(self), id(sources)),
-            (self, sources),
-            lambda: _staged_batches([self.ema_locals], sources),
-        )
-        for batch in staged:
-            if batch.scratch:
-                torch._foreach_copy_(batch.scratch, batch.sources)
-                upcast = batch.scratch
-            else:  # non-contiguous tensors: the plain upcast
-                upcast = [s.to(weight.dtype) for s in batch.sources]
-            torch._foreach_lerp_(batch.emas[0], upcast, [weight] * len(upcast))
+        # Eager: lerp_groups_'s path, mixed dtypes upcast through its reused scratch, so a
+        # step's temporaries stay bounded (and a CUDA graph's pool small).
+        lerp_groups_([self], [weight])
 
     def cached(self, key: tuple[Any, ...], pins: tuple[Any, ...], build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key``; ``pins`` are the objects whose ``id`` is in the key,
@@ -280,11 +263,12 @@ def lerp_step_(emas: list[torch.Tensor], sources: list[torch.Tensor], decay: flo
 
 def lerp_groups_(
     groups: Sequence[UpdateGroup],
-    weights: Sequence[float],
+    weights: Sequence[float | torch.Tensor],
     sources: list[torch.Tensor] | None = None,
 ) -> None:
     """``group.ema_locals[i].lerp_(sources[i], w)`` for every (group, w): K EMAs of the
-    same sources (default: the first group's source locals) with aligned tensors.
+    same sources (default: the first group's source locals) with aligned tensors; ``w`` a
+    float or a 0-dim tensor of the EMA dtype on the EMA device (no host sync).
 
     Compiled kernel: one pass over each source for all K EMAs. Eager: one
     ``_foreach_lerp_`` per EMA; mixed dtypes upcast each slice of sources once into a
@@ -315,7 +299,7 @@ def lerp_groups_(
             g.kernel = "eager"
     if sources[0].dtype == lead.ema_locals[0].dtype:
         for group, weight in zip(groups, weights, strict=True):
-            torch._foreach_lerp_(group.ema_locals, sources, weight)
+            _lerp_(group.ema_locals, sources, weight)
         return
     staged = lead.cached(
         ("staged", *map(id, pins)),
@@ -329,7 +313,18 @@ def lerp_groups_(
         else:  # non-contiguous tensors: the plain upcast
             upcast = [s.to(batch.emas[0][0].dtype) for s in batch.sources]
         for emas, weight in zip(batch.emas, weights, strict=True):
-            torch._foreach_lerp_(emas, upcast, weight)
+            _lerp_(emas, upcast, weight)
+
+
+def _lerp_(
+    emas: list[torch.Tensor], sources: list[torch.Tensor], weight: float | torch.Tensor
+) -> None:
+    """``_foreach_lerp_`` with a float or a 0-dim device tensor ``weight``; the tensor goes
+    in as a list of it, the overload that reads it on the device (no host sync)."""
+    if isinstance(weight, torch.Tensor):
+        torch._foreach_lerp_(emas, sources, [weight] * len(emas))
+    else:
+        torch._foreach_lerp_(emas, sources, weight)
 
 
 UPCAST_CHUNK = 1 << 24
