@@ -79,10 +79,8 @@ class EMACallback(Callback):
         mesh: passed to ``ModelEMA``: ``None`` (the whole default process group), a
             ``DeviceMesh``, or a function ``trainer -> mesh`` called once the strategy is
             set up (e.g. ``lambda t: t.strategy.device_mesh``).
-        **ema_options: ``ModelEMA``'s keywords (``decay``, ``tau``, ``schedule``,
-            ``half_life``, ``update_every``, ``update_after_step``, ``buffers``,
-            ``exclude``, ``ema_dtype``, ``capturable``, ``offload``, ``updates``), checked
-            here.
+        **ema_options: any :class:`~dtensor_ema.ModelEMA` keyword (``decay``, ``tau``, ...),
+            checked here.
 
     Raises:
         TypeError: an unknown ``ModelEMA`` keyword.
@@ -280,23 +278,14 @@ class EMACallback(Callback):
     ) -> None:
         """Put the EMA tensors into the checkpoint. Every rank runs this.
 
-        * Sharded checkpoints (``ModelParallelStrategy``: the module's ``state_dict`` holds
-          DTensors and every rank writes its shards with DCP): the EMA's DTensors go into
-          the same ``state_dict`` under ``_dtensor_ema.<fqn>``, so each rank writes its own
-          EMA shards next to the model's; nothing is gathered.
-        * ``DeepSpeedStrategy`` at ZeRO stage 3 (DeepSpeed writes this callback's state into
-          every rank's own ``zero_pp_rank_<R>_mp_rank_00_model_states.pt`` and reads it back
-          from there): each rank stores its own EMA pieces (``ModelEMA.state_dict()``:
-          DTensor shards, flat ranges of the ZeRO-3 partitions), 1/W of the EMA per file;
-          nothing is gathered. They resume at the same world size and stage, as DeepSpeed's
-          own ZeRO-3 checkpoint does; another layout is refused by name when loading.
-        * Otherwise (DDP, one device, DeepSpeed ZeRO 0-2: rank 0 alone writes the file): the
-          EMA is gathered into full CPU tensors in its own dtype (**collective**) and stored
-          in this callback's state on rank 0.
-
-        Under ``DeepSpeedStrategy`` the ranks first tell each other whether DeepSpeed writes
-        their client state (one small all-gather over the world group); a mix other than
-        "rank 0 only" or "every rank" (ZeRO++ hpZ, MiCS) raises on every rank.
+        A sharded (``ModelParallelStrategy``) checkpoint gets each rank's EMA shards under
+        ``_dtensor_ema.<fqn>`` in its ``state_dict``, a DeepSpeed ZeRO-3 one each rank's own
+        EMA pieces in that rank's file (resumed at the same world size and stage): nothing
+        gathered. Otherwise (DDP, one device, ZeRO 0-2) the EMA is gathered into full CPU
+        tensors in its own dtype (**collective**), kept on rank 0. Under
+        ``DeepSpeedStrategy`` the ranks first all-gather one flag over the world group (ZeRO++
+        hpZ and MiCS raise on every rank). The layouts: ``docs/trainers.md#checkpoints`` and
+        ``docs/trainers.md#deepspeed``.
         """
         if self._ema is None:
             return

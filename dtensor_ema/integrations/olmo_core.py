@@ -2,21 +2,13 @@
 
     trainer_config = TrainerConfig(...).with_callback("ema", EMACallback(decays=[0.999, 0.9999]))
 
-* **Update**: in ``post_train_batch`` after every optimizer step, at priority 2 (before
-  OLMo-core's ``CheckpointerCallback``, so a checkpoint holds the EMA of the step it
-  saves), through one :class:`~dtensor_ema.MultiModelEMA` for every decay: local, each rank
-  holding ``1/W`` of each EMA.
-* **Evaluation**: whenever an ``EvaluatorCallback`` evaluates, each EMA is swapped into the
-  model (:meth:`~dtensor_ema.ModelEMA.average_parameters`, collective) and evaluated by the
-  same callback under ``eval/ema/<name>``.
-* **Checkpoints**: OLMo-core's per-rank callback pickles cannot hold a sharded EMA, so it
-  goes to ``<checkpoint>/ema/`` with :func:`~dtensor_ema.save_checkpoint` (collective, DCP;
-  in the background when OLMo-core's checkpointer saves asynchronously; a URL
-  ``save_folder`` too), staged under ``<save_folder>/.ema-staging/step<N>`` and moved in
-  once OLMo-core reports the checkpoint saved; a resume with trainer state loads it at any
-  world size, any other load restarts the EMAs from the loaded weights.
-
-Requires ``ai2-olmo-core`` 2.x. The guide: ``docs/trainers.md#olmo-core``.
+One :class:`~dtensor_ema.MultiModelEMA` holds an EMA per decay (``1/W`` of each per rank),
+updated in ``post_train_batch`` at priority 2 (before OLMo-core's ``CheckpointerCallback``,
+so a checkpoint holds the EMA of the step it saves), evaluated by every ``EvaluatorCallback``
+under ``eval/ema/<name>``, and saved to ``<checkpoint>/ema/`` with
+:func:`~dtensor_ema.save_checkpoint` (staged until OLMo-core reports the checkpoint saved).
+Requires ``ai2-olmo-core`` 2.x. The details (resume, staging, cloud save folders):
+``docs/trainers.md#olmo-core``.
 """
 
 from __future__ import annotations
@@ -168,7 +160,7 @@ class EMACallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Called by the trainer on every rank when it starts a checkpoint: writes the EMA
-        (staged, see the module docstring; collective) and returns what the per-rank
+        (staged under ``STAGING`` until saved; collective) and returns what the per-rank
         pickle keeps: the step and the EMAs' names."""
         if not self.enabled:
             return {}

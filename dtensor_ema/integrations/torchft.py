@@ -44,10 +44,8 @@ class FaultTolerantEMA:
     checks the arguments and registers it; the constructor itself registers nothing).
 
     Args:
-        manager: as for :func:`register_ema`.
-        ema: as for :func:`register_ema`.
-        update: what one committed step does (``ema.update`` for an EMA).
-        key: as for :func:`register_ema`.
+        update: what one committed step does (``ema.update`` for an EMA); ``manager``,
+            ``ema`` and ``key`` as for :func:`register_ema`.
 
     Attributes:
         manager: the replica group's ``torchft.Manager`` (this rank's).

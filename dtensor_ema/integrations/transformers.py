@@ -52,10 +52,8 @@ class EMACallback(TrainerCallback):
             restarts from the model's weights at its first update.
         evaluate_with_ema: :class:`EMATrainerMixin` evaluates with the EMA weights.
         mesh: passed to ``ModelEMA`` (``None``: the whole default process group).
-        **ema_options: ``ModelEMA``'s keywords (``decay``, ``tau``, ``schedule``,
-            ``half_life``, ``update_every``, ``update_after_step``, ``buffers``,
-            ``exclude``, ``ema_dtype``, ``capturable``, ``offload``, ``updates``), checked
-            here.
+        **ema_options: any :class:`~dtensor_ema.ModelEMA` keyword (``decay``, ``tau``, ...),
+            checked here.
 
     Raises:
         TypeError: an unknown ``ModelEMA`` keyword.

@@ -101,15 +101,13 @@ class PostHocEMA:
     """Power-function EMAs of ``model``, sharded, snapshotted for post-hoc EMA synthesis.
 
     Args:
-        model: as for :class:`~dtensor_ema.ModelEMA` (plain, DDP, FSDP2).
+        model: as for :class:`~dtensor_ema.ModelEMA` (plain, DDP, FSDP2); so are ``mesh``,
+            ``buffers``, ``exclude`` and ``ema_dtype``, shared by every profile.
         sigma_rels: relative widths of the tracked profiles, each in ``(0, 0.2887)``; EDM2
             tracks ``(0.05, 0.10)``.
         snapshot_every: take a snapshot on every ``snapshot_every``-th ``update()`` call
             (``None``: only on explicit :meth:`snapshot` calls).
         snapshot_dir: where snapshots go (a directory every rank sees; needed to snapshot).
-        mesh: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
-        buffers: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
-        exclude: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
         track: which floating-point tensors the profiles hold, as for
             :class:`~dtensor_ema.ModelEMA`: ``"all"`` (default), ``"trainable"`` (a LoRA
             model's adapters), or a predicate ``(fqn, tensor) -> bool``. Snapshots then
@@ -120,7 +118,6 @@ class PostHocEMA:
             :func:`~dtensor_ema.export.peft.save_peft_adapter`). Change the set with
             ``ph.emas.add_tensors``/``drop_tensors``; snapshots on both sides of a change are
             not synthesized together.
-        ema_dtype: as for :class:`~dtensor_ema.ModelEMA`, shared by every profile.
         snapshot_dtype: dtype the snapshots store floating-point tensors in (``bfloat16`` or
             ``float16`` halve the files); default: each EMA tensor's own dtype.
         async_save: write snapshots with ``dcp.async_save`` behind training: the call

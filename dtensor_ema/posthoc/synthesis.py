@@ -3,23 +3,11 @@
 :func:`synthesize` reconstructs the power-function EMA of any ``sigma_rel`` from the
 snapshots' least-squares weights (:func:`~dtensor_ema.posthoc.phema_math.solve_coefficients`);
 :func:`merge_snapshots` averages snapshots with explicit weights (the last ``K`` uniformly, or
-warmup-stable-merge style weights). Both run on one engine:
-
-* Tensors are processed in buckets of at most ``bucket_bytes`` (float64 accumulators): for
-  each bucket, each snapshot's slice of those tensors is read with DCP and added with its
-  weight. Peak memory: one copy of the output plus a few buckets (the accumulator, one
-  bucket read from disk, DCP's read buffers), never one copy per snapshot.
-* In one process (no process group) the output is full tensors. With a process group every
-  rank reads and builds only its ``Shard(0)`` piece of each tensor (DCP reads only the
-  saved chunks that overlap it) and the output is a sharded DCP checkpoint that loads into
-  a model or a :class:`~dtensor_ema.ModelEMA` at any world size.
-
-Snapshots are read through :mod:`dtensor_ema.checkpoint.reader`, so reading someone else's snapshots
-runs no code from them and allocates no more than their files hold: every selected
-snapshot's ``.metadata`` is read with a restricted unpickler and checked, its data files and
-its save id checked (the manifest's, the checksum files'), before any tensor is read; every
-read is verified against the snapshot's checksums; values are read with
-``weights_only=True``.
+warmup-stable-merge style weights). Both run on one engine, :func:`combine`: float64
+accumulators of at most ``bucket_bytes`` a bucket, each snapshot's slice read with DCP
+(under a process group each rank reads and builds only its ``Shard(0)`` piece), through
+:mod:`dtensor_ema.checkpoint.reader`: every selected snapshot is checked before any tensor
+is read and runs no code. Peak memory, outputs and the checks: ``docs/posthoc.md#synthesis``.
 """
 
 from __future__ import annotations
@@ -373,14 +361,9 @@ def merge_snapshots(
             them yourself if they should sum to 1).
         sigma_rel: which tracked profile to average (default: the narrowest, closest to the
             raw weights).
-        out: as for :func:`synthesize`.
-        format: as for :func:`synthesize`.
-        dtype: as for :func:`synthesize`.
-        bucket_bytes: as for :func:`synthesize`.
-        process_group: as for :func:`synthesize`.
-        progress: as for :func:`synthesize`.
 
-    Returns and memory as for :func:`synthesize` with one ``sigma_rel``. **Collective**
+    ``out``, ``format``, ``dtype``, ``bucket_bytes``, ``process_group``, ``progress``,
+    returns and memory: as for :func:`synthesize` with one ``sigma_rel``. **Collective**
     when a process group is initialized.
 
     Raises:
