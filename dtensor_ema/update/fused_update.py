@@ -343,8 +343,9 @@ class _StagedBatch:
 def _staged_batches(
     emas: list[list[torch.Tensor]], sources: list[torch.Tensor]
 ) -> list[_StagedBatch]:
-    """Cut contiguous (EMAs, source) tuples into flat slices of at most ``UPCAST_CHUNK``
-    elements and pack them into batches that fit one scratch buffer. Built once: the
+    """Cut contiguous (EMAs, source) tuples of more than ``UPCAST_CHUNK`` elements into
+    flat slices of at most that (smaller ones stay whole) and pack them into batches that
+    fit one scratch buffer, sliced to their shapes. Built once: the
     slices are views, so later updates only launch kernels. Fresh fp32 temporaries per
     step instead cost 4-5x more on CPU, where fresh pages cost more than the arithmetic
     (benchmarks/bf16_paths.py)."""
@@ -357,6 +358,9 @@ def _staged_batches(
             for out, ema in zip(loose.emas, column, strict=True):
                 out.append(ema)
             loose.sources.append(source)
+            continue
+        if source.numel() <= UPCAST_CHUNK:  # whole: an in-place op on a view costs more
+            slices.append((column, source))
             continue
         flat_source = source.view(-1)
         flat = [e.view(-1) for e in column]
@@ -377,7 +381,7 @@ def _staged_batches(
         for out, ema in zip(batch.emas, column, strict=True):
             out.append(ema)
         batch.sources.append(source)
-        batch.scratch.append(scratch[used : used + source.numel()])
+        batch.scratch.append(scratch[used : used + source.numel()].view(source.shape))
         used += source.numel()
     batches.append(batch)
     return batches
