@@ -54,10 +54,11 @@ from dtensor_ema.update.cuda_graph import (
 from dtensor_ema.update.fused_update import UpdateGroup, update_groups
 from dtensor_ema.update.updater import Updater
 
-__all__ = ["EmaEngine", "make_updater"]
+__all__ = ["EmaEngine", "make_updater", "set_grad_mode"]
 
 # torch.no_grad() costs ~1.5 us a call (3 objects); the C switch it wraps is private.
-_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
+set_grad_mode = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
+"""``set_grad_mode(enabled)``: grad mode switched with no context object (per-step paths)."""
 
 
 def make_updater(
@@ -240,12 +241,12 @@ class EmaEngine:
                 updater.run(self._counter)
             return
         grad = torch.is_grad_enabled()
-        _set_grad_enabled(False)
+        set_grad_mode(False)
         try:
             self.sync_sources()
             updater.run(self._counter)
         finally:
-            _set_grad_enabled(grad)
+            set_grad_mode(grad)
 
     def advance(self) -> float | None:
         """Count one call now, for callers that apply the step themselves

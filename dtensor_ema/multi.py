@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_ema.engine import set_grad_mode
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.options import AveragingFunction, ExcludeSpec, TrackSpec
 from dtensor_ema.state import validate_state
@@ -180,7 +181,6 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
                 )
         self._aligned_versions = versions
 
-    @torch.no_grad()
     def update(self, model: nn.Module | None = None) -> None:
         """Advance every EMA by one step. Local: **no communication**.
 
@@ -191,6 +191,14 @@ class MultiModelEMA(Mapping[str, ModelEMA]):
         handled per EMA. Peak extra memory: the reused upcast scratch (at most 64 MiB) for
         bf16 sources with the eager kernel; none otherwise.
         """
+        grad = torch.is_grad_enabled()
+        set_grad_mode(False)
+        try:
+            self._update(model)
+        finally:
+            set_grad_mode(grad)
+
+    def _update(self, model: nn.Module | None) -> None:
         engines = [ema.engine for ema in self._emas.values()]
         for engine in engines:
             engine.check_model_argument(model)

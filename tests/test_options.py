@@ -338,6 +338,21 @@ def test_multi_ema_bad_input() -> None:
         multi.load_state_dict({"a": multi["a"].state_dict()})
 
 
+def test_multi_ema_update_restores_grad_mode_even_when_it_raises() -> None:
+    """``MultiModelEMA.update`` switches grad mode off for its step and back to what it
+    was, also when it raises (a model it does not track), as ``ModelEMA.update`` does."""
+    model = make_model("edge")
+    multi = MultiModelEMA(model, {"a": {}, "b": {"decay": 0.9}})
+    for enabled in (True, False):
+        with torch.set_grad_enabled(enabled):
+            multi.update()
+            assert torch.is_grad_enabled() is enabled
+            with pytest.raises(ValueError, match="not the model this EMA tracks"):
+                multi.update(make_model("edge"))
+            assert torch.is_grad_enabled() is enabled
+    assert multi["a"].updates == multi["b"].updates == 2
+
+
 # ---------------------------------------------------------------- W=3 save, W=2 resume
 RESUME_STEPS = 4  # saved after these many steps at W=3, then STEPS - RESUME_STEPS more at W=2
 
