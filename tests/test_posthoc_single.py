@@ -236,6 +236,23 @@ def test_outputs_and_cli(run: dict) -> None:
     assert "step-000000000024  t=24 (steps)  sigma_rel=[0.05, 0.1]" in stdout
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/snaps", Path("s3://bucket/snaps"), "gs://b/s"])
+def test_snapshot_dir_url_is_refused_and_nothing_written(
+    url: str | Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Snapshots go to a file system: an object-store URL (or ``Path`` of one, which
+    keeps one slash) is refused at construction, naming it. Before the fix it was taken
+    as a relative path and every snapshot went into a local folder ``./s3:/bucket/snaps``
+    while the user believed them in the bucket. ``file://`` names a local directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"snapshot_dir '(s3|gs):/.*' is an object-store URL"):
+        PostHocEMA(make_model("edge"), SIGMAS, snapshot_every=1, snapshot_dir=url)
+    assert list(tmp_path.iterdir()) == []
+    ph = PostHocEMA(nn.Linear(3, 2), SIGMAS, snapshot_every=1, snapshot_dir=f"file://{tmp_path}/s")
+    ph.update()
+    assert ph.snapshot_dir == tmp_path / "s" and len(list_snapshots(tmp_path / "s")) == 1
+
+
 def test_bad_inputs(run: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"sigma_rel must lie in \(0, .*got 0.3"):
         synthesize(run["dir"], 0.3)

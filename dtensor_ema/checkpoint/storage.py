@@ -51,6 +51,7 @@ __all__ = [
     "ObjectStorage",
     "ObjectWriter",
     "commit_partial",
+    "local_directory",
     "storage_for",
     "tidy_interrupted",
 ]
@@ -88,6 +89,24 @@ def storage_for(path: str | os.PathLike[str]) -> LocalStorage | ObjectStorage:
             "nothing was written to a local folder of that name"
         )
     return LocalStorage(Path(path))
+
+
+def local_directory(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a directory of a file system (``file://`` stripped), for writers that
+    need one (post-hoc snapshots). Local.
+
+    Raises:
+        ValueError: ``path`` is or looks like an object-store URL, naming ``what``.
+    """
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        return Path(text.removeprefix("file://"))
+    if _LOOKS_LIKE_URL.match(text):
+        raise ValueError(
+            f"{what} {text!r} is an object-store URL: it must be a directory of a file system "
+            "every rank sees (nothing was written to a local folder of that name)"
+        )
+    return Path(path)
 
 
 class LocalStorage:

@@ -35,6 +35,7 @@ from dtensor_ema._collectives import quiet_single_process as _quiet_single_proce
 from dtensor_ema._collectives import rank_of as _rank
 from dtensor_ema.checkpoint.checksums import RecordingWriter, write_checksums
 from dtensor_ema.checkpoint.same_path import agree_on_path
+from dtensor_ema.checkpoint.storage import local_directory
 from dtensor_ema.model_ema import ModelEMA
 from dtensor_ema.multi import MultiModelEMA
 from dtensor_ema.options import ExcludeSpec, TrackSpec, check_int
@@ -107,7 +108,8 @@ class PostHocEMA:
             tracks ``(0.05, 0.10)``.
         snapshot_every: take a snapshot on every ``snapshot_every``-th ``update()`` call
             (``None``: only on explicit :meth:`snapshot` calls).
-        snapshot_dir: where snapshots go (a directory every rank sees; needed to snapshot).
+        snapshot_dir: where snapshots go (a directory of a file system every rank sees, not
+            an object-store URL; needed to snapshot).
         track: which floating-point tensors the profiles hold, as for
             :class:`~dtensor_ema.ModelEMA`: ``"all"`` (default), ``"trainable"`` (a LoRA
             model's adapters), or a predicate ``(fqn, tensor) -> bool``. Snapshots then
@@ -146,7 +148,8 @@ class PostHocEMA:
     Raises:
         ValueError: a ``sigma_rel`` outside ``(0, 0.2887)``, duplicate ``sigma_rels``,
             ``snapshot_every`` that is not a positive int, ``snapshot_every`` without
-            ``snapshot_dir``, or a ``snapshot_dtype`` that is not a floating dtype.
+            ``snapshot_dir``, a ``snapshot_dir`` that is an object-store URL, or a
+            ``snapshot_dtype`` that is not a floating dtype.
     """
 
     def __init__(
@@ -204,7 +207,9 @@ class PostHocEMA:
             else tuple(sigma_rel_to_gamma(s) for s in self.sigma_rels)
         )
         self.snapshot_every = snapshot_every
-        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self.snapshot_dir = (
+            None if snapshot_dir is None else local_directory(snapshot_dir, "snapshot_dir")
+        )
         self.snapshot_dtype = snapshot_dtype
         self.async_save = bool(async_save)
         self._process_group = process_group
