@@ -243,11 +243,21 @@ def test_snapshot_dir_url_is_refused_and_nothing_written(
     """Snapshots go to a file system: an object-store URL (or ``Path`` of one, which
     keeps one slash) is refused at construction, naming it. Before the fix it was taken
     as a relative path and every snapshot went into a local folder ``./s3:/bucket/snaps``
-    while the user believed them in the bucket. ``file://`` names a local directory."""
+    while the user believed them in the bucket; the readers looked for a local folder of
+    that name. ``file://`` names a local directory."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"snapshot_dir '(s3|gs):/.*' is an object-store URL"):
+    refused = r"snapshot_dir '(s3|gs):/.*' is an object-store URL"
+    with pytest.raises(ValueError, match=refused):
         PostHocEMA(make_model("edge"), SIGMAS, snapshot_every=1, snapshot_dir=url)
     assert list(tmp_path.iterdir()) == []
+    # the readers say the same (before: "snapshot directory s3:/bucket/snaps does not exist")
+    for read in (
+        list_snapshots,
+        lambda d: synthesize(d, 0.08),
+        lambda d: merge_snapshots(d, last=1),
+    ):
+        with pytest.raises(ValueError, match=refused):
+            read(url)
     ph = PostHocEMA(nn.Linear(3, 2), SIGMAS, snapshot_every=1, snapshot_dir=f"file://{tmp_path}/s")
     ph.update()
     assert ph.snapshot_dir == tmp_path / "s" and len(list_snapshots(tmp_path / "s")) == 1

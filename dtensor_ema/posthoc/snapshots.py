@@ -47,7 +47,7 @@ import torch
 
 from dtensor_ema.checkpoint.bounded_json import JsonProblem, read_json
 from dtensor_ema.checkpoint.metadata_check import MAX_DIMS, MAX_ELEMENTS
-from dtensor_ema.checkpoint.storage import commit_partial, tidy_interrupted
+from dtensor_ema.checkpoint.storage import commit_partial, local_directory, tidy_interrupted
 
 __all__ = [
     "FORMAT",
@@ -214,9 +214,9 @@ def list_snapshots(snapshot_dir: str | os.PathLike[str]) -> list[Snapshot]:
             symlink leading outside the folder it belongs to; a folder name that is not
             ``step-`` and 12 digits; a manifest that is not valid JSON, does not follow the
             schema, names another step than its folder, or whose checksum differs.
-        ValueError: it holds no complete snapshot.
+        ValueError: it holds no complete snapshot, or it is an object-store URL.
     """
-    root = Path(snapshot_dir)
+    root = local_directory(snapshot_dir, "snapshot_dir")
     if not root.is_dir():
         raise FileNotFoundError(
             f"snapshot directory {root} does not exist"
