@@ -18,6 +18,8 @@ import re
 import signal
 import threading
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,3 +195,20 @@ def make_bucket(name: str) -> None:
     import fsspec
 
     fsspec.filesystem("s3").mkdir(name)
+
+
+@contextmanager
+def serving_bucket(bucket: str) -> Iterator[LocalS3]:
+    """A :class:`LocalS3` holding ``bucket``, with this process's S3 environment pointing
+    at it (restored on exit) and s3fs's cached clients dropped on entry and exit, so no
+    client of another endpoint is reused: the body of the test modules' ``store`` fixture."""
+    import pytest
+    import s3fs
+
+    with pytest.MonkeyPatch.context() as mp, LocalS3() as s3:
+        for k, v in s3.env.items():
+            mp.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        make_bucket(bucket)
+        yield s3
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 require_extra("s3fs", "test")
 require_extra("moto", "test")
 
-from object_store import Fault, LocalS3, clear, make_bucket, plant  # noqa: E402
+from object_store import Fault, LocalS3, clear, plant, serving_bucket  # noqa: E402
 
 from dtensor_ema import ModelEMA, load_checkpoint, save_checkpoint  # noqa: E402
 
@@ -246,15 +246,8 @@ def kill_body(rank: int, world: int, endpoint: str, tmp: str) -> str:
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def store() -> Any:
-    import s3fs
-
-    with pytest.MonkeyPatch.context() as mp, LocalS3() as s3:
-        for k, v in s3.env.items():
-            mp.setenv(k, v)
-        s3fs.S3FileSystem.clear_instance_cache()  # no client of another endpoint
-        make_bucket(BUCKET)
+    with serving_bucket(BUCKET) as s3:
         yield s3
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")

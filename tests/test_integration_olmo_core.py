@@ -44,7 +44,7 @@ require_extra("olmo_core", "olmo")
 require_extra("s3fs", "test")
 require_extra("moto", "test")
 
-from object_store import LocalS3, make_bucket  # noqa: E402
+from object_store import LocalS3, serving_bucket  # noqa: E402
 
 from dtensor_ema.model_keys import canonical_fqn  # noqa: E402
 
@@ -329,15 +329,8 @@ def _w1_body(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def store() -> Any:
-    import s3fs
-
-    with pytest.MonkeyPatch.context() as mp, LocalS3() as s3:
-        for k, v in s3.env.items():
-            mp.setenv(k, v)
-        s3fs.S3FileSystem.clear_instance_cache()  # no client of another endpoint
-        make_bucket(CLOUD.split("/")[2])
+    with serving_bucket(CLOUD.split("/")[2]) as s3:
         yield s3
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")
