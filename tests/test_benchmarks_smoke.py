@@ -169,15 +169,23 @@ if __name__ == "__main__":
 """
 
 
+def _run_gloo_driver(
+    tmp_path: Path, body: str, rank_timeout_s: str, *, timeout_s: float
+) -> tuple[int, str, str]:
+    """Run :data:`_DRIVER` over ``body`` (as ``failing_body.py``) with ``run_gloo_ranks``'s
+    ``timeout_s=rank_timeout_s``: ``(exit code, stdout, stderr)``."""
+    (tmp_path / "failing_body.py").write_text(body)
+    (tmp_path / "driver.py").write_text(_DRIVER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    driver = [str(tmp_path / "driver.py"), rank_timeout_s]
+    return run_script(driver, tmp_path, env, timeout_s=timeout_s)
+
+
 def test_gloo_ranks_reports_a_failing_rank_at_once(tmp_path: Path) -> None:
     """``benchmarks/gloo_ranks.py``: a rank that raises fails the run with its traceback
     within seconds, the rank waiting for it in a collective terminated (before, the driver
     waited for the queue until ``timeout_s``, an hour by default)."""
-    (tmp_path / "failing_body.py").write_text(_FAILING_BODY)
-    (tmp_path / "driver.py").write_text(_DRIVER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
-    driver = [str(tmp_path / "driver.py"), "3600"]
-    code, stdout, stderr = run_script(driver, tmp_path, env, timeout_s=90)
+    code, stdout, stderr = _run_gloo_driver(tmp_path, _FAILING_BODY, "3600", timeout_s=90)
     assert code == 3, stdout[-3000:] + stderr[-3000:]
     assert stdout.startswith("RuntimeError after"), stdout
     assert "rank 1 raised" in stdout and "rank one fails on purpose" in stdout, stdout
@@ -253,11 +261,7 @@ def test_gloo_ranks_reports_a_stuck_rank_with_its_stack(tmp_path: Path) -> None:
     """``benchmarks/gloo_ranks.py``: ranks that stop answering (rank 1 asleep, rank 0
     waiting for it in a barrier) fail the run at ``timeout_s`` with each one's Python stack,
     and are terminated (before, the message named the ranks only)."""
-    (tmp_path / "failing_body.py").write_text(_STUCK_BODY)
-    (tmp_path / "driver.py").write_text(_DRIVER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
-    driver = [str(tmp_path / "driver.py"), "20"]
-    code, stdout, stderr = run_script(driver, tmp_path, env, timeout_s=120)
+    code, stdout, stderr = _run_gloo_driver(tmp_path, _STUCK_BODY, "20", timeout_s=120)
     assert code == 3, stdout[-3000:] + stderr[-3000:]
     assert stdout.startswith("TimeoutError after"), stdout
     assert "rank(s) [0, 1] did not report within 20.0 s" in stdout, stdout
