@@ -546,6 +546,16 @@ def _opt_in_rows(device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+def _init_one_rank_group(store_file: Path, device: torch.device) -> None:
+    """A default process group of this process alone over a ``FileStore`` at
+    ``store_file``: NCCL beside gloo on CUDA (as the H100 run's W=1 checks), gloo on CPU."""
+    import torch.distributed as dist
+
+    store_file.parent.mkdir(parents=True, exist_ok=True)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(str(store_file), 1), rank=0, world_size=1)
+
+
 def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]:
     """FSDP2 parameters (a one-rank group, NCCL on CUDA as in the H100 run's W=1 check): a
     graphed and an eager EMA over training steps with evaluation forwards between them,
@@ -557,11 +567,7 @@ def _fsdp2_graph_row(device: torch.device, dt: str, out: Path) -> dict[str, Any]
     from dtensor_ema import ModelEMA
 
     row: dict[str, Any] = {"path": "cuda_graph=True, FSDP2 at W=1", "dtype": dt}
-    store_dir = out / "fsdp2_graph_store"
-    store_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.FileStore(str(store_dir / f"store-{dt}-{os.getpid()}"), 1)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    _init_one_rank_group(out / "fsdp2_graph_store" / f"store-{dt}-{os.getpid()}", device)
     try:
         model = build("fsdp2", DTYPES[dt], device, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -645,11 +651,7 @@ def _float8_row(device: torch.device, out: Path) -> dict[str, Any]:
         return {k: getattr(v, "_tensor", v).detach().clone() for k, v in fulls.items()}
 
     row: dict[str, Any] = {"path": "float8 all-gather, FSDP2 at W=1", "dtype": "fp32"}
-    store_dir = out / "float8_store"
-    store_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.FileStore(str(store_dir / f"store-{os.getpid()}"), 1)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    _init_one_rank_group(out / "float8_store" / f"store-{os.getpid()}", device)
     try:
         model = net()
         for layer in (model[0], model[2]):
