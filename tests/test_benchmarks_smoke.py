@@ -100,17 +100,22 @@ def test_fsdp2_swap_is_local_and_correct(quick_run: tuple[Path, str]) -> None:
         assert _positive(r["swap_enter_exit_ms"])
 
 
+def _quick_rows(tmp_path: Path, script: str) -> tuple[Any, str]:
+    """What ``benchmarks/<script> --quick --out FILE`` wrote to ``FILE`` (it must exit 0),
+    and what it printed."""
+    out = tmp_path / "rows.json"
+    argv = [str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)]
+    code, stdout, stderr = run_script(argv, tmp_path, dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return json.loads(out.read_text()), stdout
+
+
 def test_deepspeed_zero_benchmark(tmp_path: Path) -> None:
     """``benchmarks/deepspeed_zero.py --quick``: W=2 gloo ranks, ZeRO-3 through
     ``deepspeed.initialize``; the EMA holds ``1/W`` of the model (the scale simulation's
     count of the same shapes agrees), and every timing is a positive number."""
     pytest.importorskip("deepspeed", reason="deepspeed extra: pip install '.[deepspeed]'")
-    out = tmp_path / "zero.json"
-    script = str(ROOT / "benchmarks" / "deepspeed_zero.py")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code, stdout, stderr = run_script([script, "--quick", "--out", str(out)], tmp_path, env)
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows, _ = _quick_rows(tmp_path, "deepspeed_zero.py")
     assert [(r["stage"], r["world"], r["rank"]) for r in rows] == [(3, 2, 0), (3, 2, 1)]
     for r in rows:
         assert 0.97 <= r["ema_over_model_per_W"] <= 1.03, r
@@ -127,12 +132,7 @@ def test_object_storage_benchmark(tmp_path: Path) -> None:
     runs none."""
     for module in ("s3fs", "moto", "transformers"):
         pytest.importorskip(module, reason="test extra: pip install '.[test,transformers]'")
-    out = tmp_path / "store.json"
-    script = str(ROOT / "benchmarks" / "object_storage.py")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code, stdout, stderr = run_script([script, "--quick", "--out", str(out)], tmp_path, env)
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows, stdout = _quick_rows(tmp_path, "object_storage.py")
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
         for key in ("folder_save", "store_save", "folder_load", "store_load", "ema_bytes"):
